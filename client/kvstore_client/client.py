@@ -1,0 +1,440 @@
+"""The kvstore client: routes batches of blocks straight to their owner workers.
+
+It asks the master for the shard map once and then watches it; every data call
+groups its hashes by owner (see :mod:`kvstore_client.sharding`) and sends one
+request per worker, all in parallel, over the transfer plane. A worker that is
+down or dies mid-call turns its keys into misses (False / None), never errors;
+invalid arguments raise :class:`~kvstore_client.errors.InvalidArgument`.
+
+All methods are thread-safe. Every call has a deadline (``timeout``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+import numpy as np
+import xxhash
+
+from .errors import InvalidArgument, KVStoreError, Unavailable, from_rpc_error
+from .keys import check_hashes, check_namespace, leading_run
+from .proto import master_pb2, master_pb2_grpc
+from .sharding import Ring, build_ring
+from .transport.tcp import GetResult, TcpPool, parse_tcp_url
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# A batch for one worker is cut into frames of about this many payload bytes,
+# so big batches stream over several connections at once.
+FRAME_BYTES = 32 << 20
+
+
+@dataclass(slots=True)
+class _Worker:
+    info: master_pb2.WorkerInfo
+    pool: TcpPool
+
+
+@dataclass(slots=True)
+class _View:
+    """An immutable snapshot of the map: the ring and a handle per worker index."""
+
+    version: int
+    ring: Ring
+    workers: list[_Worker]
+    max_value: int
+
+
+def parse_masters(master: str) -> list[str]:
+    """"h1:p1,h2:p2" -> ["h1:p1", "h2:p2"]; InvalidArgument when malformed."""
+    out = [m.strip() for m in master.split(",") if m.strip()]
+    for m in out:
+        host, sep, port = m.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise InvalidArgument(f"bad master address {m!r}: want host:port")
+    if not out:
+        raise InvalidArgument("no master address given")
+    return out
+
+
+class Client:
+    """Blocking client; see the module docstring. Use as a context manager."""
+
+    def __init__(
+        self,
+        master: str,
+        *,
+        timeout: float = 5.0,
+        transport: str | None = None,
+        max_threads: int = 16,
+    ) -> None:
+        if timeout <= 0:
+            raise InvalidArgument("timeout must be positive")
+        if transport not in (None, "tcp"):
+            raise InvalidArgument(f"unknown transport {transport!r}; available: tcp")
+        self.timeout = timeout
+        self._masters = parse_masters(master)
+        self._master_idx = 0
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._view: _View | None = None
+        self._pools: dict[str, TcpPool] = {}
+        self._executor = cf.ThreadPoolExecutor(max_threads, thread_name_prefix="kvstore-io")
+        self._channel: grpc.Channel | None = None
+        self._watch_call: grpc.Future | None = None
+        try:
+            self._apply_map(self._fetch_map())
+        except BaseException:
+            self.close()
+            raise
+        self._watcher = threading.Thread(target=self._watch_loop, name="kvstore-watch", daemon=True)
+        self._watcher.start()
+
+    # ---- map -----------------------------------------------------------------
+
+    def _master_stub(self) -> master_pb2_grpc.MasterStub:
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self._masters[self._master_idx])
+        return master_pb2_grpc.MasterStub(self._channel)
+
+    def _next_master(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+        self._master_idx = (self._master_idx + 1) % len(self._masters)
+
+    def _fetch_map(self) -> master_pb2.ShardMap:
+        last: Exception | None = None
+        for _ in range(len(self._masters)):
+            try:
+                return self._master_stub().GetShardMap(
+                    master_pb2.GetShardMapRequest(), timeout=self.timeout
+                )
+            except grpc.RpcError as e:
+                last = e
+                self._next_master()
+        assert last is not None
+        raise Unavailable(f"no master answered at {','.join(self._masters)}: {last}")
+
+    def _watch_loop(self) -> None:
+        backoff = 0.2
+        while not self._closed.is_set():
+            try:
+                view = self._view
+                req = master_pb2.WatchShardMapRequest(known_version=view.version if view else 0)
+                call = self._master_stub().WatchShardMap(req)
+                self._watch_call = call
+                for m in call:
+                    self._apply_map(m)
+                    backoff = 0.2
+            except grpc.RpcError:
+                if self._closed.is_set():
+                    return
+                self._next_master()
+            except Exception:
+                log.exception("shard map watch failed")
+            self._closed.wait(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    def _apply_map(self, m: master_pb2.ShardMap) -> None:
+        with self._lock:
+            if self._view is not None and m.version <= self._view.version:
+                return
+            ring = build_ring(
+                [(w.id, w.capacity_bytes) for w in m.workers],
+                vnodes_per_gib=m.vnodes_per_gib or 64,
+                replicas=max(1, m.replicas),
+            )
+            by_id = {w.id: w for w in m.workers}
+            workers: list[_Worker] = []
+            live: set[str] = set()
+            for wid in ring.worker_ids:
+                info = by_id[wid]
+                url = next((e for e in info.endpoints if e.startswith("tcp://")), "")
+                key = f"{wid}|{url}"
+                live.add(key)
+                pool = self._pools.get(key)
+                if pool is None:
+                    host, port = parse_tcp_url(url) if url else ("", 0)
+                    pool = self._pools[key] = TcpPool(host, port)
+                workers.append(_Worker(info, pool))
+            for key in list(self._pools):
+                if key not in live:
+                    self._pools.pop(key).close()
+            max_value = min((w.max_value_bytes for w in m.workers), default=0)
+            self._view = _View(m.version, ring, workers, max_value)
+
+    def workers(self) -> list[master_pb2.WorkerInfo]:
+        """The workers of the current map."""
+        view = self._view
+        return [w.info for w in view.workers] if view else []
+
+    @property
+    def map_version(self) -> int:
+        return self._view.version if self._view else 0
+
+    # ---- routing -------------------------------------------------------------
+
+    def _groups(self, hashes: Sequence[bytes]) -> tuple[_View, list[tuple[int, np.ndarray]]]:
+        view = self._view
+        if view is None or not view.workers:
+            return _View(0, build_ring([]), [], 0), []
+        owner = view.ring.primary(hashes)
+        if len(view.workers) == 1:
+            return view, [(0, np.arange(len(hashes)))]
+        return view, [(int(w), np.flatnonzero(owner == w)) for w in np.unique(owner)]
+
+    def _fan_out(
+        self,
+        tasks: list[Callable[[], T]],
+        on_error: Callable[[int, KVStoreError], None],
+    ) -> list[T | None]:
+        """Run tasks in parallel within the deadline; errors go to on_error and yield None."""
+        if len(tasks) == 1:
+            try:
+                return [tasks[0]()]
+            except KVStoreError as e:
+                on_error(0, e)
+                return [None]
+        futs = [self._executor.submit(t) for t in tasks]
+        out: list[T | None] = []
+        deadline = time.monotonic() + self.timeout + 1.0
+        for i, f in enumerate(futs):
+            try:
+                out.append(f.result(timeout=max(0.0, deadline - time.monotonic())))
+            except KVStoreError as e:
+                on_error(i, e)
+                out.append(None)
+            except cf.TimeoutError:
+                on_error(i, Unavailable("worker call outlived its deadline"))
+                out.append(None)
+        return out
+
+    def _check(self, ns: str, hashes: Sequence[bytes]) -> bytes:
+        check_namespace(ns)
+        check_hashes(hashes)
+        return ns.encode()
+
+    # ---- data calls ----------------------------------------------------------
+
+    def batch_put(
+        self, ns: str, hashes: list[bytes], values: Sequence[bytes | bytearray | memoryview]
+    ) -> list[bool]:
+        """Store blocks that are absent. True = stored now; False = already present
+        (skipped) or its worker was unreachable. Raises InvalidArgument on bad input
+        and ResourceExhausted when a worker has no room."""
+        nsb = self._check(ns, hashes)
+        if len(values) != len(hashes):
+            raise InvalidArgument(f"{len(hashes)} hashes but {len(values)} values")
+        views = [memoryview(v).cast("B") for v in values]
+        view, groups = self._groups(hashes)
+        for i, v in enumerate(views):
+            if view.max_value and v.nbytes > view.max_value:
+                raise InvalidArgument(
+                    f"value {i} is {v.nbytes} bytes; the limit is {view.max_value}"
+                )
+        result = [False] * len(hashes)
+        if not groups:
+            return result
+        sums = [xxhash.xxh3_64_intdigest(v) for v in views]
+        tasks: list[Callable[[], bytes]] = []
+        parts: list[np.ndarray] = []
+        for w, idx in groups:
+            for chunk in _chunks(idx, [views[i].nbytes for i in idx]):
+                pool = view.workers[w].pool
+                hs = [hashes[i] for i in chunk]
+                vs = [views[i] for i in chunk]
+                cs = [sums[i] for i in chunk]
+                tasks.append(_bind(pool.call, self.timeout, "put", nsb, hs, vs, cs))
+                parts.append(chunk)
+        full: list[KVStoreError] = []
+
+        def on_error(_: int, e: KVStoreError) -> None:
+            if not isinstance(e, Unavailable | TimeoutError):
+                full.append(e)
+
+        for chunk, status in zip(parts, self._fan_out(tasks, on_error), strict=True):
+            if status is None:
+                continue
+            for j, i in enumerate(chunk):
+                result[int(i)] = status[j] == 0
+            if any(s == 2 for s in status):
+                full.append(_full_error())
+        if full:
+            raise full[0]
+        return result
+
+    def batch_exists(self, ns: str, hashes: list[bytes]) -> list[bool]:
+        """Which hashes are present (False also for unreachable workers)."""
+        nsb = self._check(ns, hashes)
+        view, groups = self._groups(hashes)
+        result = [False] * len(hashes)
+        tasks: list[Callable[[], list[bool]]] = [
+            _bind(view.workers[w].pool.call, self.timeout, "exists", nsb, [hashes[i] for i in idx])
+            for w, idx in groups
+        ]
+        for (_, idx), flags in zip(groups, self._fan_out(tasks, _ignore), strict=True):
+            if flags is not None:
+                for j, i in enumerate(idx):
+                    result[int(i)] = flags[j]
+        return result
+
+    def match_prefix(self, ns: str, hashes: list[bytes]) -> int:
+        """Number of leading hashes present."""
+        return leading_run(self.batch_exists(ns, hashes))
+
+    def batch_get(self, ns: str, hashes: list[bytes]) -> list[bytes | None]:
+        """The values, None for misses (absent, corrupt, or worker unreachable)."""
+        nsb = self._check(ns, hashes)
+        view, groups = self._groups(hashes)
+        result: list[bytes | None] = [None] * len(hashes)
+        tasks: list[Callable[[], GetResult]] = [
+            _bind(view.workers[w].pool.call, self.timeout, "get", nsb, [hashes[i] for i in idx], None)
+            for w, idx in groups
+        ]
+        for (_, idx), res in zip(groups, self._fan_out(tasks, _ignore), strict=True):
+            if res is not None:
+                for j, i in enumerate(idx):
+                    v = res.values[j]
+                    result[int(i)] = bytes(v) if v is not None else None
+        return result
+
+    def batch_get_into(
+        self, ns: str, hashes: list[bytes], buffers: Sequence[memoryview]
+    ) -> cf.Future[list[bool]]:
+        """Read blocks straight into the caller's buffers; returns a future of hit flags.
+
+        A block counts as a hit only if its stored size equals its buffer's size and
+        its checksum matches; a buffer of a miss may hold partial bytes. The future
+        never raises for worker failures (those are misses).
+        """
+        self._check(ns, hashes)
+        if len(buffers) != len(hashes):
+            raise InvalidArgument(f"{len(hashes)} hashes but {len(buffers)} buffers")
+        views = [memoryview(b).cast("B") for b in buffers]
+        for i, v in enumerate(views):
+            if v.readonly:
+                raise InvalidArgument(f"buffer {i} is read-only")
+        nsb = ns.encode()
+        view, groups = self._groups(hashes)
+        result = [False] * len(hashes)
+        done: cf.Future[list[bool]] = cf.Future()
+        if not groups:
+            done.set_result(result)
+            return done
+        remaining = [len(groups)]
+        lock = threading.Lock()
+
+        def finish(idx: np.ndarray, fut: cf.Future[GetResult]) -> None:
+            try:
+                res = fut.result()
+                for j, i in enumerate(idx):
+                    result[int(i)] = res.found[j]
+            except KVStoreError:
+                pass
+            except Exception as e:  # a bug: surface it rather than hang the caller
+                if not done.done():
+                    done.set_exception(e)
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last and not done.done():
+                done.set_result(result)
+
+        for w, idx in groups:
+            pool = view.workers[w].pool
+            fut = self._executor.submit(
+                pool.call,
+                self.timeout,
+                "get",
+                nsb,
+                [hashes[i] for i in idx],
+                [views[i] for i in idx],
+            )
+            fut.add_done_callback(lambda f, idx=idx: finish(idx, f))  # type: ignore[misc]
+        return done
+
+    def remove(self, ns: str, hashes: list[bytes]) -> int:
+        """Remove blocks; returns how many were present."""
+        nsb = self._check(ns, hashes)
+        view, groups = self._groups(hashes)
+        tasks: list[Callable[[], int]] = [
+            _bind(view.workers[w].pool.call, self.timeout, "remove", nsb, [hashes[i] for i in idx])
+            for w, idx in groups
+        ]
+        return sum(n for n in self._fan_out(tasks, _ignore) if n is not None)
+
+    # ---- admin ---------------------------------------------------------------
+
+    def cluster_status(self) -> master_pb2.ClusterStatusResponse:
+        """The master's view of the cluster (workers, capacities, stats)."""
+        try:
+            return self._master_stub().ClusterStatus(
+                master_pb2.ClusterStatusRequest(), timeout=self.timeout
+            )
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from e
+
+    # ---- lifetime ------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the watch, close connections and threads. Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        call = self._watch_call
+        if call is not None:
+            call.cancel()
+        if self._channel is not None:
+            self._channel.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            for p in self._pools.values():
+                p.close()
+            self._pools.clear()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _bind(fn: Callable[..., object], *args: object) -> Callable[[], T]:
+    def call() -> T:
+        return fn(*args)  # type: ignore[return-value]
+
+    return call
+
+
+def _ignore(_: int, __: KVStoreError) -> None:
+    return None
+
+
+def _full_error() -> KVStoreError:
+    from .errors import ResourceExhausted
+
+    return ResourceExhausted("a worker had no room for some blocks (every slot pinned)")
+
+
+def _chunks(idx: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    """Cut positions into runs of about FRAME_BYTES payload each."""
+    out: list[np.ndarray] = []
+    start = 0
+    acc = 0
+    for j, s in enumerate(sizes):
+        acc += s
+        if acc >= FRAME_BYTES:
+            out.append(idx[start : j + 1])
+            start, acc = j + 1, 0
+    if start < len(idx):
+        out.append(idx[start:])
+    return out

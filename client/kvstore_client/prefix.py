@@ -1,0 +1,46 @@
+"""Chained block hashes of token ids, the same in every process and engine.
+
+``h[i] = xxh3_128(h[i-1] || tokens of block i || extra)``: equal hashes mean
+equal prefixes. Token ids are encoded as little-endian uint32 (int64 when an id
+does not fit), so the result never depends on PYTHONHASHSEED or an engine's own
+hashing. Only full blocks are hashed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+ROOT = b"\x00" * 16
+
+
+def block_hashes(
+    tokens: Sequence[int] | np.ndarray,
+    block_tokens: int,
+    *,
+    extra: bytes = b"",
+    parent: bytes = ROOT,
+) -> list[bytes]:
+    """Chained 16-byte hashes of each full block of ``tokens``.
+
+    ``extra`` is mixed into every block (LoRA id, cache salt, multimodal hashes);
+    ``parent`` is the hash before the first block (ROOT for a whole prompt).
+    """
+    if block_tokens <= 0:
+        raise ValueError("block_tokens must be positive")
+    arr = np.asarray(tokens)
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        data = arr.astype("<i8").tobytes()
+        width = 8
+    else:
+        data = arr.astype("<u4").tobytes()
+        width = 4
+    step = block_tokens * width
+    out: list[bytes] = []
+    h = parent
+    for i in range(len(arr) // block_tokens):
+        h = xxhash.xxh3_128_digest(h + data[i * step : (i + 1) * step] + extra)
+        out.append(h)
+    return out

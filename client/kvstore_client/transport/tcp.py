@@ -1,0 +1,202 @@
+"""Client half of the tcp:// transfer plane (codec in kvstore_client.wire).
+
+A :class:`TcpPool` keeps a few connections to one worker; each call borrows one
+for a whole batch (one round trip), so concurrent calls use several at once.
+Any socket error or timeout closes that connection and raises Unavailable or
+DeadlineExceeded; the Client turns those into misses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from .. import wire
+from ..errors import DeadlineExceeded, KVStoreError, ProtocolError, Unavailable, from_code
+from ..keys import HASH_LEN, from_bitmap
+
+SOCK_BUF = 4 << 20
+
+
+@dataclass(slots=True)
+class GetResult:
+    """Per hash: found, and (when the caller gave no buffer) the bytes."""
+
+    found: list[bool]
+    values: list[bytearray | None]
+    bytes_received: int
+
+
+class TcpConnection:
+    """One blocking connection; not thread-safe (the pool hands it to one caller)."""
+
+    def __init__(self, host: str, port: int, timeout: float) -> None:
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            with contextlib.suppress(OSError):
+                self.sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
+        self._req = 0
+        self._scratch = memoryview(bytearray(1 << 16))
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _answer(self, op: int, req_id: int) -> wire.Header:
+        head = wire.recv_exact(self.sock, wire.HEADER_LEN)
+        h = wire.decode_header(head, wire.ANS_MAGIC)
+        if h.req_id != req_id or h.op != op:
+            raise ProtocolError(f"answer for request {h.req_id}/{h.op}, expected {req_id}/{op}")
+        if h.flags_or_code:
+            msg = wire.recv_exact(self.sock, min(h.count, 1 << 16)).decode(errors="replace")
+            raise from_code(h.flags_or_code, msg)
+        return h
+
+    def put(
+        self,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        values: Sequence[bytes | bytearray | memoryview],
+        checksums: Sequence[int],
+    ) -> bytes:
+        """Send one PUT frame; returns one wire.PUT_* status byte per block."""
+        self._req += 1
+        entries = bytearray(len(hashes) * wire.PUT_ENTRY.size)
+        for i, (h, v, c) in enumerate(zip(hashes, values, checksums, strict=True)):
+            wire.PUT_ENTRY.pack_into(entries, i * wire.PUT_ENTRY.size, h, len(v), c)
+        head = wire.encode_request_header(wire.OP_PUT, ns, len(hashes), self._req)
+        wire.send_buffers(self.sock, [head, entries, *values])
+        h = self._answer(wire.OP_PUT, self._req)
+        return bytes(wire.recv_exact(self.sock, h.count))
+
+    def get(
+        self,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        buffers: Sequence[memoryview] | None,
+    ) -> GetResult:
+        """One GET frame. With ``buffers``, hits land in them (a hit whose size differs
+        from its buffer is read and dropped, and reported as a miss)."""
+        self._req += 1
+        head = wire.encode_request_header(wire.OP_GET, ns, len(hashes), self._req)
+        wire.send_buffers(self.sock, [head, b"".join(hashes)])
+        h = self._answer(wire.OP_GET, self._req)
+        meta = wire.recv_exact(self.sock, h.count * wire.GET_ENTRY.size)
+        found: list[bool] = []
+        values: list[bytearray | None] = []
+        total = 0
+        for i, (status, size, checksum) in enumerate(wire.GET_ENTRY.iter_unpack(meta)):
+            if status != wire.GET_HIT:
+                found.append(False)
+                values.append(None)
+                continue
+            total += size
+            if buffers is None:
+                buf = bytearray(size)
+                view = memoryview(buf)
+                wire.recv_into_exact(self.sock, view)
+                ok = xxhash.xxh3_64_intdigest(view) == checksum
+                values.append(buf if ok else None)
+                found.append(ok)
+            else:
+                dest = buffers[i]
+                if dest.nbytes != size:
+                    wire.discard(self.sock, size, self._scratch)
+                    found.append(False)
+                else:
+                    wire.recv_into_exact(self.sock, dest)
+                    found.append(xxhash.xxh3_64_intdigest(dest) == checksum)
+                values.append(None)
+        return GetResult(found, values, total)
+
+    def exists(self, ns: bytes, hashes: Sequence[bytes]) -> list[bool]:
+        self._req += 1
+        head = wire.encode_request_header(wire.OP_EXISTS, ns, len(hashes), self._req)
+        wire.send_buffers(self.sock, [head, b"".join(hashes)])
+        h = self._answer(wire.OP_EXISTS, self._req)
+        bitmap = wire.recv_exact(self.sock, (h.count + 7) // 8)
+        return from_bitmap(bytes(bitmap), h.count)
+
+    def remove(self, ns: bytes, hashes: Sequence[bytes]) -> int:
+        self._req += 1
+        head = wire.encode_request_header(wire.OP_REMOVE, ns, len(hashes), self._req)
+        wire.send_buffers(self.sock, [head, b"".join(hashes)])
+        return self._answer(wire.OP_REMOVE, self._req).count
+
+
+class TcpPool:
+    """Connections to one worker's tcp:// endpoint, opened on demand."""
+
+    def __init__(self, host: str, port: int, *, max_idle: int = 8) -> None:
+        self.host = host
+        self.port = port
+        self.max_idle = max_idle
+        self._idle: list[TcpConnection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.down_until = 0.0  # after a connect failure, fail fast for a moment
+
+    def _take(self, timeout: float) -> TcpConnection:
+        with self._lock:
+            if self._closed:
+                raise Unavailable(f"connection pool to {self.host}:{self.port} is closed")
+            if self._idle:
+                return self._idle.pop()
+        if time.monotonic() < self.down_until:
+            raise Unavailable(f"worker {self.host}:{self.port} was unreachable a moment ago")
+        try:
+            return TcpConnection(self.host, self.port, timeout)
+        except OSError as e:
+            self.down_until = time.monotonic() + 0.5
+            raise Unavailable(f"cannot connect to {self.host}:{self.port}: {e}") from e
+
+    def _give(self, conn: TcpConnection) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self.max_idle:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def call(self, timeout: float, fn_name: str, *args: object) -> object:
+        """Run ``TcpConnection.<fn_name>(*args)`` on a pooled connection within ``timeout``."""
+        conn = self._take(timeout)
+        conn.sock.settimeout(max(timeout, 0.001))
+        try:
+            result = getattr(conn, fn_name)(*args)
+        except KVStoreError as e:
+            conn.close()
+            if isinstance(e, ProtocolError):
+                raise Unavailable(f"{self.host}:{self.port}: {e}") from e
+            raise
+        except TimeoutError as e:
+            conn.close()
+            raise DeadlineExceeded(f"{self.host}:{self.port} did not answer in time") from e
+        except OSError as e:
+            conn.close()
+            raise Unavailable(f"{self.host}:{self.port}: {e}") from e
+        self._give(conn)
+        return result
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for c in idle:
+            c.close()
+
+
+def parse_tcp_url(url: str) -> tuple[str, int]:
+    """``tcp://host:port`` -> (host, port)."""
+    if not url.startswith("tcp://"):
+        raise ValueError(f"not a tcp:// URL: {url}")
+    host, _, port = url[len("tcp://") :].rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+__all__ = ["HASH_LEN", "GetResult", "TcpConnection", "TcpPool", "parse_tcp_url"]

@@ -1,0 +1,131 @@
+"""The transfer-plane frame codec, shared by the client and the worker.
+
+A connection carries requests and answers in order (a client may pipeline).
+All integers are little-endian.
+
+Request  = header(20) | namespace(ns_len) | body
+  header = magic b"KVQ1" | op u8 | flags u8 | ns_len u16 | count u32 | req_id u64
+  PUT     body: count x (hash 16 | size u32 | xxh3_64 u64)  then the payloads, in order
+  GET     body: count x hash 16
+  EXISTS  body: count x hash 16
+  REMOVE  body: count x hash 16
+
+Answer   = header(20) | body
+  header = magic b"KVA1" | op u8 | code u8 | reserved u16 | count u32 | req_id u64
+  code != 0: body is `count` bytes of UTF-8 message; the server closes after it
+  PUT     body: count x status u8           (PUT_STORED, PUT_PRESENT, PUT_FULL, PUT_CORRUPT)
+  GET     body: count x (status u8 | pad 3 | size u32 | xxh3_64 u64)  then the found payloads
+  EXISTS  body: ceil(count/8) bytes of bitmap (see keys.to_bitmap)
+  REMOVE  body: empty; count = number removed
+
+Payload bytes are never pickled or copied into the frame: senders pass them as
+separate buffers to ``sendmsg`` and receivers ``recv_into`` their destination.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .errors import ProtocolError
+
+REQ_MAGIC = b"KVQ1"
+ANS_MAGIC = b"KVA1"
+HEADER = struct.Struct("<4sBBHIQ")
+HEADER_LEN = HEADER.size  # 20
+PUT_ENTRY = struct.Struct("<16sIQ")  # 28
+GET_ENTRY = struct.Struct("<B3xIQ")  # 16
+
+OP_PUT = 1
+OP_GET = 2
+OP_EXISTS = 3
+OP_REMOVE = 4
+OPS = frozenset({OP_PUT, OP_GET, OP_EXISTS, OP_REMOVE})
+
+PUT_STORED = 0
+PUT_PRESENT = 1
+PUT_FULL = 2
+PUT_CORRUPT = 3
+PUT_TOO_LARGE = 4
+
+GET_HIT = 1
+GET_MISS = 0
+
+MAX_BATCH = 1 << 16
+IOV_MAX = 1024
+
+
+@dataclass(slots=True, frozen=True)
+class Header:
+    """A decoded frame header (request or answer)."""
+
+    op: int
+    flags_or_code: int
+    ns_len: int
+    count: int
+    req_id: int
+
+
+def encode_request_header(op: int, ns: bytes, count: int, req_id: int, flags: int = 0) -> bytes:
+    """Header followed by the namespace bytes."""
+    return HEADER.pack(REQ_MAGIC, op, flags, len(ns), count, req_id) + ns
+
+
+def encode_answer_header(op: int, code: int, count: int, req_id: int) -> bytes:
+    return HEADER.pack(ANS_MAGIC, op, code, 0, count, req_id)
+
+
+def decode_header(buf: bytes | bytearray | memoryview, magic: bytes) -> Header:
+    """Decode a 20-byte header; ProtocolError on a wrong magic or an out-of-range field."""
+    got_magic, op, flags, ns_len, count, req_id = HEADER.unpack(buf)
+    if got_magic != magic:
+        raise ProtocolError(f"bad frame magic {bytes(got_magic)!r}")
+    if op not in OPS:
+        raise ProtocolError(f"unknown op {op}")
+    return Header(op, flags, ns_len, count, req_id)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """Read exactly n bytes; ConnectionError if the peer closes first."""
+    buf = bytearray(n)
+    recv_into_exact(sock, memoryview(buf))
+    return buf
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` completely from the socket (releases the GIL while waiting)."""
+    got = 0
+    n = len(view)
+    while got < n:
+        r = sock.recv_into(view[got:], n - got)
+        if r == 0:
+            raise ConnectionError("peer closed the connection mid-frame")
+        got += r
+
+
+def discard(sock: socket.socket, n: int, scratch: memoryview) -> None:
+    """Read and drop n bytes, using ``scratch`` as the landing buffer."""
+    while n > 0:
+        step = min(n, len(scratch))
+        recv_into_exact(sock, scratch[:step])
+        n -= step
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
+    """Send all buffers with as few ``sendmsg`` calls as the kernel allows, no copies."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    i = 0
+    while i < len(views):
+        batch = views[i : i + IOV_MAX]
+        sent = sock.sendmsg(batch)
+        # Advance past what went out; a partial send leaves a tail of one view.
+        while sent > 0:
+            head = views[i]
+            if sent >= len(head):
+                sent -= len(head)
+                i += 1
+            else:
+                views[i] = head[sent:]
+                sent = 0

@@ -1,0 +1,87 @@
+"""Prometheus metrics of the daemons, all defined here.
+
+Names follow Prometheus conventions: the ``kvstore_`` prefix, base units
+(``_bytes``, ``_seconds``) and ``_total`` for counters; labels have small,
+fixed value sets (op, code, tier, transport, direction). State that lives in a
+daemon's own bookkeeping (tier bytes, keys) is read at scrape time by a
+collector instead of being mirrored into gauges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvstore_client import __version__
+
+LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)
+
+BUILD = Info("kvstore_build", "Build information")
+BUILD.info({"version": __version__})
+
+REQUESTS = Counter(
+    "kvstore_requests_total", "Requests served, by operation and status code", ["op", "code"]
+)
+LATENCY = Histogram(
+    "kvstore_request_duration_seconds",
+    "Time to serve a request, by operation",
+    ["op"],
+    buckets=LATENCY_BUCKETS,
+)
+TRANSFER_BYTES = Counter(
+    "kvstore_transfer_bytes_total",
+    "Payload bytes moved on the transfer plane, by transport and direction",
+    ["transport", "direction"],
+)
+BAD_FRAMES = Counter(
+    "kvstore_bad_frames_total", "Transfer connections closed for a malformed frame", ["transport"]
+)
+LIVE_WORKERS = Gauge("kvstore_live_workers", "Workers in the shard map (master)")
+MAP_VERSION = Gauge("kvstore_shard_map_version", "Version of the shard map (master)")
+
+
+class StatsCollector(Collector):
+    """Reads a worker's counters at scrape time from a callable returning a dict."""
+
+    def __init__(self, read: Callable[[], dict[str, float]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        s = self._read()
+        used = GaugeMetricFamily("kvstore_tier_used_bytes", "Bytes stored per tier", labels=["tier"])
+        cap = GaugeMetricFamily("kvstore_tier_capacity_bytes", "Capacity per tier", labels=["tier"])
+        keys = GaugeMetricFamily("kvstore_tier_keys", "Blocks stored per tier", labels=["tier"])
+        for tier in ("dram", "ssd"):
+            if f"{tier}_capacity_bytes" in s:
+                used.add_metric([tier], s.get(f"{tier}_used_bytes", 0))
+                cap.add_metric([tier], s[f"{tier}_capacity_bytes"])
+                keys.add_metric([tier], s.get(f"{tier}_keys", 0))
+        yield from (used, cap, keys)
+        for name, key, doc in (
+            ("kvstore_hit_blocks", "hits", "Blocks found by reads"),
+            ("kvstore_miss_blocks", "misses", "Blocks missed by reads"),
+            ("kvstore_evictions", "evictions", "Blocks evicted from DRAM"),
+            ("kvstore_demotions", "demotions", "Blocks moved from DRAM to SSD"),
+            ("kvstore_promotions", "promotions", "Blocks moved from SSD to DRAM"),
+            ("kvstore_ssd_evictions", "ssd_evictions", "Blocks evicted from SSD"),
+            ("kvstore_checksum_errors", "checksum_errors", "Blocks dropped for a bad checksum"),
+            ("kvstore_stored_blocks", "puts", "Blocks stored"),
+        ):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], s.get(key, 0))
+            yield c
+
+
+def register_collector(read: Callable[[], dict[str, float]]) -> None:
+    REGISTRY.register(StatsCollector(read))
+
+
+def serve(port: int, host: str = "0.0.0.0") -> None:
+    """Expose /metrics over HTTP on ``port`` (0 = disabled)."""
+    if port:
+        start_http_server(port, addr=host)

@@ -1,0 +1,227 @@
+"""Server half of the tcp:// transfer plane (codec in kvstore_client.wire).
+
+One thread per connection with blocking sockets: socket calls release the GIL,
+payloads go from the socket straight into arena slots (``recv_into``) and out
+of them with ``sendmsg`` of memoryviews. A malformed frame gets an error answer
+where one can be framed, then the connection is closed and counted; every other
+connection keeps being served.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Callable
+
+import xxhash
+
+from kvstore_client import wire
+from kvstore_client.errors import InvalidArgument, KVStoreError, ProtocolError, ResourceExhausted
+from kvstore_client.keys import HASH_LEN, check_namespace, to_bitmap
+
+from ..worker.store import BlockStore
+from ..worker.tiers.dram import Block
+
+log = logging.getLogger(__name__)
+
+SOCK_BUF = 4 << 20
+SCRATCH = 1 << 20
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """TCP_NODELAY and large buffers on a data connection."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
+
+
+class TcpTransferServer:
+    """Serves PUT/GET/EXISTS/REMOVE frames against a BlockStore."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        host: str,
+        port: int,
+        *,
+        max_connections: int = 1024,
+        idle_timeout: float = 300.0,
+        frame_timeout: float = 30.0,
+        max_batch: int = wire.MAX_BATCH,
+        on_bytes: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.max_connections = max_connections
+        self.idle_timeout = idle_timeout
+        self.frame_timeout = frame_timeout
+        self.max_batch = max_batch
+        self.on_bytes = on_bytes
+        self._sock = socket.create_server((host, port), backlog=1024, reuse_port=False)
+        self.port = self._sock.getsockname()[1]
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name="tcp-accept", daemon=True)
+        self.rejected_connections = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stop accepting, let frames in flight finish for ``grace`` seconds, then close."""
+        self._stopping.set()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        with self._conns_lock:
+            conns = list(self._conns)
+        for c in conns:  # wake idle readers; a frame in progress still completes its send
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RD)
+        self._thread.join(timeout=grace)
+
+    # ---- connections ---------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            with self._conns_lock:
+                if len(self._conns) >= self.max_connections:
+                    self.rejected_connections += 1
+                    conn.close()
+                    continue
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="tcp-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        tune_socket(conn)
+        scratch = memoryview(bytearray(SCRATCH))
+        try:
+            while not self._stopping.is_set():
+                conn.settimeout(self.idle_timeout)
+                first = conn.recv(wire.HEADER_LEN)
+                if not first:
+                    return
+                conn.settimeout(self.frame_timeout)
+                head = bytearray(first)
+                if len(head) < wire.HEADER_LEN:
+                    head += wire.recv_exact(conn, wire.HEADER_LEN - len(head))
+                self._frame(conn, head, scratch)
+        except ProtocolError as e:
+            self.store.counters.bad_frames += 1
+            log.info("closing connection after a bad frame: %s", e)
+        except (TimeoutError, ConnectionError, OSError):
+            pass  # idle, stalled or gone: just close
+        except Exception:  # never let one connection take the daemon down
+            log.exception("transfer connection failed")
+        finally:
+            with self._conns_lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _frame(self, conn: socket.socket, head: bytearray, scratch: memoryview) -> None:
+        h = wire.decode_header(head, wire.REQ_MAGIC)
+        if h.ns_len == 0 or h.ns_len > 255:
+            raise ProtocolError(f"namespace length {h.ns_len} out of range")
+        ns_raw = wire.recv_exact(conn, h.ns_len)
+        try:
+            ns = check_namespace(ns_raw.decode())
+        except (UnicodeDecodeError, InvalidArgument) as e:
+            self._fail(conn, h, InvalidArgument(f"bad namespace: {e}"))
+            raise ProtocolError("bad namespace") from e
+        if h.count > self.max_batch:
+            err = InvalidArgument(f"batch of {h.count} exceeds the limit of {self.max_batch}")
+            self._fail(conn, h, err)
+            raise ProtocolError(str(err))
+        if h.op == wire.OP_PUT:
+            self._put(conn, h, ns, scratch)
+        elif h.op == wire.OP_GET:
+            self._get(conn, h, ns)
+        elif h.op == wire.OP_EXISTS:
+            keys = self._hashes(conn, h.count)
+            bitmap = to_bitmap(self.store.exists(ns, keys))
+            wire.send_buffers(conn, [wire.encode_answer_header(h.op, 0, h.count, h.req_id), bitmap])
+        else:  # OP_REMOVE
+            n = self.store.remove(ns, self._hashes(conn, h.count))
+            conn.sendall(wire.encode_answer_header(h.op, 0, n, h.req_id))
+
+    def _fail(self, conn: socket.socket, h: wire.Header, err: KVStoreError) -> None:
+        msg = str(err).encode()[:4096]
+        with contextlib.suppress(OSError):
+            conn.sendall(wire.encode_answer_header(h.op, int(err.code), len(msg), h.req_id) + msg)
+
+    @staticmethod
+    def _hashes(conn: socket.socket, count: int) -> list[bytes]:
+        raw = bytes(wire.recv_exact(conn, count * HASH_LEN))
+        return [raw[i : i + HASH_LEN] for i in range(0, len(raw), HASH_LEN)]
+
+    def _put(self, conn: socket.socket, h: wire.Header, ns: str, scratch: memoryview) -> None:
+        raw = wire.recv_exact(conn, h.count * wire.PUT_ENTRY.size)
+        entries = list(wire.PUT_ENTRY.iter_unpack(raw))
+        limit = self.store.max_value_size
+        for i, (_, size, _) in enumerate(entries):
+            if size > limit:
+                err = InvalidArgument(f"value {i} of {size} bytes exceeds the limit of {limit}")
+                self._fail(conn, h, err)
+                raise ProtocolError(str(err))
+        slots = self.store.reserve_many(
+            ns, [e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries]
+        )
+        reserved = [s for s in slots if isinstance(s, Block)]
+        status = bytearray(h.count)
+        ok: list[bool] = []
+        total = 0
+        try:
+            for i, ((_, size, checksum), slot) in enumerate(zip(entries, slots, strict=True)):
+                total += size
+                if isinstance(slot, Block):
+                    view = self.store.view(slot)
+                    wire.recv_into_exact(conn, view)
+                    good = xxhash.xxh3_64_intdigest(view) == checksum
+                    ok.append(good)
+                    status[i] = wire.PUT_STORED if good else wire.PUT_CORRUPT
+                    if not good:
+                        self.store.counters.checksum_errors += 1
+                else:
+                    wire.discard(conn, size, scratch)
+                    full = isinstance(slot, ResourceExhausted)
+                    status[i] = wire.PUT_FULL if full else wire.PUT_PRESENT
+        except BaseException:
+            # The sender vanished mid-frame: none of its blocks become visible.
+            self.store.finish_many(reserved, [False] * len(reserved))
+            raise
+        self.store.finish_many(reserved, ok)
+        if self.on_bytes is not None:
+            self.on_bytes("rx", total)
+        wire.send_buffers(conn, [wire.encode_answer_header(h.op, 0, h.count, h.req_id), status])
+
+    def _get(self, conn: socket.socket, h: wire.Header, ns: str) -> None:
+        keys = self._hashes(conn, h.count)
+        blocks = self.store.acquire_many(ns, keys)
+        try:
+            meta = bytearray(h.count * wire.GET_ENTRY.size)
+            views: list[memoryview] = []
+            total = 0
+            for i, b in enumerate(blocks):
+                if b is None:
+                    wire.GET_ENTRY.pack_into(meta, i * wire.GET_ENTRY.size, wire.GET_MISS, 0, 0)
+                else:
+                    wire.GET_ENTRY.pack_into(
+                        meta, i * wire.GET_ENTRY.size, wire.GET_HIT, b.size, b.checksum
+                    )
+                    views.append(self.store.view(b))
+                    total += b.size
+            head = wire.encode_answer_header(h.op, 0, h.count, h.req_id)
+            wire.send_buffers(conn, [head, meta, *views])
+            for v in views:
+                v.release()
+        finally:
+            self.store.release_many(blocks)
+        if self.on_bytes is not None:
+            self.on_bytes("tx", total)

@@ -1,0 +1,239 @@
+"""The worker daemon: arena, block store, gRPC Store service, transfer servers,
+registration and heartbeats with the master, and a graceful drain on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvstore_client import __version__
+from kvstore_client.client import parse_masters
+from kvstore_client.proto import master_pb2, master_pb2_grpc, store_pb2_grpc
+
+from .. import metrics
+from ..config import WorkerConfig
+from ..errors import InvalidArgument
+from ..transport.tcp import TcpTransferServer
+from .arena import Arena
+from .servicer import StoreServicer
+from .store import BlockStore
+
+log = logging.getLogger(__name__)
+
+
+def host_id() -> str:
+    """Identifies this machine and boot, so clients can tell a same-host worker."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass(slots=True)
+class Endpoints:
+    grpc: str
+    tcp: str
+    metrics_port: int
+
+
+class Worker:
+    """One worker process. ``start()`` brings it up; ``stop()`` drains and closes."""
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        if cfg.max_value_size <= 0 or cfg.max_value_size % 64:
+            raise InvalidArgument("max-value-size must be a positive multiple of 64 bytes")
+        if cfg.dram_size < cfg.max_value_size:
+            raise InvalidArgument(
+                f"dram-size ({cfg.dram_size} bytes) must be at least max-value-size "
+                f"({cfg.max_value_size} bytes)"
+            )
+        self.arena = Arena(cfg.dram_size - cfg.dram_size % cfg.max_value_size, cfg.shm_dir)
+        self.store = BlockStore(self.arena, cfg.max_value_size)
+        self.advertise = cfg.advertise_host or (
+            socket.gethostname() if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+        )
+        self.tcp = TcpTransferServer(
+            self.store,
+            cfg.host,
+            cfg.tcp_port,
+            max_connections=cfg.max_connections,
+            idle_timeout=cfg.idle_timeout,
+            frame_timeout=cfg.frame_timeout,
+            on_bytes=lambda d, n: metrics.TRANSFER_BYTES.labels("tcp", d).inc(n),
+        )
+        self.grpc_server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc"),
+            options=[
+                ("grpc.max_receive_message_length", 256 << 20),
+                ("grpc.max_send_message_length", 256 << 20),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        self.grpc_port = self.grpc_server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        self.id = cfg.id or f"{self.advertise}-{self.grpc_port}"
+        self.servicer = StoreServicer(self.store, self.id, self.stats)
+        store_pb2_grpc.add_StoreServicer_to_server(self.servicer, self.grpc_server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+        self._stop = threading.Event()
+        self._masters = parse_masters(cfg.master)
+        self._hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        metrics.register_collector(self.stats)
+
+    @property
+    def endpoints(self) -> Endpoints:
+        return Endpoints(
+            f"{self.advertise}:{self.grpc_port}",
+            f"tcp://{self.advertise}:{self.tcp.port}",
+            self.cfg.metrics_port,
+        )
+
+    def info(self) -> master_pb2.WorkerInfo:
+        ep = self.endpoints
+        return master_pb2.WorkerInfo(
+            id=self.id,
+            grpc=ep.grpc,
+            endpoints=[ep.tcp],
+            capacity_bytes=self.store.tier.capacity,
+            max_value_bytes=self.store.max_value_size,
+            host_id=host_id(),
+            version=__version__,
+        )
+
+    def stats(self) -> dict[str, float]:
+        t = self.store.tier
+        c = t.counters
+        return {
+            "dram_capacity_bytes": t.capacity,
+            "dram_used_bytes": t.used_bytes,
+            "dram_keys": t.keys,
+            "hits": c.hits,
+            "misses": c.misses,
+            "evictions": c.evictions,
+            "puts": c.puts,
+            "checksum_errors": self.store.counters.checksum_errors,
+            "bad_frames": self.store.counters.bad_frames,
+        }
+
+    def start(self) -> None:
+        self.tcp.start()
+        self.grpc_server.start()
+        metrics.serve(self.cfg.metrics_port, self.cfg.host)
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set("kvstore.v1.Store", health_pb2.HealthCheckResponse.SERVING)
+        self._hb.start()
+
+    # ---- master link ---------------------------------------------------------
+
+    def _heartbeat_loop(self) -> None:
+        idx = 0
+        registered = False
+        interval = 1.0
+        channel = grpc.insecure_channel(self._masters[idx])
+        while not self._stop.is_set():
+            stub = master_pb2_grpc.MasterStub(channel)
+            try:
+                if not registered:
+                    r = stub.Register(master_pb2.RegisterRequest(worker=self.info()), timeout=5)
+                    interval = r.heartbeat_interval_s or 1.0
+                    registered = True
+                    log.info("registered with master %s as %s", self._masters[idx], self.id)
+                hb = stub.Heartbeat(
+                    master_pb2.HeartbeatRequest(worker_id=self.id, stats=self._pb_stats()),
+                    timeout=5,
+                )
+                registered = hb.known
+            except grpc.RpcError as e:
+                log.warning("master %s unreachable: %s", self._masters[idx], e.code())
+                registered = False
+                channel.close()
+                idx = (idx + 1) % len(self._masters)
+                channel = grpc.insecure_channel(self._masters[idx])
+                interval = 1.0
+            self._stop.wait(interval if registered else min(interval, 1.0))
+        try:
+            master_pb2_grpc.MasterStub(channel).Leave(
+                master_pb2.LeaveRequest(worker_id=self.id), timeout=2
+            )
+        except grpc.RpcError:
+            pass
+        channel.close()
+
+    def _pb_stats(self) -> master_pb2.WorkerStats:
+        s = self.stats()
+        return master_pb2.WorkerStats(
+            used_bytes=int(s["dram_used_bytes"]),
+            keys=int(s["dram_keys"]),
+            hits=int(s["hits"]),
+            misses=int(s["misses"]),
+            evictions=int(s["evictions"]),
+            puts=int(s["puts"]),
+            checksum_errors=int(s["checksum_errors"]),
+            draining=self.servicer.draining,
+        )
+
+    # ---- shutdown ------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Drain: report NOT_SERVING, leave the map, finish in-flight calls, close."""
+        if self._stop.is_set():
+            return
+        self.health.enter_graceful_shutdown()
+        self.servicer.draining = True
+        self._stop.set()
+        self._hb.join(timeout=5)
+        grace = min(self.cfg.drain_timeout, 10.0)
+        self.tcp.stop(grace)
+        self.grpc_server.stop(grace).wait(grace)
+        self.arena.close()
+
+
+def run(cfg: WorkerConfig) -> int:
+    """Run a worker until SIGTERM/SIGINT; prints one JSON 'ready' line on stdout."""
+    w = Worker(cfg)
+    w.start()
+    done = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("signal %d: draining", signum)
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    ep = w.endpoints
+    print(
+        json.dumps(
+            {
+                "event": "ready",
+                "role": "worker",
+                "id": w.id,
+                "grpc": ep.grpc,
+                "tcp": ep.tcp,
+                "arena": w.arena.path,
+                "pid": os.getpid(),
+            }
+        ),
+        flush=True,
+    )
+    while not done.wait(0.5):
+        pass
+    t0 = time.monotonic()
+    w.stop()
+    log.info("worker %s stopped in %.2fs", w.id, time.monotonic() - t0)
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,144 @@
+"""gRPC Store service of a worker: translates requests to BlockStore calls.
+
+Misses are results, not errors. Bad input is INVALID_ARGUMENT, a full tier
+RESOURCE_EXHAUSTED, a draining worker UNAVAILABLE (see kvstore.errors).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+
+from kvstore_client.keys import check_namespace, to_bitmap, unpack_hashes
+from kvstore_client.proto import store_pb2, store_pb2_grpc
+
+from .. import metrics
+from ..errors import InvalidArgument, Unavailable, abort, to_grpc_code
+from .store import BlockStore
+
+R = TypeVar("R")
+
+MAX_BATCH = 1 << 16
+
+
+class StoreServicer(store_pb2_grpc.StoreServicer):
+    def __init__(self, store: BlockStore, worker_id: str, stats: Callable[[], dict[str, float]]):
+        self.store = store
+        self.worker_id = worker_id
+        self.draining = False
+        self._stats = stats
+
+    def _run(self, op: str, context: grpc.ServicerContext, fn: Callable[[], R]) -> R:
+        t0 = time.perf_counter()
+        try:
+            if self.draining and op not in ("stats",):
+                raise Unavailable("worker is draining")
+            out = fn()
+            metrics.REQUESTS.labels(op, "OK").inc()
+            return out
+        except Exception as e:
+            metrics.REQUESTS.labels(op, to_grpc_code(e).name).inc()
+            abort(context, e)
+        finally:
+            metrics.LATENCY.labels(op).observe(time.perf_counter() - t0)
+
+    @staticmethod
+    def _keys(ns: str, packed: bytes) -> tuple[str, list[bytes]]:
+        check_namespace(ns)
+        keys = unpack_hashes(packed)
+        if len(keys) > MAX_BATCH:
+            raise InvalidArgument(f"batch of {len(keys)} exceeds the limit of {MAX_BATCH}")
+        return ns, keys
+
+    def Exists(
+        self, request: store_pb2.ExistsRequest, context: grpc.ServicerContext
+    ) -> store_pb2.ExistsResponse:
+        def go() -> store_pb2.ExistsResponse:
+            ns, keys = self._keys(request.namespace, request.hashes)
+            flags = self.store.exists(ns, keys)
+            return store_pb2.ExistsResponse(bitmap=to_bitmap(flags), count=len(flags))
+
+        return self._run("exists", context, go)
+
+    def MatchPrefix(
+        self, request: store_pb2.MatchPrefixRequest, context: grpc.ServicerContext
+    ) -> store_pb2.MatchPrefixResponse:
+        def go() -> store_pb2.MatchPrefixResponse:
+            ns, keys = self._keys(request.namespace, request.hashes)
+            state = request.state_namespace
+            if state:
+                check_namespace(state)
+            return store_pb2.MatchPrefixResponse(matched=self.store.match_prefix(ns, keys, state))
+
+        return self._run("match_prefix", context, go)
+
+    def Put(
+        self, request: store_pb2.PutRequest, context: grpc.ServicerContext
+    ) -> store_pb2.PutResponse:
+        def go() -> store_pb2.PutResponse:
+            ns, keys = self._keys(request.namespace, request.hashes)
+            values = list(request.values)
+            if len(values) != len(keys):
+                raise InvalidArgument(f"{len(keys)} hashes but {len(values)} values")
+            limit = self.store.max_value_size
+            for i, v in enumerate(values):
+                if len(v) > limit:
+                    raise InvalidArgument(f"value {i} of {len(v)} bytes exceeds the limit {limit}")
+            stored = self.store.put_bytes(ns, keys, values)
+            return store_pb2.PutResponse(stored_bitmap=to_bitmap(stored))
+
+        return self._run("put", context, go)
+
+    def Get(
+        self, request: store_pb2.GetRequest, context: grpc.ServicerContext
+    ) -> store_pb2.GetResponse:
+        def go() -> store_pb2.GetResponse:
+            ns, keys = self._keys(request.namespace, request.hashes)
+            vals = self.store.get_bytes(ns, keys)
+            return store_pb2.GetResponse(
+                found_bitmap=to_bitmap([v is not None for v in vals]),
+                values=[v if v is not None else b"" for v in vals],
+            )
+
+        return self._run("get", context, go)
+
+    def Remove(
+        self, request: store_pb2.RemoveRequest, context: grpc.ServicerContext
+    ) -> store_pb2.RemoveResponse:
+        def go() -> store_pb2.RemoveResponse:
+            ns, keys = self._keys(request.namespace, request.hashes)
+            return store_pb2.RemoveResponse(removed=self.store.remove(ns, keys))
+
+        return self._run("remove", context, go)
+
+    def RemoveNamespace(
+        self, request: store_pb2.RemoveNamespaceRequest, context: grpc.ServicerContext
+    ) -> store_pb2.RemoveNamespaceResponse:
+        def go() -> store_pb2.RemoveNamespaceResponse:
+            ns = check_namespace(request.namespace)
+            return store_pb2.RemoveNamespaceResponse(removed=self.store.remove_namespace(ns))
+
+        return self._run("remove_namespace", context, go)
+
+    def Stats(
+        self, request: store_pb2.StatsRequest, context: grpc.ServicerContext
+    ) -> store_pb2.StatsResponse:
+        def go() -> store_pb2.StatsResponse:
+            s = self._stats()
+            return store_pb2.StatsResponse(
+                worker_id=self.worker_id,
+                capacity_bytes=int(s["dram_capacity_bytes"]),
+                used_bytes=int(s["dram_used_bytes"]),
+                keys=int(s["dram_keys"]),
+                hits=int(s["hits"]),
+                misses=int(s["misses"]),
+                evictions=int(s["evictions"]),
+                puts=int(s["puts"]),
+                checksum_errors=int(s["checksum_errors"]),
+                bad_frames=int(s["bad_frames"]),
+            )
+
+        return self._run("stats", context, go)
