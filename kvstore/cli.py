@@ -12,7 +12,6 @@ import threading
 from typing import Any
 
 import click
-
 from kvstore_client import __version__
 from kvstore_client.errors import KVStoreError
 
@@ -35,8 +34,14 @@ def _config(ctx: click.Context, section: str, flags: dict[str, Any]) -> Config:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
-              envvar="KVSTORE_CONFIG", help="YAML config file (sections master:, worker:).")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    envvar="KVSTORE_CONFIG",
+    help="YAML config file (sections master:, worker:).",
+)
 @click.option("--log-level", default="info", show_default=True, envvar="KVSTORE_LOG_LEVEL")
 @click.pass_context
 def main(ctx: click.Context, config_file: str | None, log_level: str) -> None:
@@ -60,7 +65,7 @@ def version() -> None:
 @click.option("--etcd", default=None, help="etcd endpoints for HA masters.")
 @click.option("--replicas", type=int, default=None, help="Copies of each block [1].")
 @click.pass_context
-def master(ctx: click.Context, **flags: Any) -> None:
+def master(ctx: click.Context, /, **flags: Any) -> None:
     """Run the master (control plane: membership and the shard map)."""
     from .master.server import serve
 
@@ -83,7 +88,7 @@ def master(ctx: click.Context, **flags: Any) -> None:
 @click.option("--max-value-size", default=None, help="Largest block, also the slab [16MiB].")
 @click.option("--shm-dir", default=None, help="tmpfs for the arena [/dev/shm].")
 @click.pass_context
-def worker(ctx: click.Context, **flags: Any) -> None:
+def worker(ctx: click.Context, /, **flags: Any) -> None:
     """Run a worker (a shard server with a DRAM tier)."""
     from .worker.server import run
 
@@ -105,8 +110,12 @@ def up(workers: int, dram_size: str, max_value_size: str, master_port: int, host
     from .cluster import LocalCluster, StartError
 
     cluster = LocalCluster(
-        workers=workers, dram_size=dram_size, max_value_size=max_value_size,
-        master_port=master_port, host=host, worker_ttl="5s",
+        workers=workers,
+        dram_size=dram_size,
+        max_value_size=max_value_size,
+        master_port=master_port,
+        host=host,
+        worker_ttl="5s",
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -115,7 +124,9 @@ def up(workers: int, dram_size: str, max_value_size: str, master_port: int, host
     except StartError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"kvstore cluster up: master {cluster.address}, {workers} workers of {dram_size}")
-    click.echo(f"  export KVSTORE_MASTER={cluster.address}; kvstore status --master {cluster.address}")
+    click.echo(
+        f"  export KVSTORE_MASTER={cluster.address}; kvstore status --master {cluster.address}"
+    )
     click.echo("Ctrl-C stops it.")
     try:
         while not stop.wait(0.5):
@@ -136,7 +147,6 @@ def up(workers: int, dram_size: str, max_value_size: str, master_port: int, host
 def status(master: str, as_json: bool, timeout: float) -> None:
     """Show the cluster's workers, capacity, usage, keys and hit counts."""
     import grpc
-
     from kvstore_client.client import parse_masters
     from kvstore_client.proto import master_pb2, master_pb2_grpc
 
@@ -148,7 +158,7 @@ def status(master: str, as_json: bool, timeout: float) -> None:
             )
     except grpc.RpcError as e:
         raise click.ClickException(f"master {addr}: {e.code().name}: {e.details()}") from e
-    workers = [
+    workers: list[dict[str, Any]] = [
         {
             "id": w.info.id,
             "grpc": w.info.grpc,
@@ -164,8 +174,11 @@ def status(master: str, as_json: bool, timeout: float) -> None:
         for w in st.workers
     ]
     if as_json:
-        click.echo(json.dumps({"master": addr, "map_version": st.map_version, "workers": workers},
-                              indent=2))
+        click.echo(
+            json.dumps(
+                {"master": addr, "map_version": st.map_version, "workers": workers}, indent=2
+            )
+        )
         return
     from rich.console import Console
     from rich.table import Table
@@ -175,9 +188,14 @@ def status(master: str, as_json: bool, timeout: float) -> None:
         t.add_column(col, justify="right" if col not in ("worker", "grpc", "endpoints") else "left")
     for w in workers:
         t.add_row(
-            str(w["id"]), str(w["grpc"]), " ".join(w["endpoints"]),
-            format_size(float(w["capacity_bytes"])), format_size(float(w["used_bytes"])),
-            str(w["keys"]), str(w["hits"]), str(w["misses"]),
+            str(w["id"]),
+            str(w["grpc"]),
+            " ".join(w["endpoints"]),
+            format_size(float(w["capacity_bytes"])),
+            format_size(float(w["used_bytes"])),
+            str(w["keys"]),
+            str(w["hits"]),
+            str(w["misses"]),
         )
     Console().print(t)
 

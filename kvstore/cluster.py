@@ -164,7 +164,14 @@ class LocalCluster:
         try:
             self.master = spawn(
                 "master",
-                ["--host", self.host, "--port", str(self.master_port), "--worker-ttl", self.worker_ttl],
+                [
+                    "--host",
+                    self.host,
+                    "--port",
+                    str(self.master_port),
+                    "--worker-ttl",
+                    self.worker_ttl,
+                ],
                 stderr=self.stderr,
                 log_path=self._log("master"),
             )
@@ -180,10 +187,14 @@ class LocalCluster:
         d = spawn(
             "worker",
             [
-                "--master", self.address,
-                "--host", self.host,
-                "--dram-size", self.dram_size,
-                "--max-value-size", self.max_value_size,
+                "--master",
+                self.address,
+                "--host",
+                self.host,
+                "--dram-size",
+                self.dram_size,
+                "--max-value-size",
+                self.max_value_size,
                 *self.extra_worker_args,
                 *extra,
             ],
@@ -195,7 +206,6 @@ class LocalCluster:
 
     def live_worker_ids(self) -> set[str]:
         import grpc
-
         from kvstore_client.proto import master_pb2, master_pb2_grpc
 
         with grpc.insecure_channel(self.address) as ch:

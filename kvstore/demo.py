@@ -6,11 +6,10 @@ import os
 import time
 
 import numpy as np
-from rich.console import Console
-from rich.table import Table
-
 from kvstore_client import Client, block_hashes
 from kvstore_client.errors import KVStoreError
+from rich.console import Console
+from rich.table import Table
 
 NS = "demo-model/bf16/b16/tp0of1"
 
@@ -40,7 +39,7 @@ def _workload(master: str, blocks: int, block_size: int, console: Console) -> No
     hashes = block_hashes(tokens, 16)
     first, extended = hashes[:blocks], hashes
     base = rng.integers(0, 256, size=block_size, dtype=np.uint8)
-    values = []
+    values: list[np.ndarray] = []
     for h in extended:
         v = base.copy()
         v[:16] = np.frombuffer(h, dtype=np.uint8)
@@ -48,26 +47,30 @@ def _workload(master: str, blocks: int, block_size: int, console: Console) -> No
     gib = blocks * block_size / (1 << 30)
     with Client(master, timeout=30.0) as c:
         t0 = time.perf_counter()
-        stored = c.batch_put(NS, first, values[:blocks])
+        stored = c.batch_put(NS, first, [v.data for v in values[:blocks]])
         put_s = time.perf_counter() - t0
-        again = c.batch_put(NS, first, values[:blocks])
+        again = c.batch_put(NS, first, [v.data for v in values[:blocks]])
         t0 = time.perf_counter()
         matched = c.match_prefix(NS, extended)
         match_s = time.perf_counter() - t0
         out = np.zeros((len(extended), block_size), dtype=np.uint8)  # resident, like a KV cache
         t0 = time.perf_counter()
-        hits = c.batch_get_into(NS, extended, [memoryview(r) for r in out]).result()
+        hits = c.batch_get_into(NS, extended, [r.data for r in out]).result()
         get_s = time.perf_counter() - t0
         exact = all(np.array_equal(out[i], values[i]) for i in range(len(extended)) if hits[i])
-        new = c.batch_put(NS, extended[matched:], values[matched:])
+        new = c.batch_put(NS, extended[matched:], [v.data for v in values[matched:]])
     t = Table(title="kvstore demo: a turn, its repeat, and a longer follow-up turn")
     t.add_column("step")
     t.add_column("result", justify="right")
-    t.add_row("put (first turn)", f"{sum(stored)} blocks of {block_size >> 10} KiB, "
-              f"{gib / put_s:.2f} GiB/s")
+    t.add_row(
+        "put (first turn)",
+        f"{sum(stored)} blocks of {block_size >> 10} KiB, {gib / put_s:.2f} GiB/s",
+    )
     t.add_row("put again (write only new)", f"{len(again) - sum(again)} of {len(again)} skipped")
-    t.add_row("match_prefix (follow-up turn)",
-              f"{matched}/{len(extended)} blocks cached, {match_s * 1e3:.2f} ms")
+    t.add_row(
+        "match_prefix (follow-up turn)",
+        f"{matched}/{len(extended)} blocks cached, {match_s * 1e3:.2f} ms",
+    )
     t.add_row("hit rate", f"{100 * sum(hits) / len(extended):.1f}%")
     t.add_row("batch_get_into (hits)", f"{gib / get_s:.2f} GiB/s, byte-exact: {exact}")
     t.add_row("put new blocks only", f"{sum(new)} stored")

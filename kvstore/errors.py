@@ -10,7 +10,6 @@ import logging
 from typing import NoReturn
 
 import grpc
-
 from kvstore_client.errors import (
     Code,
     DeadlineExceeded,

@@ -11,14 +11,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from kvstore_client import __version__
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Info, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvstore_client import __version__
-
 LATENCY_BUCKETS = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
 )
 
 BUILD = Info("kvstore_build", "Build information")
@@ -53,7 +65,9 @@ class StatsCollector(Collector):
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         s = self._read()
-        used = GaugeMetricFamily("kvstore_tier_used_bytes", "Bytes stored per tier", labels=["tier"])
+        used = GaugeMetricFamily(
+            "kvstore_tier_used_bytes", "Bytes stored per tier", labels=["tier"]
+        )
         cap = GaugeMetricFamily("kvstore_tier_capacity_bytes", "Capacity per tier", labels=["tier"])
         keys = GaugeMetricFamily("kvstore_tier_keys", "Blocks stored per tier", labels=["tier"])
         for tier in ("dram", "ssd"):

@@ -8,11 +8,10 @@ kvstore_client package without clashing with the `kvstore` daemon package.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import sys
-
-import os
 
 from grpc_tools import protoc
 
@@ -45,5 +44,7 @@ def generate(out: pathlib.Path) -> None:
 
 
 if __name__ == "__main__":
-    target = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "client/kvstore_client/proto"
+    target = (
+        pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "client/kvstore_client/proto"
+    )
     generate(target)

@@ -1,8 +1,8 @@
 """kvstore client: put, get and look up KV-cache blocks in a kvstore cluster.
 
-    from kvstore_client import Client
-    with Client("127.0.0.1:7700") as c:
-        c.batch_put("llama3-8b/bf16/b16/tp0of1", hashes, values)
+from kvstore_client import Client
+with Client("127.0.0.1:7700") as c:
+    c.batch_put("llama3-8b/bf16/b16/tp0of1", hashes, values)
 """
 
 from __future__ import annotations

@@ -12,12 +12,13 @@ All methods are thread-safe. Every call has a deadline (``timeout``).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -54,7 +55,7 @@ class _View:
 
 
 def parse_masters(master: str) -> list[str]:
-    """"h1:p1,h2:p2" -> ["h1:p1", "h2:p2"]; InvalidArgument when malformed."""
+    """ "h1:p1,h2:p2" -> ["h1:p1", "h2:p2"]; InvalidArgument when malformed."""
     out = [m.strip() for m in master.split(",") if m.strip()]
     for m in out:
         host, sep, port = m.rpartition(":")
@@ -89,7 +90,7 @@ class Client:
         self._pools: dict[str, TcpPool] = {}
         self._executor = cf.ThreadPoolExecutor(max_threads, thread_name_prefix="kvstore-io")
         self._channel: grpc.Channel | None = None
-        self._watch_call: grpc.Future | None = None
+        self._watch_call: Any = None  # the open WatchShardMap call, to cancel on close
         try:
             self._apply_map(self._fetch_map())
         except BaseException:
@@ -194,7 +195,7 @@ class Client:
 
     def _fan_out(
         self,
-        tasks: list[Callable[[], T]],
+        tasks: Sequence[Callable[[], T]],
         on_error: Callable[[int, KVStoreError], None],
     ) -> list[T | None]:
         """Run tasks in parallel within the deadline; errors go to on_error and yield None."""
@@ -245,7 +246,7 @@ class Client:
         if not groups:
             return result
         sums = [xxhash.xxh3_64_intdigest(v) for v in views]
-        tasks: list[Callable[[], bytes]] = []
+        tasks: list[Callable[[], Any]] = []
         parts: list[np.ndarray] = []
         for w, idx in groups:
             for chunk in _chunks(idx, [views[i].nbytes for i in idx]):
@@ -277,7 +278,7 @@ class Client:
         nsb = self._check(ns, hashes)
         view, groups = self._groups(hashes)
         result = [False] * len(hashes)
-        tasks: list[Callable[[], list[bool]]] = [
+        tasks: list[Callable[[], Any]] = [
             _bind(view.workers[w].pool.call, self.timeout, "exists", nsb, [hashes[i] for i in idx])
             for w, idx in groups
         ]
@@ -296,8 +297,10 @@ class Client:
         nsb = self._check(ns, hashes)
         view, groups = self._groups(hashes)
         result: list[bytes | None] = [None] * len(hashes)
-        tasks: list[Callable[[], GetResult]] = [
-            _bind(view.workers[w].pool.call, self.timeout, "get", nsb, [hashes[i] for i in idx], None)
+        tasks: list[Callable[[], Any]] = [
+            _bind(
+                view.workers[w].pool.call, self.timeout, "get", nsb, [hashes[i] for i in idx], None
+            )
             for w, idx in groups
         ]
         for (_, idx), res in zip(groups, self._fan_out(tasks, _ignore), strict=True):
@@ -366,7 +369,7 @@ class Client:
         """Remove blocks; returns how many were present."""
         nsb = self._check(ns, hashes)
         view, groups = self._groups(hashes)
-        tasks: list[Callable[[], int]] = [
+        tasks: list[Callable[[], Any]] = [
             _bind(view.workers[w].pool.call, self.timeout, "remove", nsb, [hashes[i] for i in idx])
             for w, idx in groups
         ]
@@ -408,11 +411,8 @@ class Client:
         self.close()
 
 
-def _bind(fn: Callable[..., object], *args: object) -> Callable[[], T]:
-    def call() -> T:
-        return fn(*args)  # type: ignore[return-value]
-
-    return call
+def _bind(fn: Callable[..., Any], *args: object) -> Callable[[], Any]:
+    return functools.partial(fn, *args)
 
 
 def _ignore(_: int, __: KVStoreError) -> None:

@@ -7,25 +7,27 @@ open without a thread each. Never on the data path.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
 import signal
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
 from kvstore_client import __version__
 from kvstore_client.proto import master_pb2, master_pb2_grpc
 
 from .. import metrics
 from ..config import MasterConfig
-from ..errors import InvalidArgument, abort
+from ..errors import InvalidArgument
 from .membership import Membership
 
 log = logging.getLogger(__name__)
+Ctx = grpc.aio.ServicerContext[Any, Any]
 
 
 class MasterServicer(master_pb2_grpc.MasterServicer):
@@ -40,11 +42,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             self.changed.notify_all()
 
     async def Register(
-        self, request: master_pb2.RegisterRequest, context: grpc.aio.ServicerContext
+        self, request: master_pb2.RegisterRequest, context: Ctx
     ) -> master_pb2.RegisterResponse:
         w = request.worker
         if not w.id or not w.grpc or not w.endpoints or not w.capacity_bytes:
-            abort(context, InvalidArgument("worker registration needs id, grpc, endpoints, capacity"))
+            msg = "worker registration needs id, grpc, endpoints and capacity"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
         if self.m.register(w, time.monotonic()):
             log.info("worker %s joined (%s)", w.id, ", ".join(w.endpoints))
             await self._bump()
@@ -55,7 +58,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         )
 
     async def Heartbeat(
-        self, request: master_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+        self, request: master_pb2.HeartbeatRequest, context: Ctx
     ) -> master_pb2.HeartbeatResponse:
         before = self.m.version
         known = self.m.heartbeat(
@@ -66,7 +69,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return master_pb2.HeartbeatResponse(known=known, map_version=self.m.version)
 
     async def Leave(
-        self, request: master_pb2.LeaveRequest, context: grpc.aio.ServicerContext
+        self, request: master_pb2.LeaveRequest, context: Ctx
     ) -> master_pb2.LeaveResponse:
         removed = self.m.leave(request.worker_id)
         if removed:
@@ -75,12 +78,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return master_pb2.LeaveResponse(removed=removed)
 
     async def GetShardMap(
-        self, request: master_pb2.GetShardMapRequest, context: grpc.aio.ServicerContext
+        self, request: master_pb2.GetShardMapRequest, context: Ctx
     ) -> master_pb2.ShardMap:
         return self.m.shard_map()
 
     async def WatchShardMap(
-        self, request: master_pb2.WatchShardMapRequest, context: grpc.aio.ServicerContext
+        self, request: master_pb2.WatchShardMapRequest, context: Ctx
     ) -> AsyncIterator[master_pb2.ShardMap]:
         known = request.known_version
         while True:
@@ -89,10 +92,13 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                 known = current.version
                 yield current
             async with self.changed:
-                await self.changed.wait_for(lambda: self.m.version != known)
+                await self.changed.wait_for(functools.partial(self._moved_on, known))
+
+    def _moved_on(self, known: int) -> bool:
+        return self.m.version != known
 
     async def ClusterStatus(
-        self, request: master_pb2.ClusterStatusRequest, context: grpc.aio.ServicerContext
+        self, request: master_pb2.ClusterStatusRequest, context: Ctx
     ) -> master_pb2.ClusterStatusResponse:
         now = time.monotonic()
         return master_pb2.ClusterStatusResponse(
@@ -124,7 +130,7 @@ async def serve(cfg: MasterConfig) -> int:
     servicer = MasterServicer(members)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     master_pb2_grpc.add_MasterServicer_to_server(servicer, server)
-    hs = health.aio.HealthServicer()
+    hs = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     await server.start()

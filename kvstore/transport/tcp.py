@@ -16,7 +16,6 @@ import threading
 from collections.abc import Callable
 
 import xxhash
-
 from kvstore_client import wire
 from kvstore_client.errors import InvalidArgument, KVStoreError, ProtocolError, ResourceExhausted
 from kvstore_client.keys import HASH_LEN, check_namespace, to_bitmap

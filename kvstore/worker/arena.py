@@ -8,12 +8,12 @@ file is unlinked when the worker stops.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import uuid
 
 import numpy as np
-
 from kvstore_client.errors import ResourceExhausted
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap module lacks the name
@@ -34,7 +34,9 @@ class Arena:
                 "lower --dram-size or enlarge the tmpfs"
             )
         self.size = size
-        self.path = os.path.join(directory, name or f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.path = os.path.join(
+            directory, name or f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        )
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(self._fd, size)
@@ -64,11 +66,7 @@ class Arena:
             self._mm.close()
         except BufferError:
             pass  # a view is still exported; the mapping goes with the process
-        try:
+        with contextlib.suppress(OSError):
             os.close(self._fd)
-        except OSError:
-            pass
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass

@@ -4,6 +4,7 @@ registration and heartbeats with the master, and a graceful drain on SIGTERM.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
 from kvstore_client import __version__
 from kvstore_client.client import parse_masters
 from kvstore_client.proto import master_pb2, master_pb2_grpc, store_pb2_grpc
@@ -166,12 +166,10 @@ class Worker:
                 channel = grpc.insecure_channel(self._masters[idx])
                 interval = 1.0
             self._stop.wait(interval if registered else min(interval, 1.0))
-        try:
+        with contextlib.suppress(grpc.RpcError):
             master_pb2_grpc.MasterStub(channel).Leave(
                 master_pb2.LeaveRequest(worker_id=self.id), timeout=2
             )
-        except grpc.RpcError:
-            pass
         channel.close()
 
     def _pb_stats(self) -> master_pb2.WorkerStats:

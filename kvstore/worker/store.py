@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
-
 from kvstore_client.errors import ResourceExhausted
 
 from .arena import Arena
@@ -77,9 +76,9 @@ class BlockStore:
 
     def reserve_many(
         self, ns: str, keys: Sequence[bytes], sizes: Sequence[int], checksums: Sequence[int]
-    ) -> list[Block | None | ResourceExhausted]:
+    ) -> list[Block | ResourceExhausted | None]:
         """Reserve slots; per key a Block, None (already present) or ResourceExhausted."""
-        out: list[Block | None | ResourceExhausted] = []
+        out: list[Block | ResourceExhausted | None] = []
         with self.lock:
             for k, s, c in zip(keys, sizes, checksums, strict=True):
                 try:

@@ -68,8 +68,8 @@ class TcpConnection:
         """Send one PUT frame; returns one wire.PUT_* status byte per block."""
         self._req += 1
         entries = bytearray(len(hashes) * wire.PUT_ENTRY.size)
-        for i, (h, v, c) in enumerate(zip(hashes, values, checksums, strict=True)):
-            wire.PUT_ENTRY.pack_into(entries, i * wire.PUT_ENTRY.size, h, len(v), c)
+        for i, (key, v, c) in enumerate(zip(hashes, values, checksums, strict=True)):
+            wire.PUT_ENTRY.pack_into(entries, i * wire.PUT_ENTRY.size, key, len(v), c)
         head = wire.encode_request_header(wire.OP_PUT, ns, len(hashes), self._req)
         wire.send_buffers(self.sock, [head, entries, *values])
         h = self._answer(wire.OP_PUT, self._req)

@@ -1,0 +1,122 @@
+"""The command line and daemon lifecycle: status, check, up, health, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.cluster import LocalCluster, spawn
+from tests.conftest import arena_files
+
+KV = [sys.executable, "-m", "kvstore"]
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*KV, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_version() -> None:
+    out = run("version")
+    assert out.returncode == 0 and out.stdout.startswith("kvstore ")
+
+
+def test_status_json_and_table(cluster: LocalCluster) -> None:
+    out = run("status", "--master", cluster.address, "--json")
+    assert out.returncode == 0, out.stderr
+    st = json.loads(out.stdout)
+    assert len(st["workers"]) == 2
+    for w in st["workers"]:
+        assert {"id", "grpc", "endpoints", "capacity_bytes", "used_bytes", "keys"} <= set(w)
+        assert w["endpoints"][0].startswith("tcp://127.0.0.1:")
+        assert w["capacity_bytes"] == 256 << 20
+    table = run("status", "--master", cluster.address)
+    assert table.returncode == 0 and "map v" in table.stdout
+
+
+def test_status_against_nothing_fails_cleanly() -> None:
+    out = run("status", "--master", "127.0.0.1:1", "--timeout", "1")
+    assert out.returncode != 0 and "UNAVAILABLE" in out.stderr
+
+
+def test_check_round_trip(cluster: LocalCluster) -> None:
+    out = run("check", "--master", cluster.address)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stdout + out.stderr
+
+
+def test_health_serving_on_every_daemon(cluster: LocalCluster) -> None:
+    addrs = [cluster.address] + [w.ready["grpc"] for w in cluster.worker_procs]
+    for a in addrs:
+        with grpc.insecure_channel(a) as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert r.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_sigterm_drains_and_exits_cleanly(cluster: LocalCluster) -> None:
+    w = cluster.worker_procs[1]
+    assert arena_files(w.pid), "the worker's arena is a file in /dev/shm"
+    w.signal(signal.SIGTERM)
+    assert w.proc.wait(20) == 0
+    assert not arena_files(w.pid), "the arena file is removed on exit"
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and len(cluster.live_worker_ids()) != 1:
+        time.sleep(0.05)
+    assert len(cluster.live_worker_ids()) == 1, "a draining worker leaves the map at once"
+    cluster.master.signal(signal.SIGTERM)  # type: ignore[union-attr]
+    assert cluster.master.proc.wait(20) == 0  # type: ignore[union-attr]
+
+
+def test_worker_rejects_bad_config() -> None:
+    out = run("worker", "--dram-size", "lots")
+    assert out.returncode == 2 and "bad size" in out.stderr
+    out = run("worker", "--dram-size", "1MiB", "--max-value-size", "16MiB")
+    assert out.returncode != 0 and "at least max-value-size" in out.stderr
+
+
+def test_up_starts_and_ctrl_c_stops_everything() -> None:
+    proc = subprocess.Popen(
+        [*KV, "up", "--workers", "2", "--dram-size", "64MiB", "--master-port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "master 127.0.0.1:" in line, line
+        addr = line.split("master ")[1].split(",")[0]
+        out = run("status", "--master", addr, "--json")
+        st = json.loads(out.stdout)
+        assert len(st["workers"]) == 2
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+        assert run("status", "--master", addr, "--timeout", "1").returncode != 0
+        children = subprocess.run(
+            ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
+        ).stdout
+        assert not children.strip()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_spawned_worker_without_master_keeps_retrying() -> None:
+    d = spawn(
+        "worker",
+        ["--master", "127.0.0.1:1", "--dram-size", "32MiB", "--max-value-size", "1MiB"],
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(1.5)
+        assert d.alive(), "an unreachable master is not fatal"
+    finally:
+        assert d.stop() == 0
+    assert not arena_files(d.pid)
+    assert "PYTEST_CURRENT_TEST" in os.environ

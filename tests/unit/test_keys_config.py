@@ -1,0 +1,123 @@
+"""Keys, bitmaps, block hashing, config parsing and precedence, error mapping."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from kvstore_client import errors
+from kvstore_client.keys import (
+    check_hashes,
+    check_namespace,
+    from_bitmap,
+    leading_run,
+    to_bitmap,
+    unpack_hashes,
+)
+from kvstore_client.prefix import block_hashes
+
+from kvstore.config import load_config, parse_duration, parse_size
+
+
+@pytest.mark.parametrize("ns", ["llama3-8b/bf16/b16/tp0of2", "m", "a_b/c.d:e+f=g@h"])
+def test_good_namespaces(ns: str) -> None:
+    assert check_namespace(ns) == ns
+
+
+@pytest.mark.parametrize("ns", ["", "/a", "a/", "a//b", "a/../b", "sp ace", "x" * 256, "é", 5])
+def test_bad_namespaces(ns: object) -> None:
+    with pytest.raises(errors.InvalidArgument):
+        check_namespace(ns)
+
+
+def test_hash_checks_and_packing() -> None:
+    check_hashes([b"x" * 16])
+    with pytest.raises(errors.InvalidArgument, match="hash 1 must be 16 bytes, got 15 bytes"):
+        check_hashes([b"x" * 16, b"x" * 15])
+    with pytest.raises(errors.InvalidArgument):
+        check_hashes(b"x" * 16)  # type: ignore[arg-type]
+    with pytest.raises(errors.InvalidArgument):
+        unpack_hashes(b"x" * 17)
+    assert unpack_hashes(b"a" * 16 + b"b" * 16) == [b"a" * 16, b"b" * 16]
+
+
+def test_bitmap_roundtrip() -> None:
+    flags = [True, False, True, True, False, False, False, True, True]
+    assert from_bitmap(to_bitmap(flags), len(flags)) == flags
+    assert to_bitmap([True]) == b"\x01"
+    assert leading_run(flags) == 1 and leading_run([True, True]) == 2
+
+
+def test_block_hashes_chain_and_only_full_blocks() -> None:
+    toks = list(range(100))
+    h = block_hashes(toks, 16)
+    assert len(h) == 6 and all(len(x) == 16 for x in h)
+    assert block_hashes(toks[:48], 16) == h[:3], "equal prefixes give equal hashes"
+    other = block_hashes([1, *toks[1:]], 16)
+    assert all(a != b for a, b in zip(h, other, strict=True)), "a change propagates down the chain"
+    assert block_hashes(toks, 16, extra=b"lora7") != h
+
+
+def test_block_hashes_do_not_depend_on_pythonhashseed() -> None:
+    code = (
+        "import sys; sys.path.insert(0, 'client');"
+        "from kvstore_client.prefix import block_hashes;"
+        "print(b''.join(block_hashes(list(range(64)), 16)).hex())"
+    )
+    outs = set()
+    for seed in ("0", "1", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        outs.add(subprocess.check_output([sys.executable, "-c", code], env=env, text=True))
+    assert len(outs) == 1
+
+
+def test_sizes_and_durations() -> None:
+    assert parse_size("4GiB") == 4 << 30
+    assert parse_size("512MiB") == 512 << 20
+    assert parse_size("1.5KiB") == 1536
+    assert parse_size("4GB") == 4_000_000_000
+    assert parse_size(4096) == 4096
+    assert parse_duration("500ms") == 0.5
+    assert parse_duration("2m") == 120
+    assert parse_duration(3) == 3.0
+    for bad in ("lots", "4XB", "-1GiB"):
+        with pytest.raises(errors.InvalidArgument):
+            parse_size(bad)
+    with pytest.raises(errors.InvalidArgument):
+        parse_duration("soon")
+
+
+def test_config_precedence_file_env_flags(tmp_path: Path) -> None:
+    f = tmp_path / "kv.yaml"
+    f.write_text("worker:\n  dram_size: 2GiB\n  tcp_port: 7000\nmaster:\n  worker_ttl: 20s\n")
+    cfg = load_config(str(f), environ={})
+    assert cfg.worker.dram_size == 2 << 30 and cfg.master.worker_ttl == 20.0
+    env = {"KVSTORE_WORKER_DRAM_SIZE": "3GiB", "KVSTORE_WORKER_TCP_PORT": "7001"}
+    cfg = load_config(str(f), environ=env)
+    assert cfg.worker.dram_size == 3 << 30 and cfg.worker.tcp_port == 7001
+    cfg = load_config(str(f), {"worker": {"dram_size": "4GiB", "tcp_port": None}}, environ=env)
+    assert cfg.worker.dram_size == 4 << 30, "flags win"
+    assert cfg.worker.tcp_port == 7001, "an unset flag keeps the lower layer"
+
+
+def test_config_rejects_typos(tmp_path: Path) -> None:
+    f = tmp_path / "kv.yaml"
+    f.write_text("worker:\n  dram_sise: 2GiB\n")
+    with pytest.raises(errors.InvalidArgument, match="unknown worker setting 'dram_sise'"):
+        load_config(str(f), environ={})
+    with pytest.raises(errors.InvalidArgument, match="unknown worker setting"):
+        load_config(None, environ={"KVSTORE_WORKER_NOPE": "1"})
+
+
+def test_error_mapping_is_one_table() -> None:
+    assert errors.to_grpc_code(errors.InvalidArgument("x")) == grpc.StatusCode.INVALID_ARGUMENT
+    assert errors.to_grpc_code(errors.NotFound("x")) == grpc.StatusCode.NOT_FOUND
+    assert errors.to_grpc_code(errors.ResourceExhausted("x")) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert errors.to_grpc_code(errors.Unavailable("x")) == grpc.StatusCode.UNAVAILABLE
+    assert errors.to_grpc_code(RuntimeError()) == grpc.StatusCode.INTERNAL
+    for cls in (errors.InvalidArgument, errors.ResourceExhausted, errors.PermissionDenied):
+        assert type(errors.from_code(int(cls.code), "m")) is cls
