@@ -1,0 +1,1 @@
+"""Offline trace-replay benchmark tools: trace loaders, cache simulation, synthetic traces."""
