@@ -227,6 +227,15 @@ def demo(workers: int, dram_size: str, blocks: int, block_size: str, master: str
     sys.exit(run_demo(workers, dram_size, blocks, parse_size(block_size), master))
 
 
+def _add_bench() -> None:
+    from kvstore_bench.cli import bench
+
+    main.add_command(bench)
+
+
+_add_bench()
+
+
 if __name__ == "__main__":  # pragma: no cover
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()

@@ -1,0 +1,41 @@
+"""`kvstore bench ...`: each benchmark lives in its own module and adds one subcommand.
+
+Subcommands are imported lazily, so `kvstore --help` stays fast and a benchmark's
+optional dependencies (matplotlib, redis, mooncake) load only when it runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# subcommand name -> "module:attribute" of a click.Command
+SUBCOMMANDS: dict[str, str] = {
+    "synth": "kvstore_bench.synth_cli:synth_cmd",
+    "replay": "kvstore_bench.replay:replay_cmd",
+    "store": "kvstore_bench.storebench:store_cmd",
+    "transfer": "kvstore_bench.transfer:transfer_cmd",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(SUBCOMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = SUBCOMMANDS.get(cmd_name)
+        if target is None:
+            return None
+        module, attr = target.split(":")
+        try:
+            cmd = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise click.ClickException(f"benchmark {cmd_name!r} is not available: {e}") from e
+        assert isinstance(cmd, click.Command)
+        return cmd
+
+
+@click.group(cls=LazyGroup)
+def bench() -> None:
+    """Benchmarks: results go to bench/results/ as JSON and PNG."""
