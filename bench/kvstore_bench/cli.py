@@ -31,7 +31,12 @@ class LazyGroup(click.Group):
         try:
             cmd = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
-            raise click.ClickException(f"benchmark {cmd_name!r} is not available: {e}") from e
+            reason = f"benchmark {cmd_name!r} is not available: {e}"
+
+            def unavailable() -> None:
+                raise click.ClickException(reason)
+
+            return click.Command(cmd_name, callback=unavailable, help=f"(unavailable: {e})")
         assert isinstance(cmd, click.Command)
         return cmd
 
