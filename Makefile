@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck unit proto proto-check clean venv e2e
+.PHONY: run test lint typecheck unit chart proto clean venv e2e
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,7 +27,10 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
-test: lint typecheck unit
+chart: $(STAMP)
+	$(BIN)/python scripts/check_chart.py
+
+test: lint typecheck chart unit
 
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py

@@ -87,6 +87,18 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
 @click.option("--dram-size", default=None, help="DRAM arena size, e.g. 4GiB [1GiB].")
 @click.option("--max-value-size", default=None, help="Largest block, also the slab [16MiB].")
 @click.option("--shm-dir", default=None, help="tmpfs for the arena [/dev/shm].")
+@click.option("--ssd-path", default=None, help="LMDB directory of the SSD tier (off if unset).")
+@click.option("--ssd-size", default=None, help="SSD tier size (LMDB map size) [16GiB].")
+@click.option("--ssd-sync/--no-ssd-sync", default=None, help="fsync every SSD commit [no].")
+@click.option(
+    "--promote",
+    type=click.Choice(["always", "second-hit", "never"]),
+    default=None,
+    help="When an SSD hit moves back to DRAM [second-hit].",
+)
+@click.option("--promote-window", default=None, help="Second-hit window [60s].")
+@click.option("--pin", multiple=True, help="Pinned namespace, NS or NS=QUOTA (repeatable).")
+@click.option("--drain-timeout", default=None, help="SIGTERM: bound on drain + demotion [30s].")
 @click.pass_context
 def worker(ctx: click.Context, /, **flags: Any) -> None:
     """Run a worker (a shard server with a DRAM tier)."""

@@ -151,6 +151,7 @@ class LocalCluster:
     stderr: IO[bytes] | int | None = None
     master: Daemon | None = None
     worker_procs: list[Daemon] = field(default_factory=list)
+    retired: list[Daemon] = field(default_factory=list)  # replaced by restart_worker
 
     @property
     def address(self) -> str:
@@ -203,6 +204,19 @@ class LocalCluster:
         )
         self.worker_procs.append(d)
         return d
+
+    def restart_worker(self, i: int, *, kill: bool = False) -> Daemon:
+        """Stop worker ``i`` (SIGTERM, or SIGKILL with ``kill``) and start it again
+        with the same arguments; returns the new daemon."""
+        old = self.worker_procs[i]
+        if kill:
+            old.kill()
+        else:
+            old.stop()
+        new = spawn("worker", old.args, stderr=self.stderr, log_path=old.log_path)
+        self.worker_procs[i] = new
+        self.retired.append(old)
+        return new
 
     def live_worker_ids(self) -> set[str]:
         import grpc

@@ -92,7 +92,17 @@ class WorkerConfig:
     max_connections: int = 1024
     idle_timeout: float = _dur("300s")
     frame_timeout: float = _dur("30s")
-    drain_timeout: float = _dur("30s")
+    drain_timeout: float = _dur("30s")  # SIGTERM: time to finish calls and demote DRAM to SSD
+    ssd_path: str = ""  # LMDB directory of the SSD tier; empty: no SSD tier
+    ssd_size: int = _size("16GiB")  # LMDB map size
+    ssd_sync: bool = False  # fsync every commit (default: only on graceful shutdown)
+    dram_high: float = 0.95  # demote DRAM -> SSD above this fraction ...
+    dram_low: float = 0.85  # ... down to this one
+    ssd_high: float = 0.95  # evict from SSD above this fraction ...
+    ssd_low: float = 0.85  # ... down to this one
+    promote: str = "second-hit"  # SSD -> DRAM on a hit: always | second-hit | never
+    promote_window: float = _dur("60s")  # second hit must come within this
+    pin: list[str] = field(default_factory=list)  # pinned namespaces: "ns" or "ns=QUOTA"
 
 
 @dataclass(slots=True)
@@ -114,6 +124,10 @@ def _coerce(section: str, f: dataclasses.Field[Any], value: Any) -> Any:
             return float(value)
         if f.type in ("bool", bool):
             return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+        if f.type in ("list[str]",):
+            if isinstance(value, str):
+                return [v.strip() for v in value.split(",") if v.strip()]
+            return [str(v) for v in value]
         return str(value)
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"bad value {value!r} for {section}.{f.name}: {e}") from e
@@ -128,7 +142,7 @@ def _apply(cfg: Config, section: str, values: Mapping[str, Any], origin: str) ->
             raise InvalidArgument(
                 f"unknown {section} setting {key!r} in {origin}; known: {', '.join(sorted(fields))}"
             )
-        if value is not None:
+        if value is not None and value != ():
             setattr(target, name, _coerce(section, fields[name], value))
 
 

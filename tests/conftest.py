@@ -34,7 +34,11 @@ def arena_files(pid: int) -> list[str]:
 
 
 def assert_no_leaks(cluster: LocalCluster) -> None:
-    daemons = [*cluster.worker_procs, *([cluster.master] if cluster.master else [])]
+    daemons = [
+        *cluster.worker_procs,
+        *cluster.retired,
+        *([cluster.master] if cluster.master else []),
+    ]
     for d in daemons:
         assert not d.alive(), f"{d.role} pid {d.pid} still running"
         assert not arena_files(d.pid), f"arena of pid {d.pid} left in /dev/shm"
@@ -59,7 +63,7 @@ def make_cluster(tmp_path: Path) -> Iterator[MakeCluster]:
         c.stop()
     for c in started:
         # SIGKILLed workers cannot unlink their arena; the test that killed them cleans up.
-        for w in c.worker_procs:
+        for w in [*c.worker_procs, *c.retired]:
             if w.proc.returncode == -9:
                 for f in arena_files(w.pid):
                     os.unlink(f)

@@ -202,25 +202,24 @@ class TcpTransferServer:
 
     def _get(self, conn: socket.socket, h: wire.Header, ns: str) -> None:
         keys = self._hashes(conn, h.count)
-        blocks = self.store.acquire_many(ns, keys)
+        reading = self.store.read(ns, keys)
+        total = 0
         try:
             meta = bytearray(h.count * wire.GET_ENTRY.size)
             views: list[memoryview] = []
-            total = 0
-            for i, b in enumerate(blocks):
-                if b is None:
+            for i, held in enumerate(reading.held):
+                if held is None:
                     wire.GET_ENTRY.pack_into(meta, i * wire.GET_ENTRY.size, wire.GET_MISS, 0, 0)
                 else:
+                    size = len(held.view)
                     wire.GET_ENTRY.pack_into(
-                        meta, i * wire.GET_ENTRY.size, wire.GET_HIT, b.size, b.checksum
+                        meta, i * wire.GET_ENTRY.size, wire.GET_HIT, size, held.checksum
                     )
-                    views.append(self.store.view(b))
-                    total += b.size
+                    views.append(held.view)
+                    total += size
             head = wire.encode_answer_header(h.op, 0, h.count, h.req_id)
             wire.send_buffers(conn, [head, meta, *views])
-            for v in views:
-                v.release()
         finally:
-            self.store.release_many(blocks)
+            self.store.done(reading)
         if self.on_bytes is not None:
             self.on_bytes("tx", total)

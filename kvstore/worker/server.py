@@ -29,6 +29,8 @@ from ..transport.tcp import TcpTransferServer
 from .arena import Arena
 from .servicer import StoreServicer
 from .store import BlockStore
+from .tiers.policy import Promoter, Watermarks, parse_pins
+from .tiers.ssd import SsdStore
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +64,18 @@ class Worker:
                 f"dram-size ({cfg.dram_size} bytes) must be at least max-value-size "
                 f"({cfg.max_value_size} bytes)"
             )
+        pins = parse_pins(cfg.pin)
+        ssd = SsdStore(cfg.ssd_path, cfg.ssd_size, sync=cfg.ssd_sync) if cfg.ssd_path else None
         self.arena = Arena(cfg.dram_size - cfg.dram_size % cfg.max_value_size, cfg.shm_dir)
-        self.store = BlockStore(self.arena, cfg.max_value_size)
+        self.store = BlockStore(
+            self.arena,
+            cfg.max_value_size,
+            ssd=ssd,
+            dram_marks=Watermarks(cfg.dram_high, cfg.dram_low),
+            ssd_marks=Watermarks(cfg.ssd_high, cfg.ssd_low),
+            promoter=Promoter(cfg.promote, cfg.promote_window),
+            pins=pins,
+        )
         self.advertise = cfg.advertise_host or (
             socket.gethostname() if cfg.host in ("0.0.0.0", "::", "") else cfg.host
         )
@@ -116,9 +128,10 @@ class Worker:
         )
 
     def stats(self) -> dict[str, float]:
-        t = self.store.tier
+        st = self.store
+        t = st.tier
         c = t.counters
-        return {
+        out: dict[str, float] = {
             "dram_capacity_bytes": t.capacity,
             "dram_used_bytes": t.used_bytes,
             "dram_keys": t.keys,
@@ -126,9 +139,18 @@ class Worker:
             "misses": c.misses,
             "evictions": c.evictions,
             "puts": c.puts,
-            "checksum_errors": self.store.counters.checksum_errors,
-            "bad_frames": self.store.counters.bad_frames,
+            "checksum_errors": st.counters.checksum_errors,
+            "bad_frames": st.counters.bad_frames,
+            "demotions": st.counters.demotions,
+            "promotions": st.counters.promotions,
+            "ssd_hits": st.counters.ssd_hits,
         }
+        if st.ssd is not None:
+            out["ssd_capacity_bytes"] = st.ssd.size
+            out["ssd_used_bytes"] = st.ssd_index.used_bytes
+            out["ssd_keys"] = len(st.ssd_index)
+            out["ssd_evictions"] = st.ssd_index.evictions
+        return out
 
     def start(self) -> None:
         self.tcp.start()
@@ -182,6 +204,12 @@ class Worker:
             evictions=int(s["evictions"]),
             puts=int(s["puts"]),
             checksum_errors=int(s["checksum_errors"]),
+            ssd_capacity_bytes=int(s.get("ssd_capacity_bytes", 0)),
+            ssd_used_bytes=int(s.get("ssd_used_bytes", 0)),
+            ssd_keys=int(s.get("ssd_keys", 0)),
+            demotions=int(s["demotions"]),
+            promotions=int(s["promotions"]),
+            ssd_evictions=int(s.get("ssd_evictions", 0)),
             draining=self.servicer.draining,
         )
 
@@ -198,6 +226,7 @@ class Worker:
         grace = min(self.cfg.drain_timeout, 10.0)
         self.tcp.stop(grace)
         self.grpc_server.stop(grace).wait(grace)
+        self.store.close(demote_timeout=self.cfg.drain_timeout)
         self.arena.close()
 
 

@@ -138,6 +138,12 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
                 puts=int(s["puts"]),
                 checksum_errors=int(s["checksum_errors"]),
                 bad_frames=int(s["bad_frames"]),
+                ssd_capacity_bytes=int(s.get("ssd_capacity_bytes", 0)),
+                ssd_used_bytes=int(s.get("ssd_used_bytes", 0)),
+                ssd_keys=int(s.get("ssd_keys", 0)),
+                demotions=int(s["demotions"]),
+                promotions=int(s["promotions"]),
+                ssd_evictions=int(s.get("ssd_evictions", 0)),
             )
 
         return self._run("stats", context, go)

@@ -27,8 +27,9 @@ dictionary operations).
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvstore_client.errors import InvalidArgument, ResourceExhausted
@@ -94,6 +95,7 @@ class DramTier:
         capacity: int,
         slab_size: int,
         on_evict: Callable[[Block], None] | None = None,
+        pinned: Iterable[str] = (),
     ) -> None:
         if slab_size <= 0 or slab_size % ALIGN:
             raise ValueError(f"slab size must be a positive multiple of {ALIGN}")
@@ -113,6 +115,7 @@ class DramTier:
         self.keys = 0  # ready blocks
         self._tick = 0
         self._on_evict = on_evict
+        self.pinned = frozenset(pinned)  # namespaces whose blocks are never evicted
 
     @property
     def max_value_size(self) -> int:
@@ -255,9 +258,25 @@ class DramTier:
         for i, b in enumerate(c.lru):
             if i >= limit:
                 break
-            if b.pins == 0:
+            if b.pins == 0 and b.ns not in self.pinned:
                 return b
         return None
+
+    def oldest(self, nbytes: int, *, include_pinned_ns: bool = False) -> list[Block]:
+        """Least recently used unpinned blocks (all classes) adding up to ``nbytes``.
+
+        Blocks of pinned namespaces are left out unless ``include_pinned_ns``.
+        """
+        out: list[Block] = []
+        total = 0
+        for b in heapq.merge(*(c.lru for c in self.classes), key=lambda b: b.tick):
+            if total >= nbytes:
+                break
+            if b.pins or (b.ns in self.pinned and not include_pinned_ns):
+                continue
+            out.append(b)
+            total += b.size
+        return out
 
     def _assign_slab(self, slab: int, cls: int) -> None:
         c = self.classes[cls]
@@ -301,7 +320,7 @@ class DramTier:
         start = slab * self.slab_size
         offsets = range(start, start + self.slab_size - from_c.size + 1, from_c.size)
         holders = [self.owner[o] for o in offsets if o in self.owner]
-        if any(b.pins or not b.ready for b in holders):
+        if any(b.pins or not b.ready or b.ns in self.pinned for b in holders):
             return False
         for b in holders:
             self._evict(b)
