@@ -74,3 +74,19 @@ def make_cluster(tmp_path: Path) -> Iterator[MakeCluster]:
 def cluster(make_cluster: MakeCluster) -> LocalCluster:
     """Master + 2 workers of 256 MiB, worker TTL 2 s."""
     return make_cluster(workers=2, dram_size="256MiB", worker_ttl="2s")
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """One cluster for a whole module of tests that only read and write their own keys."""
+    c = LocalCluster(
+        workers=2,
+        dram_size="256MiB",
+        worker_ttl="2s",
+        log_dir=str(tmp_path_factory.mktemp("shared")),
+    )
+    try:
+        yield c.start()
+    finally:
+        c.stop()
+        assert_no_leaks(c)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,10 +29,14 @@ from .errors import InvalidArgument, KVStoreError, Unavailable, from_rpc_error
 from .keys import check_hashes, check_namespace, leading_run
 from .proto import master_pb2, master_pb2_grpc
 from .sharding import Ring, build_ring
-from .transport.tcp import GetResult, TcpPool, parse_tcp_url
+from .transport import shm
+from .transport.shm import ShmArena
+from .transport.tcp import GetResult, TcpConnection, TcpPool, parse_tcp_url
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+TRANSPORTS = ("auto", "tcp", "shm")
 
 # A batch for one worker is cut into frames of about this many payload bytes,
 # so big batches stream over several connections at once.
@@ -40,8 +45,31 @@ FRAME_BYTES = 32 << 20
 
 @dataclass(slots=True)
 class _Worker:
+    """One worker of the map and how to reach it: tcp://, or shm:// when mapped."""
+
     info: master_pb2.WorkerInfo
     pool: TcpPool
+    arena: ShmArena | None = None
+
+    def put(
+        self, timeout: float, ns: bytes, hs: list[bytes], vs: list[memoryview], cs: list[int]
+    ) -> bytes:
+        if self.arena is not None:
+            return self.pool.call(timeout, shm.put, self.arena, ns, hs, vs, cs)
+        return self.pool.call(timeout, TcpConnection.put, ns, hs, vs, cs)
+
+    def get(
+        self, timeout: float, ns: bytes, hs: list[bytes], bufs: list[memoryview] | None
+    ) -> GetResult:
+        if self.arena is not None:
+            return self.pool.call(timeout, shm.get, self.arena, ns, hs, bufs)
+        return self.pool.call(timeout, TcpConnection.get, ns, hs, bufs)
+
+    def exists(self, timeout: float, ns: bytes, hs: list[bytes]) -> list[bool]:
+        return self.pool.call(timeout, TcpConnection.exists, ns, hs)
+
+    def remove(self, timeout: float, ns: bytes, hs: list[bytes]) -> int:
+        return self.pool.call(timeout, TcpConnection.remove, ns, hs)
 
 
 @dataclass(slots=True)
@@ -67,7 +95,12 @@ def parse_masters(master: str) -> list[str]:
 
 
 class Client:
-    """Blocking client; see the module docstring. Use as a context manager."""
+    """Blocking client; see the module docstring. Use as a context manager.
+
+    ``transport``: "auto" (default, or env KVSTORE_TRANSPORT) and "shm" copy through
+    shared memory with workers on this host whose arena file this process may open,
+    and use tcp:// with the others; "tcp" forces tcp:// everywhere.
+    """
 
     def __init__(
         self,
@@ -79,8 +112,12 @@ class Client:
     ) -> None:
         if timeout <= 0:
             raise InvalidArgument("timeout must be positive")
-        if transport not in (None, "tcp"):
-            raise InvalidArgument(f"unknown transport {transport!r}; available: tcp")
+        transport = transport or os.environ.get("KVSTORE_TRANSPORT") or "auto"
+        if transport not in TRANSPORTS:
+            raise InvalidArgument(
+                f"unknown transport {transport!r}; available: {', '.join(TRANSPORTS)}"
+            )
+        self.transport = transport
         self.timeout = timeout
         self._masters = parse_masters(master)
         self._master_idx = 0
@@ -88,6 +125,7 @@ class Client:
         self._lock = threading.Lock()
         self._view: _View | None = None
         self._pools: dict[str, TcpPool] = {}
+        self._arenas: dict[str, ShmArena | None] = {}
         self._executor = cf.ThreadPoolExecutor(max_threads, thread_name_prefix="kvstore-io")
         self._channel: grpc.Channel | None = None
         self._watch_call: Any = None  # the open WatchShardMap call, to cancel on close
@@ -166,10 +204,18 @@ class Client:
                 if pool is None:
                     host, port = parse_tcp_url(url) if url else ("", 0)
                     pool = self._pools[key] = TcpPool(host, port)
-                workers.append(_Worker(info, pool))
+                arena = None
+                if self.transport != "tcp":
+                    if key not in self._arenas:
+                        self._arenas[key] = shm.try_map(info.endpoints)
+                    arena = self._arenas[key]
+                workers.append(_Worker(info, pool, arena))
             for key in list(self._pools):
                 if key not in live:
                     self._pools.pop(key).close()
+                    old = self._arenas.pop(key, None)
+                    if old is not None:
+                        old.close()
             max_value = min((w.max_value_bytes for w in m.workers), default=0)
             self._view = _View(m.version, ring, workers, max_value)
 
@@ -250,11 +296,10 @@ class Client:
         parts: list[np.ndarray] = []
         for w, idx in groups:
             for chunk in _chunks(idx, [views[i].nbytes for i in idx]):
-                pool = view.workers[w].pool
                 hs = [hashes[i] for i in chunk]
                 vs = [views[i] for i in chunk]
                 cs = [sums[i] for i in chunk]
-                tasks.append(_bind(pool.call, self.timeout, "put", nsb, hs, vs, cs))
+                tasks.append(_bind(view.workers[w].put, self.timeout, nsb, hs, vs, cs))
                 parts.append(chunk)
         full: list[KVStoreError] = []
 
@@ -279,7 +324,7 @@ class Client:
         view, groups = self._groups(hashes)
         result = [False] * len(hashes)
         tasks: list[Callable[[], Any]] = [
-            _bind(view.workers[w].pool.call, self.timeout, "exists", nsb, [hashes[i] for i in idx])
+            _bind(view.workers[w].exists, self.timeout, nsb, [hashes[i] for i in idx])
             for w, idx in groups
         ]
         for (_, idx), flags in zip(groups, self._fan_out(tasks, _ignore), strict=True):
@@ -298,9 +343,7 @@ class Client:
         view, groups = self._groups(hashes)
         result: list[bytes | None] = [None] * len(hashes)
         tasks: list[Callable[[], Any]] = [
-            _bind(
-                view.workers[w].pool.call, self.timeout, "get", nsb, [hashes[i] for i in idx], None
-            )
+            _bind(view.workers[w].get, self.timeout, nsb, [hashes[i] for i in idx], None)
             for w, idx in groups
         ]
         for (_, idx), res in zip(groups, self._fan_out(tasks, _ignore), strict=True):
@@ -353,11 +396,9 @@ class Client:
                 done.set_result(result)
 
         for w, idx in groups:
-            pool = view.workers[w].pool
             fut = self._executor.submit(
-                pool.call,
+                view.workers[w].get,
                 self.timeout,
-                "get",
                 nsb,
                 [hashes[i] for i in idx],
                 [views[i] for i in idx],
@@ -370,7 +411,7 @@ class Client:
         nsb = self._check(ns, hashes)
         view, groups = self._groups(hashes)
         tasks: list[Callable[[], Any]] = [
-            _bind(view.workers[w].pool.call, self.timeout, "remove", nsb, [hashes[i] for i in idx])
+            _bind(view.workers[w].remove, self.timeout, nsb, [hashes[i] for i in idx])
             for w, idx in groups
         ]
         return sum(n for n in self._fan_out(tasks, _ignore) if n is not None)
@@ -403,6 +444,10 @@ class Client:
             for p in self._pools.values():
                 p.close()
             self._pools.clear()
+            for a in self._arenas.values():
+                if a is not None:
+                    a.close()
+            self._arenas.clear()
 
     def __enter__(self) -> Client:
         return self

@@ -18,6 +18,18 @@ Answer   = header(20) | body
   EXISTS  body: ceil(count/8) bytes of bitmap (see keys.to_bitmap)
   REMOVE  body: empty; count = number removed
 
+Same-host shared memory (shm://) uses the same connection for control only;
+the client copies bytes itself through its own mapping of the worker's arena:
+  GET_LOC    body: count x hash 16
+             answer: count x (status u8 | pad 3 | size u32 | xxh3_64 u64 | offset u64),
+             then the payloads of INLINE entries (blocks not in the arena, e.g. on SSD).
+             LOC entries stay pinned until the client sends RELEASE with this req_id.
+  RELEASE    no body, no answer; req_id names the GET_LOC (or PUT_LOC) to release.
+  PUT_LOC    body: count x (hash 16 | size u32 | xxh3_64 u64)
+             answer: count x (status u8 | pad 7 | offset u64); LOC slots are reserved
+  PUT_COMMIT body: count x ok u8 (the client wrote the slot); req_id names the PUT_LOC
+             answer: count x status u8 (PUT_*). Reserved slots die with the connection.
+
 Payload bytes are never pickled or copied into the frame: senders pass them as
 separate buffers to ``sendmsg`` and receivers ``recv_into`` their destination.
 """
@@ -42,7 +54,11 @@ OP_PUT = 1
 OP_GET = 2
 OP_EXISTS = 3
 OP_REMOVE = 4
-OPS = frozenset({OP_PUT, OP_GET, OP_EXISTS, OP_REMOVE})
+OP_GET_LOC = 5
+OP_RELEASE = 6
+OP_PUT_LOC = 7
+OP_PUT_COMMIT = 8
+OPS = frozenset(range(1, 9))
 
 PUT_STORED = 0
 PUT_PRESENT = 1
@@ -52,6 +68,11 @@ PUT_TOO_LARGE = 4
 
 GET_HIT = 1
 GET_MISS = 0
+LOC_ARENA = 1  # bytes are in the arena at the offset
+LOC_INLINE = 2  # bytes follow inline in the answer
+PUT_LOC_SLOT = 0  # reserved: write the slot, then commit
+LOC_ENTRY = struct.Struct("<B3xIQQ")  # 24
+PUT_LOC_ENTRY = struct.Struct("<B7xQ")  # 16
 
 MAX_BATCH = 1 << 16
 IOV_MAX = 1024

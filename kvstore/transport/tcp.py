@@ -22,6 +22,7 @@ from kvstore_client.keys import HASH_LEN, check_namespace, to_bitmap
 
 from ..worker.store import BlockStore
 from ..worker.tiers.dram import Block
+from . import shm
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class TcpTransferServer:
     def _serve(self, conn: socket.socket) -> None:
         tune_socket(conn)
         scratch = memoryview(bytearray(SCRATCH))
+        shm_state = shm.ShmState()
         try:
             while not self._stopping.is_set():
                 conn.settimeout(self.idle_timeout)
@@ -111,7 +113,7 @@ class TcpTransferServer:
                 head = bytearray(first)
                 if len(head) < wire.HEADER_LEN:
                     head += wire.recv_exact(conn, wire.HEADER_LEN - len(head))
-                self._frame(conn, head, scratch)
+                self._frame(conn, head, scratch, shm_state)
         except ProtocolError as e:
             self.store.counters.bad_frames += 1
             log.info("closing connection after a bad frame: %s", e)
@@ -120,11 +122,14 @@ class TcpTransferServer:
         except Exception:  # never let one connection take the daemon down
             log.exception("transfer connection failed")
         finally:
+            shm_state.close(self.store)
             with self._conns_lock:
                 self._conns.discard(conn)
             conn.close()
 
-    def _frame(self, conn: socket.socket, head: bytearray, scratch: memoryview) -> None:
+    def _frame(
+        self, conn: socket.socket, head: bytearray, scratch: memoryview, st: shm.ShmState
+    ) -> None:
         h = wire.decode_header(head, wire.REQ_MAGIC)
         if h.ns_len == 0 or h.ns_len > 255:
             raise ProtocolError(f"namespace length {h.ns_len} out of range")
@@ -142,6 +147,8 @@ class TcpTransferServer:
             self._put(conn, h, ns, scratch)
         elif h.op == wire.OP_GET:
             self._get(conn, h, ns)
+        elif h.op >= wire.OP_GET_LOC:
+            self._shm(conn, h, ns, st)
         elif h.op == wire.OP_EXISTS:
             keys = self._hashes(conn, h.count)
             bitmap = to_bitmap(self.store.exists(ns, keys))
@@ -149,6 +156,26 @@ class TcpTransferServer:
         else:  # OP_REMOVE
             n = self.store.remove(ns, self._hashes(conn, h.count))
             conn.sendall(wire.encode_answer_header(h.op, 0, n, h.req_id))
+
+    def _shm(self, conn: socket.socket, h: wire.Header, ns: str, st: shm.ShmState) -> None:
+        if h.op == wire.OP_RELEASE:
+            shm.release(self.store, st, h)
+            return
+        try:
+            if h.op == wire.OP_GET_LOC:
+                n = shm.get_loc(self.store, st, conn, h, ns)
+                direction = "tx"
+            elif h.op == wire.OP_PUT_LOC:
+                shm.put_loc(self.store, st, conn, h, ns)
+                return
+            else:
+                n = shm.put_commit(self.store, st, conn, h, ns)
+                direction = "rx"
+        except InvalidArgument as e:
+            self._fail(conn, h, e)
+            raise ProtocolError(str(e)) from e
+        if self.on_bytes is not None and n:
+            self.on_bytes(direction, n)
 
     def _fail(self, conn: socket.socket, h: wire.Header, err: KVStoreError) -> None:
         msg = str(err).encode()[:4096]

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvstore_client import __version__
 from kvstore_client.client import parse_masters
 from kvstore_client.proto import master_pb2, master_pb2_grpc, store_pb2_grpc
+from kvstore_client.transport.shm import host_id, shm_url
 
 from .. import metrics
 from ..config import WorkerConfig
@@ -33,16 +34,6 @@ from .tiers.policy import Promoter, Watermarks, parse_pins
 from .tiers.ssd import SsdStore
 
 log = logging.getLogger(__name__)
-
-
-def host_id() -> str:
-    """Identifies this machine and boot, so clients can tell a same-host worker."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 @dataclass(slots=True)
@@ -120,7 +111,7 @@ class Worker:
         return master_pb2.WorkerInfo(
             id=self.id,
             grpc=ep.grpc,
-            endpoints=[ep.tcp],
+            endpoints=[ep.tcp, shm_url(self.arena.path)],
             capacity_bytes=self.store.tier.capacity,
             max_value_bytes=self.store.max_value_size,
             host_id=host_id(),

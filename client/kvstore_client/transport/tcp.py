@@ -12,8 +12,9 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -22,6 +23,7 @@ from ..errors import DeadlineExceeded, KVStoreError, ProtocolError, Unavailable,
 from ..keys import HASH_LEN, from_bitmap
 
 SOCK_BUF = 4 << 20
+R = TypeVar("R")
 
 
 @dataclass(slots=True)
@@ -163,12 +165,12 @@ class TcpPool:
                 return
         conn.close()
 
-    def call(self, timeout: float, fn_name: str, *args: object) -> object:
-        """Run ``TcpConnection.<fn_name>(*args)`` on a pooled connection within ``timeout``."""
+    def call(self, timeout: float, fn: Callable[..., R], *args: Any) -> R:
+        """Run ``fn(connection, *args)`` on a pooled connection within ``timeout``."""
         conn = self._take(timeout)
         conn.sock.settimeout(max(timeout, 0.001))
         try:
-            result = getattr(conn, fn_name)(*args)
+            result = fn(conn, *args)
         except KVStoreError as e:
             conn.close()
             if isinstance(e, ProtocolError):
