@@ -33,6 +33,28 @@ def _config(ctx: click.Context, section: str, flags: dict[str, Any]) -> Config:
         raise click.UsageError(str(e)) from e
 
 
+def _security_options(f: Any) -> Any:
+    for opt in reversed(
+        [
+            click.option("--tls-cert", default=None, help="PEM certificate (enables TLS)."),
+            click.option("--tls-key", default=None, help="PEM private key."),
+            click.option("--tls-ca", default=None, help="CA bundle that signed the peers."),
+            click.option(
+                "--tls-client-auth/--no-tls-client-auth",
+                default=None,
+                help="Mutual TLS: require client certificates.",
+            ),
+            click.option(
+                "--tenants-file",
+                default=None,
+                help="YAML tenants: tokens, namespaces, quotas (enables auth).",
+            ),
+        ]
+    ):
+        f = opt(f)
+    return f
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--config",
@@ -64,6 +86,7 @@ def version() -> None:
 @click.option("--metrics-port", type=int, default=None, help="Prometheus port; 0 = off.")
 @click.option("--etcd", default=None, help="etcd endpoints for HA masters.")
 @click.option("--replicas", type=int, default=None, help="Copies of each block [1].")
+@_security_options
 @click.pass_context
 def master(ctx: click.Context, /, **flags: Any) -> None:
     """Run the master (control plane: membership and the shard map)."""
@@ -99,6 +122,8 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
 @click.option("--promote-window", default=None, help="Second-hit window [60s].")
 @click.option("--pin", multiple=True, help="Pinned namespace, NS or NS=QUOTA (repeatable).")
 @click.option("--drain-timeout", default=None, help="SIGTERM: bound on drain + demotion [30s].")
+@_security_options
+@click.option("--token", default=None, help="Bearer token for the master (admin tenant).")
 @click.pass_context
 def worker(ctx: click.Context, /, **flags: Any) -> None:
     """Run a worker (a shard server with a DRAM tier)."""
@@ -162,11 +187,15 @@ def status(master: str, as_json: bool, timeout: float) -> None:
     from kvstore_client.client import parse_masters
     from kvstore_client.proto import master_pb2, master_pb2_grpc
 
+    from kvstore_client.security import Tls, metadata, open_channel
+
     addr = parse_masters(master)[0]
     try:
-        with grpc.insecure_channel(addr) as ch:
+        with open_channel(addr, Tls.from_env()) as ch:
             st = master_pb2_grpc.MasterStub(ch).ClusterStatus(
-                master_pb2.ClusterStatusRequest(), timeout=timeout
+                master_pb2.ClusterStatusRequest(),
+                timeout=timeout,
+                metadata=metadata(os.environ.get("KVSTORE_TOKEN")),
             )
     except grpc.RpcError as e:
         raise click.ClickException(f"master {addr}: {e.code().name}: {e.details()}") from e

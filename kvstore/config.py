@@ -75,6 +75,11 @@ class MasterConfig:
     etcd: str = ""  # comma-separated etcd endpoints; empty: in-memory state
     cluster_id: str = "kvstore"
     replicas: int = 1
+    tls_cert: str = ""  # PEM certificate of this daemon; with tls_key enables TLS
+    tls_key: str = ""
+    tls_ca: str = ""  # CA that signed peers' certificates
+    tls_client_auth: bool = False  # mutual TLS: require client certificates
+    tenants_file: str = ""  # YAML tenants (tokens, namespaces, quotas); empty: no auth
 
 
 @dataclass(slots=True)
@@ -103,6 +108,14 @@ class WorkerConfig:
     promote: str = "second-hit"  # SSD -> DRAM on a hit: always | second-hit | never
     promote_window: float = _dur("60s")  # second hit must come within this
     pin: list[str] = field(default_factory=list)  # pinned namespaces: "ns" or "ns=QUOTA"
+    max_batch: int = 65536  # blocks per transfer frame
+    max_connections_per_client: int = 256  # transfer connections from one address
+    tls_cert: str = ""  # PEM certificate of this daemon; with tls_key enables TLS
+    tls_key: str = ""
+    tls_ca: str = ""  # CA that signed peers' certificates
+    tls_client_auth: bool = False  # mutual TLS: require client certificates
+    tenants_file: str = ""  # YAML tenants (tokens, namespaces, quotas); empty: no auth
+    token: str = ""  # this worker's token for the master (an admin tenant's)
 
 
 @dataclass(slots=True)

@@ -25,9 +25,20 @@ import grpc
 import numpy as np
 import xxhash
 
-from .errors import InvalidArgument, KVStoreError, Unavailable, from_rpc_error
+from . import wire
+from .errors import (
+    InvalidArgument,
+    KVStoreError,
+    PermissionDenied,
+    QuotaExceeded,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+    from_rpc_error,
+)
 from .keys import check_hashes, check_namespace, leading_run
 from .proto import master_pb2, master_pb2_grpc
+from .security import Tls, metadata, open_channel
 from .sharding import Ring, build_ring
 from .transport import shm
 from .transport.shm import ShmArena
@@ -100,6 +111,8 @@ class Client:
     ``transport``: "auto" (default, or env KVSTORE_TRANSPORT) and "shm" copy through
     shared memory with workers on this host whose arena file this process may open,
     and use tcp:// with the others; "tcp" forces tcp:// everywhere.
+    ``tls`` (default: env KVSTORE_TLS_CA/CERT/KEY) and ``token`` (default: env
+    KVSTORE_TOKEN) are needed when the cluster enables TLS or tenants.
     """
 
     def __init__(
@@ -109,6 +122,8 @@ class Client:
         timeout: float = 5.0,
         transport: str | None = None,
         max_threads: int = 16,
+        tls: Tls | None = None,
+        token: str | None = None,
     ) -> None:
         if timeout <= 0:
             raise InvalidArgument("timeout must be positive")
@@ -119,6 +134,9 @@ class Client:
             )
         self.transport = transport
         self.timeout = timeout
+        self.tls = tls if tls is not None else Tls.from_env()
+        self._token = token if token is not None else os.environ.get("KVSTORE_TOKEN", "")
+        self._md = metadata(self._token)
         self._masters = parse_masters(master)
         self._master_idx = 0
         self._closed = threading.Event()
@@ -141,7 +159,7 @@ class Client:
 
     def _master_stub(self) -> master_pb2_grpc.MasterStub:
         if self._channel is None:
-            self._channel = grpc.insecure_channel(self._masters[self._master_idx])
+            self._channel = open_channel(self._masters[self._master_idx], self.tls)
         return master_pb2_grpc.MasterStub(self._channel)
 
     def _next_master(self) -> None:
@@ -155,10 +173,12 @@ class Client:
         for _ in range(len(self._masters)):
             try:
                 return self._master_stub().GetShardMap(
-                    master_pb2.GetShardMapRequest(), timeout=self.timeout
+                    master_pb2.GetShardMapRequest(), timeout=self.timeout, metadata=self._md
                 )
             except grpc.RpcError as e:
                 last = e
+                if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise from_rpc_error(e) from e
                 self._next_master()
         assert last is not None
         raise Unavailable(f"no master answered at {','.join(self._masters)}: {last}")
@@ -169,7 +189,7 @@ class Client:
             try:
                 view = self._view
                 req = master_pb2.WatchShardMapRequest(known_version=view.version if view else 0)
-                call = self._master_stub().WatchShardMap(req)
+                call = self._master_stub().WatchShardMap(req, metadata=self._md)
                 self._watch_call = call
                 for m in call:
                     self._apply_map(m)
@@ -203,7 +223,7 @@ class Client:
                 pool = self._pools.get(key)
                 if pool is None:
                     host, port = parse_tcp_url(url) if url else ("", 0)
-                    pool = self._pools[key] = TcpPool(host, port)
+                    pool = self._pools[key] = TcpPool(host, port, tls=self.tls, token=self._token)
                 arena = None
                 if self.transport != "tcp":
                     if key not in self._arenas:
@@ -305,15 +325,17 @@ class Client:
 
         def on_error(_: int, e: KVStoreError) -> None:
             if not isinstance(e, Unavailable | TimeoutError):
-                full.append(e)
+                full.append(e)  # raised after the other workers' results are in
 
         for chunk, status in zip(parts, self._fan_out(tasks, on_error), strict=True):
             if status is None:
                 continue
             for j, i in enumerate(chunk):
                 result[int(i)] = status[j] == 0
-            if any(s == 2 for s in status):
-                full.append(_full_error())
+            if wire.PUT_QUOTA in status:
+                full.append(QuotaExceeded("some blocks are over their namespace's quota"))
+            elif wire.PUT_FULL in status:
+                full.append(ResourceExhausted("a worker had no room for some blocks"))
         if full:
             raise full[0]
         return result
@@ -327,7 +349,7 @@ class Client:
             _bind(view.workers[w].exists, self.timeout, nsb, [hashes[i] for i in idx])
             for w, idx in groups
         ]
-        for (_, idx), flags in zip(groups, self._fan_out(tasks, _ignore), strict=True):
+        for (_, idx), flags in zip(groups, self._fan_out(tasks, _misses_only), strict=True):
             if flags is not None:
                 for j, i in enumerate(idx):
                     result[int(i)] = flags[j]
@@ -346,7 +368,7 @@ class Client:
             _bind(view.workers[w].get, self.timeout, nsb, [hashes[i] for i in idx], None)
             for w, idx in groups
         ]
-        for (_, idx), res in zip(groups, self._fan_out(tasks, _ignore), strict=True):
+        for (_, idx), res in zip(groups, self._fan_out(tasks, _misses_only), strict=True):
             if res is not None:
                 for j, i in enumerate(idx):
                     v = res.values[j]
@@ -384,6 +406,9 @@ class Client:
                 res = fut.result()
                 for j, i in enumerate(idx):
                     result[int(i)] = res.found[j]
+            except (InvalidArgument, PermissionDenied, Unauthenticated) as e:
+                if not done.done():
+                    done.set_exception(e)
             except KVStoreError:
                 pass
             except Exception as e:  # a bug: surface it rather than hang the caller
@@ -414,7 +439,7 @@ class Client:
             _bind(view.workers[w].remove, self.timeout, nsb, [hashes[i] for i in idx])
             for w, idx in groups
         ]
-        return sum(n for n in self._fan_out(tasks, _ignore) if n is not None)
+        return sum(n for n in self._fan_out(tasks, _misses_only) if n is not None)
 
     # ---- admin ---------------------------------------------------------------
 
@@ -422,7 +447,7 @@ class Client:
         """The master's view of the cluster (workers, capacities, stats)."""
         try:
             return self._master_stub().ClusterStatus(
-                master_pb2.ClusterStatusRequest(), timeout=self.timeout
+                master_pb2.ClusterStatusRequest(), timeout=self.timeout, metadata=self._md
             )
         except grpc.RpcError as e:
             raise from_rpc_error(e) from e
@@ -460,14 +485,10 @@ def _bind(fn: Callable[..., Any], *args: object) -> Callable[[], Any]:
     return functools.partial(fn, *args)
 
 
-def _ignore(_: int, __: KVStoreError) -> None:
-    return None
-
-
-def _full_error() -> KVStoreError:
-    from .errors import ResourceExhausted
-
-    return ResourceExhausted("a worker had no room for some blocks (every slot pinned)")
+def _misses_only(_: int, e: KVStoreError) -> None:
+    """Worker trouble becomes misses; the caller's own mistakes are raised."""
+    if isinstance(e, InvalidArgument | PermissionDenied | Unauthenticated):
+        raise e
 
 
 def _chunks(idx: np.ndarray, sizes: list[int]) -> list[np.ndarray]:

@@ -54,6 +54,10 @@ class ResourceExhausted(KVStoreError):
     code = Code.RESOURCE_EXHAUSTED
 
 
+class QuotaExceeded(ResourceExhausted):
+    """A pinned namespace or a tenant is over its byte quota."""
+
+
 class PermissionDenied(KVStoreError):
     """The caller may not touch this namespace."""
 

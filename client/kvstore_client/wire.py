@@ -13,7 +13,7 @@ Request  = header(20) | namespace(ns_len) | body
 Answer   = header(20) | body
   header = magic b"KVA1" | op u8 | code u8 | reserved u16 | count u32 | req_id u64
   code != 0: body is `count` bytes of UTF-8 message; the server closes after it
-  PUT     body: count x status u8           (PUT_STORED, PUT_PRESENT, PUT_FULL, PUT_CORRUPT)
+  PUT     body: count x status u8 (PUT_STORED, PUT_PRESENT, PUT_FULL, PUT_CORRUPT, PUT_QUOTA)
   GET     body: count x (status u8 | pad 3 | size u32 | xxh3_64 u64)  then the found payloads
   EXISTS  body: ceil(count/8) bytes of bitmap (see keys.to_bitmap)
   REMOVE  body: empty; count = number removed
@@ -30,6 +30,11 @@ the client copies bytes itself through its own mapping of the worker's arena:
   PUT_COMMIT body: count x ok u8 (the client wrote the slot); req_id names the PUT_LOC
              answer: count x status u8 (PUT_*). Reserved slots die with the connection.
 
+With tenants configured, a connection's first frame is AUTH (ns_len 0, count =
+token length, body = the token); the answer is OK or UNAUTHENTICATED (then closed).
+A frame for a namespace the tenant does not own is answered PERMISSION_DENIED
+and the connection is closed. With TLS, the connection is wrapped before any frame.
+
 Payload bytes are never pickled or copied into the frame: senders pass them as
 separate buffers to ``sendmsg`` and receivers ``recv_into`` their destination.
 """
@@ -37,6 +42,7 @@ separate buffers to ``sendmsg`` and receivers ``recv_into`` their destination.
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,13 +64,16 @@ OP_GET_LOC = 5
 OP_RELEASE = 6
 OP_PUT_LOC = 7
 OP_PUT_COMMIT = 8
-OPS = frozenset(range(1, 9))
+OP_AUTH = 9
+OPS = frozenset(range(1, 10))
+MAX_TOKEN = 4096
 
 PUT_STORED = 0
 PUT_PRESENT = 1
 PUT_FULL = 2
 PUT_CORRUPT = 3
 PUT_TOO_LARGE = 4
+PUT_QUOTA = 5
 
 GET_HIT = 1
 GET_MISS = 0
@@ -135,8 +144,15 @@ def discard(sock: socket.socket, n: int, scratch: memoryview) -> None:
 
 
 def send_buffers(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
-    """Send all buffers with as few ``sendmsg`` calls as the kernel allows, no copies."""
+    """Send all buffers with as few ``sendmsg`` calls as the kernel allows, no copies.
+
+    TLS sockets cannot ``sendmsg``: they get one ``sendall`` per buffer instead.
+    """
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    if isinstance(sock, ssl.SSLSocket):
+        for v in views:
+            sock.sendall(v)
+        return
     i = 0
     while i < len(views):
         batch = views[i : i + IOV_MAX]

@@ -15,7 +15,12 @@ import socket
 from dataclasses import dataclass, field
 
 from kvstore_client import wire
-from kvstore_client.errors import InvalidArgument, ProtocolError, ResourceExhausted
+from kvstore_client.errors import (
+    InvalidArgument,
+    ProtocolError,
+    QuotaExceeded,
+    ResourceExhausted,
+)
 from kvstore_client.keys import HASH_LEN
 
 from ..worker.store import BlockStore, Reading
@@ -106,7 +111,8 @@ def put_loc(store: BlockStore, st: ShmState, conn: socket.socket, h: wire.Header
         if isinstance(s, Block):
             wire.PUT_LOC_ENTRY.pack_into(answer, off, wire.PUT_LOC_SLOT, s.offset)
         elif isinstance(s, ResourceExhausted):
-            wire.PUT_LOC_ENTRY.pack_into(answer, off, wire.PUT_FULL, 0)
+            full = wire.PUT_QUOTA if isinstance(s, QuotaExceeded) else wire.PUT_FULL
+            wire.PUT_LOC_ENTRY.pack_into(answer, off, full, 0)
         else:
             wire.PUT_LOC_ENTRY.pack_into(answer, off, wire.PUT_PRESENT, 0)
     st.reserved[h.req_id] = slots
@@ -130,7 +136,12 @@ def put_commit(
             ok.append(bool(f))
             status[i] = wire.PUT_STORED if f else wire.PUT_CORRUPT
         else:
-            status[i] = wire.PUT_FULL if isinstance(s, ResourceExhausted) else wire.PUT_PRESENT
+            if isinstance(s, QuotaExceeded):
+                status[i] = wire.PUT_QUOTA
+            elif isinstance(s, ResourceExhausted):
+                status[i] = wire.PUT_FULL
+            else:
+                status[i] = wire.PUT_PRESENT
     store.finish_many(blocks, ok)
     wire.send_buffers(conn, [wire.encode_answer_header(h.op, 0, h.count, h.req_id), status])
     return sum(b.size for b, good in zip(blocks, ok, strict=True) if good)

@@ -12,14 +12,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 
 import xxhash
 from kvstore_client import wire
-from kvstore_client.errors import InvalidArgument, KVStoreError, ProtocolError, ResourceExhausted
+from kvstore_client.errors import (
+    InvalidArgument,
+    KVStoreError,
+    PermissionDenied,
+    ProtocolError,
+    QuotaExceeded,
+    ResourceExhausted,
+    Unauthenticated,
+)
 from kvstore_client.keys import HASH_LEN, check_namespace, to_bitmap
 
+from ..auth import Tenant, Tenants
 from ..worker.store import BlockStore
 from ..worker.tiers.dram import Block
 from . import shm
@@ -51,9 +61,16 @@ class TcpTransferServer:
         idle_timeout: float = 300.0,
         frame_timeout: float = 30.0,
         max_batch: int = wire.MAX_BATCH,
+        max_per_client: int = 256,
         on_bytes: Callable[[str, int], None] | None = None,
+        tenants: Tenants | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.store = store
+        self.tenants = tenants
+        self.ssl_context = ssl_context
+        self.max_per_client = max_per_client
+        self._per_client: dict[str, int] = {}
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
         self.frame_timeout = frame_timeout
@@ -91,19 +108,31 @@ class TcpTransferServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
+            peer = conn.getpeername()[0]
             with self._conns_lock:
-                if len(self._conns) >= self.max_connections:
+                if (
+                    len(self._conns) >= self.max_connections
+                    or self._per_client.get(peer, 0) >= self.max_per_client
+                ):
                     self.rejected_connections += 1
                     conn.close()
                     continue
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="tcp-conn", daemon=True).start()
+                self._per_client[peer] = self._per_client.get(peer, 0) + 1
+            threading.Thread(
+                target=self._serve, args=(conn, peer), name="tcp-conn", daemon=True
+            ).start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        tune_socket(conn)
+    def _serve(self, raw: socket.socket, peer: str) -> None:
+        tune_socket(raw)
         scratch = memoryview(bytearray(SCRATCH))
         shm_state = shm.ShmState()
+        conn = raw
         try:
+            if self.ssl_context is not None:
+                raw.settimeout(self.frame_timeout)
+                conn = self.ssl_context.wrap_socket(raw, server_side=True)
+            tenant = self._authenticate(conn) if self.tenants is not None else None
             while not self._stopping.is_set():
                 conn.settimeout(self.idle_timeout)
                 first = conn.recv(wire.HEADER_LEN)
@@ -113,7 +142,7 @@ class TcpTransferServer:
                 head = bytearray(first)
                 if len(head) < wire.HEADER_LEN:
                     head += wire.recv_exact(conn, wire.HEADER_LEN - len(head))
-                self._frame(conn, head, scratch, shm_state)
+                self._frame(conn, head, scratch, shm_state, tenant)
         except ProtocolError as e:
             self.store.counters.bad_frames += 1
             log.info("closing connection after a bad frame: %s", e)
@@ -124,13 +153,47 @@ class TcpTransferServer:
         finally:
             shm_state.close(self.store)
             with self._conns_lock:
-                self._conns.discard(conn)
+                self._conns.discard(raw)
+                left = self._per_client.get(peer, 1) - 1
+                if left:
+                    self._per_client[peer] = left
+                else:
+                    self._per_client.pop(peer, None)
             conn.close()
 
+    def _authenticate(self, conn: socket.socket) -> Tenant:
+        """The first frame must be AUTH with a known token."""
+        assert self.tenants is not None
+        conn.settimeout(self.frame_timeout)
+        h = wire.decode_header(wire.recv_exact(conn, wire.HEADER_LEN), wire.REQ_MAGIC)
+        if h.op != wire.OP_AUTH or h.count > wire.MAX_TOKEN:
+            err: KVStoreError = Unauthenticated("the first frame must be AUTH with a token")
+            self._fail(conn, h, err)
+            raise ProtocolError(str(err))
+        token = wire.recv_exact(conn, h.count).decode(errors="replace")
+        try:
+            tenant = self.tenants.authenticate(token)
+        except Unauthenticated as e:
+            self._fail(conn, h, e)
+            raise ProtocolError(str(e)) from e
+        conn.sendall(wire.encode_answer_header(h.op, 0, 0, h.req_id))
+        return tenant
+
     def _frame(
-        self, conn: socket.socket, head: bytearray, scratch: memoryview, st: shm.ShmState
+        self,
+        conn: socket.socket,
+        head: bytearray,
+        scratch: memoryview,
+        st: shm.ShmState,
+        tenant: Tenant | None,
     ) -> None:
         h = wire.decode_header(head, wire.REQ_MAGIC)
+        if h.op == wire.OP_AUTH:
+            if tenant is not None or h.count > wire.MAX_TOKEN:
+                raise ProtocolError("AUTH is only valid as the first frame")
+            wire.recv_exact(conn, h.count)  # no tenants configured: any token will do
+            conn.sendall(wire.encode_answer_header(h.op, 0, 0, h.req_id))
+            return
         if h.ns_len == 0 or h.ns_len > 255:
             raise ProtocolError(f"namespace length {h.ns_len} out of range")
         ns_raw = wire.recv_exact(conn, h.ns_len)
@@ -139,6 +202,10 @@ class TcpTransferServer:
         except (UnicodeDecodeError, InvalidArgument) as e:
             self._fail(conn, h, InvalidArgument(f"bad namespace: {e}"))
             raise ProtocolError("bad namespace") from e
+        if tenant is not None and not tenant.owns(ns):
+            denied = PermissionDenied(f"tenant {tenant.name!r} does not own namespace {ns!r}")
+            self._fail(conn, h, denied)
+            raise ProtocolError(str(denied))
         if h.count > self.max_batch:
             err = InvalidArgument(f"batch of {h.count} exceeds the limit of {self.max_batch}")
             self._fail(conn, h, err)
@@ -217,7 +284,11 @@ class TcpTransferServer:
                 else:
                     wire.discard(conn, size, scratch)
                     full = isinstance(slot, ResourceExhausted)
-                    status[i] = wire.PUT_FULL if full else wire.PUT_PRESENT
+                    status[i] = (
+                        (wire.PUT_QUOTA if isinstance(slot, QuotaExceeded) else wire.PUT_FULL)
+                        if full
+                        else wire.PUT_PRESENT
+                    )
         except BaseException:
             # The sender vanished mid-frame: none of its blocks become visible.
             self.store.finish_many(reserved, [False] * len(reserved))

@@ -21,9 +21,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvstore_client import __version__
 from kvstore_client.client import parse_masters
 from kvstore_client.proto import master_pb2, master_pb2_grpc, store_pb2_grpc
+from kvstore_client.security import Tls, metadata, open_channel
 from kvstore_client.transport.shm import host_id, shm_url
 
 from .. import metrics
+from ..auth import Tenants
 from ..config import WorkerConfig
 from ..errors import InvalidArgument
 from ..transport.tcp import TcpTransferServer
@@ -56,6 +58,10 @@ class Worker:
                 f"({cfg.max_value_size} bytes)"
             )
         pins = parse_pins(cfg.pin)
+        self.tenants = Tenants.load(cfg.tenants_file) if cfg.tenants_file else None
+        self.tls = Tls(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
+        if self.tls.enabled and not (cfg.tls_cert and cfg.tls_key):
+            raise InvalidArgument("TLS needs both --tls-cert and --tls-key")
         ssd = SsdStore(cfg.ssd_path, cfg.ssd_size, sync=cfg.ssd_sync) if cfg.ssd_path else None
         self.arena = Arena(cfg.dram_size - cfg.dram_size % cfg.max_value_size, cfg.shm_dir)
         self.store = BlockStore(
@@ -66,6 +72,7 @@ class Worker:
             ssd_marks=Watermarks(cfg.ssd_high, cfg.ssd_low),
             promoter=Promoter(cfg.promote, cfg.promote_window),
             pins=pins,
+            tenant_quota=self.tenants.quota_book() if self.tenants else None,
         )
         self.advertise = cfg.advertise_host or (
             socket.gethostname() if cfg.host in ("0.0.0.0", "::", "") else cfg.host
@@ -77,7 +84,13 @@ class Worker:
             max_connections=cfg.max_connections,
             idle_timeout=cfg.idle_timeout,
             frame_timeout=cfg.frame_timeout,
+            max_batch=cfg.max_batch,
+            max_per_client=cfg.max_connections_per_client,
             on_bytes=lambda d, n: metrics.TRANSFER_BYTES.labels("tcp", d).inc(n),
+            tenants=self.tenants,
+            ssl_context=(
+                self.tls.server_context(cfg.tls_client_auth) if self.tls.enabled else None
+            ),
         )
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc"),
@@ -87,9 +100,14 @@ class Worker:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        self.grpc_port = self.grpc_server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        bind = f"{cfg.host}:{cfg.grpc_port}"
+        if self.tls.enabled:
+            creds = self.tls.server_credentials(cfg.tls_client_auth)
+            self.grpc_port = self.grpc_server.add_secure_port(bind, creds)
+        else:
+            self.grpc_port = self.grpc_server.add_insecure_port(bind)
         self.id = cfg.id or f"{self.advertise}-{self.grpc_port}"
-        self.servicer = StoreServicer(self.store, self.id, self.stats)
+        self.servicer = StoreServicer(self.store, self.id, self.stats, self.tenants)
         store_pb2_grpc.add_StoreServicer_to_server(self.servicer, self.grpc_server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
@@ -154,21 +172,25 @@ class Worker:
     # ---- master link ---------------------------------------------------------
 
     def _heartbeat_loop(self) -> None:
+        md = metadata(self.cfg.token)
         idx = 0
         registered = False
         interval = 1.0
-        channel = grpc.insecure_channel(self._masters[idx])
+        channel = open_channel(self._masters[idx], self.tls)
         while not self._stop.is_set():
             stub = master_pb2_grpc.MasterStub(channel)
             try:
                 if not registered:
-                    r = stub.Register(master_pb2.RegisterRequest(worker=self.info()), timeout=5)
+                    r = stub.Register(
+                        master_pb2.RegisterRequest(worker=self.info()), timeout=5, metadata=md
+                    )
                     interval = r.heartbeat_interval_s or 1.0
                     registered = True
                     log.info("registered with master %s as %s", self._masters[idx], self.id)
                 hb = stub.Heartbeat(
                     master_pb2.HeartbeatRequest(worker_id=self.id, stats=self._pb_stats()),
                     timeout=5,
+                    metadata=md,
                 )
                 registered = hb.known
             except grpc.RpcError as e:
@@ -176,12 +198,12 @@ class Worker:
                 registered = False
                 channel.close()
                 idx = (idx + 1) % len(self._masters)
-                channel = grpc.insecure_channel(self._masters[idx])
+                channel = open_channel(self._masters[idx], self.tls)
                 interval = 1.0
             self._stop.wait(interval if registered else min(interval, 1.0))
         with contextlib.suppress(grpc.RpcError):
             master_pb2_grpc.MasterStub(channel).Leave(
-                master_pb2.LeaveRequest(worker_id=self.id), timeout=2
+                master_pb2.LeaveRequest(worker_id=self.id), timeout=2, metadata=md
             )
         channel.close()
 

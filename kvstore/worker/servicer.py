@@ -15,6 +15,7 @@ from kvstore_client.keys import check_namespace, to_bitmap, unpack_hashes
 from kvstore_client.proto import store_pb2, store_pb2_grpc
 
 from .. import metrics
+from ..auth import Tenant, Tenants, bearer
 from ..errors import InvalidArgument, Unavailable, abort, to_grpc_code
 from .store import BlockStore
 
@@ -24,18 +25,28 @@ MAX_BATCH = 1 << 16
 
 
 class StoreServicer(store_pb2_grpc.StoreServicer):
-    def __init__(self, store: BlockStore, worker_id: str, stats: Callable[[], dict[str, float]]):
+    def __init__(
+        self,
+        store: BlockStore,
+        worker_id: str,
+        stats: Callable[[], dict[str, float]],
+        tenants: Tenants | None = None,
+    ):
         self.store = store
+        self.tenants = tenants
         self.worker_id = worker_id
         self.draining = False
         self._stats = stats
 
-    def _run(self, op: str, context: grpc.ServicerContext, fn: Callable[[], R]) -> R:
+    def _run(self, op: str, context: grpc.ServicerContext, fn: Callable[[Tenant | None], R]) -> R:
         t0 = time.perf_counter()
         try:
+            tenant = None
+            if self.tenants is not None:
+                tenant = self.tenants.authenticate(bearer(context.invocation_metadata()))
             if self.draining and op not in ("stats",):
                 raise Unavailable("worker is draining")
-            out = fn()
+            out = fn(tenant)
             metrics.REQUESTS.labels(op, "OK").inc()
             return out
         except Exception as e:
@@ -45,8 +56,14 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             metrics.LATENCY.labels(op).observe(time.perf_counter() - t0)
 
     @staticmethod
-    def _keys(ns: str, packed: bytes) -> tuple[str, list[bytes]]:
+    def _ns(tenant: Tenant | None, ns: str) -> str:
         check_namespace(ns)
+        if tenant is not None:
+            Tenants.authorize(tenant, ns)
+        return ns
+
+    def _keys(self, tenant: Tenant | None, ns: str, packed: bytes) -> tuple[str, list[bytes]]:
+        self._ns(tenant, ns)
         keys = unpack_hashes(packed)
         if len(keys) > MAX_BATCH:
             raise InvalidArgument(f"batch of {len(keys)} exceeds the limit of {MAX_BATCH}")
@@ -55,8 +72,8 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def Exists(
         self, request: store_pb2.ExistsRequest, context: grpc.ServicerContext
     ) -> store_pb2.ExistsResponse:
-        def go() -> store_pb2.ExistsResponse:
-            ns, keys = self._keys(request.namespace, request.hashes)
+        def go(tenant: Tenant | None) -> store_pb2.ExistsResponse:
+            ns, keys = self._keys(tenant, request.namespace, request.hashes)
             flags = self.store.exists(ns, keys)
             return store_pb2.ExistsResponse(bitmap=to_bitmap(flags), count=len(flags))
 
@@ -65,11 +82,11 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def MatchPrefix(
         self, request: store_pb2.MatchPrefixRequest, context: grpc.ServicerContext
     ) -> store_pb2.MatchPrefixResponse:
-        def go() -> store_pb2.MatchPrefixResponse:
-            ns, keys = self._keys(request.namespace, request.hashes)
+        def go(tenant: Tenant | None) -> store_pb2.MatchPrefixResponse:
+            ns, keys = self._keys(tenant, request.namespace, request.hashes)
             state = request.state_namespace
             if state:
-                check_namespace(state)
+                self._ns(tenant, state)
             return store_pb2.MatchPrefixResponse(matched=self.store.match_prefix(ns, keys, state))
 
         return self._run("match_prefix", context, go)
@@ -77,8 +94,8 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def Put(
         self, request: store_pb2.PutRequest, context: grpc.ServicerContext
     ) -> store_pb2.PutResponse:
-        def go() -> store_pb2.PutResponse:
-            ns, keys = self._keys(request.namespace, request.hashes)
+        def go(tenant: Tenant | None) -> store_pb2.PutResponse:
+            ns, keys = self._keys(tenant, request.namespace, request.hashes)
             values = list(request.values)
             if len(values) != len(keys):
                 raise InvalidArgument(f"{len(keys)} hashes but {len(values)} values")
@@ -94,8 +111,8 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def Get(
         self, request: store_pb2.GetRequest, context: grpc.ServicerContext
     ) -> store_pb2.GetResponse:
-        def go() -> store_pb2.GetResponse:
-            ns, keys = self._keys(request.namespace, request.hashes)
+        def go(tenant: Tenant | None) -> store_pb2.GetResponse:
+            ns, keys = self._keys(tenant, request.namespace, request.hashes)
             vals = self.store.get_bytes(ns, keys)
             return store_pb2.GetResponse(
                 found_bitmap=to_bitmap([v is not None for v in vals]),
@@ -107,8 +124,8 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def Remove(
         self, request: store_pb2.RemoveRequest, context: grpc.ServicerContext
     ) -> store_pb2.RemoveResponse:
-        def go() -> store_pb2.RemoveResponse:
-            ns, keys = self._keys(request.namespace, request.hashes)
+        def go(tenant: Tenant | None) -> store_pb2.RemoveResponse:
+            ns, keys = self._keys(tenant, request.namespace, request.hashes)
             return store_pb2.RemoveResponse(removed=self.store.remove(ns, keys))
 
         return self._run("remove", context, go)
@@ -116,8 +133,8 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def RemoveNamespace(
         self, request: store_pb2.RemoveNamespaceRequest, context: grpc.ServicerContext
     ) -> store_pb2.RemoveNamespaceResponse:
-        def go() -> store_pb2.RemoveNamespaceResponse:
-            ns = check_namespace(request.namespace)
+        def go(tenant: Tenant | None) -> store_pb2.RemoveNamespaceResponse:
+            ns = self._ns(tenant, request.namespace)
             return store_pb2.RemoveNamespaceResponse(removed=self.store.remove_namespace(ns))
 
         return self._run("remove_namespace", context, go)
@@ -125,7 +142,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def Stats(
         self, request: store_pb2.StatsRequest, context: grpc.ServicerContext
     ) -> store_pb2.StatsResponse:
-        def go() -> store_pb2.StatsResponse:
+        def go(tenant: Tenant | None) -> store_pb2.StatsResponse:
             s = self._stats()
             return store_pb2.StatsResponse(
                 worker_id=self.worker_id,

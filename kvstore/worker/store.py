@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
-from kvstore_client.errors import ResourceExhausted
+from kvstore_client.errors import QuotaExceeded, ResourceExhausted
 
 from .arena import Arena
 from .tiers.dram import Block, DramTier
-from .tiers.policy import PinQuota, Promoter, SsdIndex, Watermarks
+from .tiers.policy import Promoter, QuotaBook, SsdIndex, Watermarks
 from .tiers.ssd import SsdStore
 
 log = logging.getLogger(__name__)
@@ -73,9 +73,11 @@ class BlockStore:
         ssd_marks: Watermarks | None = None,
         promoter: Promoter | None = None,
         pins: dict[str, int] | None = None,
+        tenant_quota: QuotaBook | None = None,
     ) -> None:
         self.arena = arena
-        self.quota = PinQuota(pins or {})
+        self.quota = QuotaBook(pins or {})
+        self.books = [self.quota, *([tenant_quota] if tenant_quota else [])]
         self.tier = DramTier(
             arena.size, slab_size, on_evict=self._on_evict, pinned=self.quota.quotas
         )
@@ -132,7 +134,7 @@ class BlockStore:
                     gone.append((ns, k))
                 if in_dram or e is not None:
                     n += 1
-                    self.quota.refund(ns, b.size if b is not None else e.size if e else 0)
+                    self._refund(ns, b.size if b is not None else e.size if e else 0)
         if gone and self.ssd is not None:
             self.ssd.delete_many(gone)
         return n
@@ -156,8 +158,8 @@ class BlockStore:
                     self.tier.counters.skipped += 1
                     out.append(None)
                     continue
-                if not self.quota.admits(ns, s):
-                    out.append(ResourceExhausted(f"pinned namespace {ns!r} is over its quota"))
+                if not all(q.admits(ns, s) for q in self.books):
+                    out.append(QuotaExceeded(f"namespace {ns!r} is over its quota"))
                     continue
                 try:
                     b = self.tier.reserve(ns, k, s, c)
@@ -165,13 +167,21 @@ class BlockStore:
                     out.append(e)
                     continue
                 if b is not None:
-                    self.quota.charge(ns, s)
+                    self._charge(ns, s)
                 out.append(b)
         if self._demoter is not None and self.dram_marks.excess(
             self.tier.used_bytes, self.tier.capacity
         ):
             self._wake.set()
         return out
+
+    def _charge(self, ns: str, size: int) -> None:
+        for q in self.books:
+            q.charge(ns, size)
+
+    def _refund(self, ns: str, size: int) -> None:
+        for q in self.books:
+            q.refund(ns, size)
 
     def view(self, b: Block) -> memoryview:
         return self.arena.slot(b.offset, b.size)
@@ -183,7 +193,7 @@ class BlockStore:
                 if good:
                     self.tier.commit(b)
                 else:
-                    self.quota.refund(b.ns, b.size)
+                    self._refund(b.ns, b.size)
                     self.tier.abort(b)
 
     def put_bytes(self, ns: str, keys: Sequence[bytes], values: Sequence[bytes]) -> list[bool]:
@@ -281,7 +291,7 @@ class BlockStore:
             if corrupt:
                 self.counters.checksum_errors += 1
             if e is not None:
-                self.quota.refund(ns, e.size)
+                self._refund(ns, e.size)
         if self.ssd is not None:
             self.ssd.delete_many([(ns, key)])
 
@@ -398,7 +408,7 @@ class BlockStore:
                 bad.append(raw)
                 continue
             self.ssd_index.add(ns, key, header.size, stored)
-            self.quota.charge(ns, header.size)
+            self._charge(ns, header.size)
         if bad:
             self.ssd.delete_raw(bad)
             self.counters.checksum_errors += len(bad)

@@ -13,7 +13,7 @@ from kvstore_client.errors import InvalidArgument, ResourceExhausted
 
 from kvstore.worker.arena import Arena
 from kvstore.worker.store import BlockStore
-from kvstore.worker.tiers.policy import PinQuota, Promoter, SsdIndex, Watermarks, parse_pins
+from kvstore.worker.tiers.policy import QuotaBook, Promoter, SsdIndex, Watermarks, parse_pins
 from kvstore.worker.tiers.ssd import HEADER_LEN, SsdStore, decode_header, encode_header
 from tests.helpers import key, value_for
 
@@ -52,7 +52,11 @@ def test_ssd_index_lru_victims_skip_pinned() -> None:
 
 
 def test_pin_quota_and_parsing() -> None:
-    q = PinQuota(parse_pins(["sys=1KiB", "tools"]))
+    q = QuotaBook(parse_pins(["sys=1KiB", "tools"]))
+    tenants = QuotaBook({"a": 100}, key_of=lambda ns: ns.split("/")[0])
+    assert tenants.admits("a/x", 100) and not tenants.admits("a/y", 101)
+    tenants.charge("a/x", 60)
+    assert not tenants.admits("a/y", 50), "one account for every namespace of a tenant"
     assert q.is_pinned("sys") and q.is_pinned("tools") and not q.is_pinned("x")
     assert q.admits("sys", 1024) and not q.admits("sys", 1025)
     q.charge("sys", 1000)

@@ -21,6 +21,7 @@ import xxhash
 from .. import wire
 from ..errors import DeadlineExceeded, KVStoreError, ProtocolError, Unavailable, from_code
 from ..keys import HASH_LEN, from_bitmap
+from ..security import Tls, wrap_client_socket
 
 SOCK_BUF = 4 << 20
 R = TypeVar("R")
@@ -38,14 +39,30 @@ class GetResult:
 class TcpConnection:
     """One blocking connection; not thread-safe (the pool hands it to one caller)."""
 
-    def __init__(self, host: str, port: int, timeout: float) -> None:
-        self.sock = socket.create_connection((host, port), timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def __init__(
+        self, host: str, port: int, timeout: float, tls: Tls | None = None, token: str = ""
+    ) -> None:
+        sock = socket.create_connection((host, port), timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             with contextlib.suppress(OSError):
-                self.sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
+                sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
         self._req = 0
         self._scratch = memoryview(bytearray(1 << 16))
+        try:
+            self.sock = wrap_client_socket(sock, tls, host)
+            if token:
+                self._auth(token)
+        except BaseException:
+            sock.close()
+            raise
+
+    def _auth(self, token: str) -> None:
+        raw = token.encode()
+        self._req += 1
+        head = wire.encode_request_header(wire.OP_AUTH, b"", len(raw), self._req)
+        wire.send_buffers(self.sock, [head, raw])
+        self._answer(wire.OP_AUTH, self._req)
 
     def close(self) -> None:
         self.sock.close()
@@ -135,9 +152,13 @@ class TcpConnection:
 class TcpPool:
     """Connections to one worker's tcp:// endpoint, opened on demand."""
 
-    def __init__(self, host: str, port: int, *, max_idle: int = 8) -> None:
+    def __init__(
+        self, host: str, port: int, *, max_idle: int = 8, tls: Tls | None = None, token: str = ""
+    ) -> None:
         self.host = host
         self.port = port
+        self.tls = tls
+        self.token = token
         self.max_idle = max_idle
         self._idle: list[TcpConnection] = []
         self._lock = threading.Lock()
@@ -153,7 +174,7 @@ class TcpPool:
         if time.monotonic() < self.down_until:
             raise Unavailable(f"worker {self.host}:{self.port} was unreachable a moment ago")
         try:
-            return TcpConnection(self.host, self.port, timeout)
+            return TcpConnection(self.host, self.port, timeout, self.tls, self.token)
         except OSError as e:
             self.down_until = time.monotonic() + 0.5
             raise Unavailable(f"cannot connect to {self.host}:{self.port}: {e}") from e

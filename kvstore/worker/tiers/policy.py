@@ -17,7 +17,7 @@ again costs nothing.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvstore_client.errors import InvalidArgument
@@ -132,27 +132,36 @@ class SsdIndex:
         return out
 
 
-class PinQuota:
-    """Byte quotas of pinned namespaces (counted once, whichever tiers hold a block)."""
+class QuotaBook:
+    """Byte quotas, counted once whichever tiers hold a block.
 
-    def __init__(self, quotas: dict[str, int]) -> None:
+    ``key_of(ns)`` names the account a namespace is charged to (a pinned
+    namespace itself, or the tenant that owns it), or None for no quota.
+    """
+
+    def __init__(
+        self, quotas: dict[str, int], key_of: Callable[[str], str | None] | None = None
+    ) -> None:
         self.quotas = dict(quotas)
         self.used: dict[str, int] = dict.fromkeys(quotas, 0)
+        self._key_of = key_of or (lambda ns: ns if ns in self.quotas else None)
 
     def is_pinned(self, ns: str) -> bool:
         return ns in self.quotas
 
     def admits(self, ns: str, size: int) -> bool:
-        q = self.quotas.get(ns)
-        return q is None or self.used[ns] + size <= q
+        k = self._key_of(ns)
+        return k is None or k not in self.quotas or self.used[k] + size <= self.quotas[k]
 
     def charge(self, ns: str, size: int) -> None:
-        if ns in self.used:
-            self.used[ns] += size
+        k = self._key_of(ns)
+        if k in self.used:
+            self.used[k] += size
 
     def refund(self, ns: str, size: int) -> None:
-        if ns in self.used:
-            self.used[ns] = max(0, self.used[ns] - size)
+        k = self._key_of(ns)
+        if k in self.used:
+            self.used[k] = max(0, self.used[k] - size)
 
 
 def parse_pins(specs: Iterable[str]) -> dict[str, int]:
