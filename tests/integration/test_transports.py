@@ -111,3 +111,44 @@ with Client(PARAMS["master"]) as c:
         for s in range(0, 60, 10):
             part = fresh[s : s + 10]
             assert all(c.batch_put(NS, part, [value_for(k, 1 << 20) for k in part]))
+
+
+def test_corrupted_dram_block_is_a_miss_on_every_path(cluster: LocalCluster) -> None:
+    """Flip a byte of a stored block inside the worker's arena file: tcp://, shm:// and
+    gRPC readers all get a miss, never the wrong bytes."""
+    import grpc
+    from kvstore_client.proto import store_pb2, store_pb2_grpc
+
+    keys = [key(i, "rot") for i in range(8)]
+    vals = [value_for(k, 64 * 1024) for k in keys]
+    with Client(cluster.address, transport="tcp") as c:
+        assert all(c.batch_put(NS, keys, vals))
+    flipped = 0
+    for w in cluster.worker_procs:
+        path = shm.parse_shm_url(
+            next(u for u in w_endpoints(cluster, w.ready["id"]) if u.startswith("shm://"))
+        )[0]
+        with open(path, "r+b") as f:
+            data = f.read()
+            at = data.find(vals[0][:4096])
+            if at >= 0:
+                f.seek(at + 10)
+                f.write(bytes([data[at + 10] ^ 0xFF]))
+                flipped += 1
+                grpc_addr = w.ready["grpc"]
+    assert flipped == 1
+    for transport in ("tcp", "shm"):
+        with Client(cluster.address, transport=transport) as c:
+            got = c.batch_get(NS, keys)
+            assert got[0] is None, f"{transport}: a corrupt block is a miss"
+            assert got[1:] == vals[1:]
+    with grpc.insecure_channel(grpc_addr) as ch:
+        r = store_pb2_grpc.StoreStub(ch).Get(
+            store_pb2.GetRequest(namespace=NS, hashes=keys[0]), timeout=5
+        )
+        assert r.found_bitmap == b"\x00", "the worker's own check drops it on the gRPC path"
+
+
+def w_endpoints(cluster: LocalCluster, worker_id: str) -> list[str]:
+    with Client(cluster.address) as c:
+        return next(list(w.endpoints) for w in c.workers() if w.id == worker_id)
