@@ -85,6 +85,9 @@ def version() -> None:
 @click.option("--worker-ttl", default=None, help="Drop a worker silent this long [10s].")
 @click.option("--metrics-port", type=int, default=None, help="Prometheus port; 0 = off.")
 @click.option("--etcd", default=None, help="etcd endpoints for HA masters.")
+@click.option("--lease-ttl", default=None, help="etcd leader lease; bounds failover [5s].")
+@click.option("--advertise-host", default=None, help="Address other masters forward to.")
+@click.option("--cluster-id", default=None, help="Cluster name (etcd key prefix) [kvstore].")
 @click.option("--replicas", type=int, default=None, help="Copies of each block [1].")
 @_security_options
 @click.pass_context

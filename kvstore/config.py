@@ -73,6 +73,8 @@ class MasterConfig:
     worker_ttl: float = _dur("10s")
     metrics_port: int = 0  # 0: no metrics endpoint
     etcd: str = ""  # comma-separated etcd endpoints; empty: in-memory state
+    lease_ttl: float = _dur("5s")  # etcd lease of the leader: a dead leader's key lives this long
+    advertise_host: str = ""  # address other masters forward to; default: host, $POD_IP, hostname
     cluster_id: str = "kvstore"
     replicas: int = 1
     tls_cert: str = ""  # PEM certificate of this daemon; with tls_key enables TLS

@@ -12,9 +12,20 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from kvstore_client import __version__
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client import (
+    REGISTRY,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+# No *_created series: they double the series count and dashboards do not use them.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 LATENCY_BUCKETS = (
     0.0001,
@@ -53,8 +64,47 @@ TRANSFER_BYTES = Counter(
 BAD_FRAMES = Counter(
     "kvstore_bad_frames_total", "Transfer connections closed for a malformed frame", ["transport"]
 )
-LIVE_WORKERS = Gauge("kvstore_live_workers", "Workers in the shard map (master)")
-MAP_VERSION = Gauge("kvstore_shard_map_version", "Version of the shard map (master)")
+# The master's own metrics: registered only by the master (enable_master_metrics), so
+# workers do not export a misleading kvstore_master_leader 0.
+LIVE_WORKERS = Gauge("kvstore_live_workers", "Workers in the shard map (master)", registry=None)
+MAP_VERSION = Gauge("kvstore_shard_map_version", "Version of the shard map (master)", registry=None)
+MASTER_LEADER = Gauge(
+    "kvstore_master_leader",
+    "1 on the leading master, 0 on standbys (always 1 without etcd)",
+    registry=None,
+)
+LEADER_TERMS = Counter(
+    "kvstore_master_leader_terms_total",
+    "Times this master won the leader election",
+    registry=None,
+)
+ETCD_ERRORS = Counter(
+    "kvstore_etcd_errors_total",
+    "Failed etcd calls of a master, by operation",
+    ["op"],
+    registry=None,
+)
+_MASTER_METRICS = (LIVE_WORKERS, MAP_VERSION, MASTER_LEADER, LEADER_TERMS, ETCD_ERRORS)
+_master_enabled = False
+
+
+def enable_master_metrics() -> None:
+    """Export the master's metrics from this process (idempotent; the master calls it)."""
+    global _master_enabled
+    if not _master_enabled:
+        for m in _MASTER_METRICS:
+            REGISTRY.register(m)
+        _master_enabled = True
+
+
+def observe_request(op: str, code: str, seconds: float) -> None:
+    """Count one served request of ``op`` that ended with status ``code`` (a gRPC
+    status name such as "OK" or "UNAVAILABLE") and record its latency.
+
+    Callable from any thread; ``op`` and ``code`` must come from small fixed sets.
+    """
+    REQUESTS.labels(op, code).inc()
+    LATENCY.labels(op).observe(seconds)
 
 
 class StatsCollector(Collector):

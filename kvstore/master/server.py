@@ -2,6 +2,18 @@
 
 Runs on asyncio (grpc.aio) so many clients can hold a shard-map watch stream
 open without a thread each. Never on the data path.
+
+Without etcd a master is alone and always leads, with its state in memory.
+With ``--etcd`` several masters elect a leader (see :mod:`kvstore.master.ha`):
+
+- map reads (GetShardMap, WatchShardMap) are served by every master, the
+  standbys from their mirror of etcd, so clients need no leader;
+- membership writes (Register, Heartbeat, Leave) that reach a standby are
+  forwarded to the leader; when there is no reachable leader they fail with
+  UNAVAILABLE, the details and the ``kvstore-leader`` trailer naming the leader
+  if one is known, and the worker tries its next master;
+- ClusterStatus on a standby is forwarded too (for live stats), falling back
+  to the mirror (membership without stats) when the leader does not answer.
 """
 
 from __future__ import annotations
@@ -12,9 +24,10 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,86 +36,268 @@ from kvstore_client.proto import master_pb2, master_pb2_grpc
 
 from .. import metrics
 from ..config import MasterConfig
-from ..errors import InvalidArgument
+from ..errors import KVStoreError, to_grpc_code
 from .membership import Membership
+from .snapshot import Layout, Snapshot, encode, restore
 
 log = logging.getLogger(__name__)
 Ctx = grpc.aio.ServicerContext[Any, Any]
+S = TypeVar("S")
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+R = TypeVar("R")
+
+FORWARDED = "kvstore-forwarded"  # metadata on a call a standby forwarded (never forwarded twice)
+LEADER_TRAILER = "kvstore-leader"
+FORWARD_TIMEOUT = 3.0
+STATUS_FORWARD_TIMEOUT = 1.5
+
+if TYPE_CHECKING:  # the etcd code is imported only with --etcd
+    from .ha import HaCoordinator
+
+
+def observed(
+    op: str,
+) -> Callable[[Callable[[S, Req, Ctx], Awaitable[Resp]]], Callable[[S, Req, Ctx], Awaitable[Resp]]]:
+    """Decorate a unary handler: count it in kvstore_requests_total{op, code} and
+    time it in kvstore_request_duration_seconds{op}."""
+
+    def deco(
+        fn: Callable[[S, Req, Ctx], Awaitable[Resp]],
+    ) -> Callable[[S, Req, Ctx], Awaitable[Resp]]:
+        @functools.wraps(fn)
+        async def wrapper(self: S, request: Req, context: Ctx) -> Resp:
+            t0 = time.perf_counter()
+            code = "OK"
+            try:
+                return await fn(self, request, context)
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
+            except BaseException:
+                c = context.code()
+                code = c.name if isinstance(c, grpc.StatusCode) else "UNKNOWN"
+                raise
+            finally:
+                metrics.observe_request(op, code, time.perf_counter() - t0)
+
+        return wrapper
+
+    return deco
 
 
 class MasterServicer(master_pb2_grpc.MasterServicer):
-    def __init__(self, members: Membership) -> None:
+    """The Master service. ``self.m`` is authoritative while this master leads and a
+    copy of etcd's state while it stands by; ``self.published`` is the map that
+    clients see (on a leader: only states already persisted)."""
+
+    def __init__(self, members: Membership, *, address: str = "") -> None:
         self.m = members
+        self.address = address
+        self.published = members.shard_map()
         self.changed = asyncio.Condition()
+        self.ha: HaCoordinator | None = None
+        self._expiry: asyncio.Task[None] | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    @property
+    def is_leader(self) -> bool:
+        return self.ha is None or self.ha.is_leader
+
+    # ---- publishing ----------------------------------------------------------
 
     async def _bump(self) -> None:
-        metrics.MAP_VERSION.set(self.m.version)
-        metrics.LIVE_WORKERS.set(len(self.m.shard_map().workers))
+        """Persist the membership (HA leader) and publish its map to watchers.
+
+        Raises Unavailable when it could not be persisted; the change stays in
+        memory and goes out with the next successful write.
+        """
+        if self.ha is not None:
+            await self.ha.persist(encode(self.ha.layout, self.m))
+        await self._publish(self.m.shard_map())
+
+    async def _publish(self, m: master_pb2.ShardMap) -> None:
+        self.published = m
+        metrics.MAP_VERSION.set(m.version)
+        metrics.LIVE_WORKERS.set(len(m.workers))
         async with self.changed:
             self.changed.notify_all()
 
+    def _restore(self, snap: Snapshot) -> Membership:
+        return restore(
+            snap,
+            ttl=self.m.ttl,
+            replicas=self.m.replicas,
+            cluster_id=self.m.cluster_id,
+            now=time.monotonic(),
+        )
+
+    # ---- ha.Listener -----------------------------------------------------------
+
+    async def become_leader(self, snap: Snapshot) -> None:
+        """Take over etcd's membership; every worker gets a fresh TTL to find us."""
+        self.m = self._restore(snap)
+        await self._publish(self.m.shard_map())
+        self.start_expiry()
+
+    async def become_standby(self, snap: Snapshot) -> None:
+        self.stop_expiry()
+        await self.mirror_changed(snap)
+
+    async def mirror_changed(self, snap: Snapshot) -> None:
+        if self.is_leader:
+            return
+        self.m = self._restore(snap)
+        await self._publish(self.m.shard_map())
+
+    # ---- forwarding to the leader ----------------------------------------------
+
+    def _leader_stub(self, addr: str) -> master_pb2_grpc.MasterAsyncStub:
+        ch = self._channels.get(addr)
+        if ch is None:
+            ch = self._channels[addr] = grpc.aio.insecure_channel(
+                addr,
+                options=[
+                    ("grpc.initial_reconnect_backoff_ms", 200),
+                    ("grpc.min_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", 2000),
+                ],
+            )
+        return master_pb2_grpc.MasterStub(ch)
+
+    def _leader_hint(self) -> str:
+        addr = self.ha.leader_address if self.ha is not None else ""
+        return addr if addr and addr != self.address else ""
+
+    async def _not_leader(self, context: Ctx, why: str) -> None:
+        leader = self._leader_hint()
+        if leader:
+            context.set_trailing_metadata(((LEADER_TRAILER, leader),))
+        where = f"; the leader is {leader}" if leader else "; no leader is elected"
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"not the leader ({why}){where}")
+
+    async def _forward(
+        self,
+        context: Ctx,
+        call: Callable[
+            [master_pb2_grpc.MasterAsyncStub, tuple[tuple[str, str], ...]], Awaitable[R]
+        ],
+    ) -> R:
+        """Run ``call`` on the leader; abort UNAVAILABLE when that is not possible."""
+        if any(k == FORWARDED for k, _ in context.invocation_metadata() or ()):
+            await self._not_leader(context, "forwarded to a standby")
+        leader = self._leader_hint()
+        if not leader:
+            await self._not_leader(context, "election in progress")
+        try:
+            return await call(self._leader_stub(leader), ((FORWARDED, self.address or "1"),))
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                await self._not_leader(context, f"leader unreachable: {e.code().name}")
+            await context.abort(e.code(), e.details() or e.code().name)
+        raise AssertionError("unreachable")  # abort raises
+
+    # ---- membership writes (leader) --------------------------------------------
+
+    async def _commit(self, context: Ctx) -> None:
+        try:
+            await self._bump()
+        except KVStoreError as e:
+            await context.abort(to_grpc_code(e), str(e))
+
+    @observed("register")
     async def Register(
         self, request: master_pb2.RegisterRequest, context: Ctx
     ) -> master_pb2.RegisterResponse:
+        if not self.is_leader:
+            return await self._forward(
+                context, lambda s, md: s.Register(request, timeout=FORWARD_TIMEOUT, metadata=md)
+            )
         w = request.worker
         if not w.id or not w.grpc or not w.endpoints or not w.capacity_bytes:
             msg = "worker registration needs id, grpc, endpoints and capacity"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
         if self.m.register(w, time.monotonic()):
             log.info("worker %s joined (%s)", w.id, ", ".join(w.endpoints))
-            await self._bump()
+        if self.m.version != self.published.version:
+            await self._commit(context)
         return master_pb2.RegisterResponse(
             heartbeat_interval_s=self.m.heartbeat_interval,
             ttl_s=self.m.ttl,
             map_version=self.m.version,
         )
 
+    @observed("heartbeat")
     async def Heartbeat(
         self, request: master_pb2.HeartbeatRequest, context: Ctx
     ) -> master_pb2.HeartbeatResponse:
-        before = self.m.version
+        if not self.is_leader:
+            return await self._forward(
+                context, lambda s, md: s.Heartbeat(request, timeout=FORWARD_TIMEOUT, metadata=md)
+            )
         known = self.m.heartbeat(
             request.worker_id, request.stats, time.monotonic(), request.draining
         )
-        if self.m.version != before:
-            await self._bump()
+        if self.m.version != self.published.version:
+            await self._commit(context)
         return master_pb2.HeartbeatResponse(known=known, map_version=self.m.version)
 
+    @observed("leave")
     async def Leave(
         self, request: master_pb2.LeaveRequest, context: Ctx
     ) -> master_pb2.LeaveResponse:
+        if not self.is_leader:
+            return await self._forward(
+                context, lambda s, md: s.Leave(request, timeout=FORWARD_TIMEOUT, metadata=md)
+            )
         removed = self.m.leave(request.worker_id)
         if removed:
             log.info("worker %s left", request.worker_id)
-            await self._bump()
+        if self.m.version != self.published.version:
+            await self._commit(context)
         return master_pb2.LeaveResponse(removed=removed)
 
+    # ---- map reads (every master) ------------------------------------------------
+
+    @observed("get_shard_map")
     async def GetShardMap(
         self, request: master_pb2.GetShardMapRequest, context: Ctx
     ) -> master_pb2.ShardMap:
-        return self.m.shard_map()
+        return self.published
 
     async def WatchShardMap(
         self, request: master_pb2.WatchShardMapRequest, context: Ctx
     ) -> AsyncIterator[master_pb2.ShardMap]:
         known = request.known_version
         while True:
-            if self.m.version != known:
-                current = self.m.shard_map()
+            if self.published.version != known:
+                current = self.published
                 known = current.version
                 yield current
             async with self.changed:
                 await self.changed.wait_for(functools.partial(self._moved_on, known))
 
     def _moved_on(self, known: int) -> bool:
-        return self.m.version != known
+        return self.published.version != known
 
+    @observed("cluster_status")
     async def ClusterStatus(
         self, request: master_pb2.ClusterStatusRequest, context: Ctx
     ) -> master_pb2.ClusterStatusResponse:
+        forwarded = any(k == FORWARDED for k, _ in context.invocation_metadata() or ())
+        leader = self._leader_hint()
+        if not self.is_leader and leader and not forwarded:
+            try:
+                resp = await self._leader_stub(leader).ClusterStatus(
+                    request, timeout=STATUS_FORWARD_TIMEOUT, metadata=((FORWARDED, self.address),)
+                )
+                resp.leader = False  # answered by a standby
+                return resp
+            except grpc.aio.AioRpcError as e:
+                log.info("ClusterStatus: leader %s did not answer (%s)", leader, e.code().name)
         now = time.monotonic()
         return master_pb2.ClusterStatusResponse(
-            map_version=self.m.version,
+            map_version=self.published.version,
             workers=[
                 master_pb2.WorkerStatus(
                     info=mem.info, stats=mem.stats, last_heartbeat_age_s=now - mem.last_seen
@@ -110,45 +305,111 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                 for _, mem in sorted(self.m.members.items())
             ],
             master_version=__version__,
-            leader=True,
+            leader=self.is_leader,
         )
 
+    # ---- expiry (leader) -------------------------------------------------------
+
+    def start_expiry(self) -> None:
+        if self._expiry is None or self._expiry.done():
+            self._expiry = asyncio.create_task(self.expire_loop(), name="expiry")
+
+    def stop_expiry(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+
     async def expire_loop(self) -> None:
+        """Drop workers silent for longer than the TTL; runs while this master leads."""
         while True:
             await asyncio.sleep(max(0.05, self.m.ttl / 10))
             dead = self.m.expire(time.monotonic())
             if dead:
                 log.warning("workers missed heartbeats, removed: %s", ", ".join(dead))
-                await self._bump()
+            if self.m.version != self.published.version:
+                try:
+                    await self._bump()
+                except KVStoreError as e:
+                    log.warning("could not persist the map: %s", e)
+
+    async def close(self) -> None:
+        self.stop_expiry()
+        for ch in self._channels.values():
+            await ch.close(None)
+        self._channels.clear()
+
+
+def _advertised(cfg: MasterConfig, port: int) -> str:
+    """The address other masters and workers reach this one at."""
+    host = str(getattr(cfg, "advertise_host", "") or os.environ.get("POD_IP", "") or cfg.host)
+    if host in ("0.0.0.0", "::", ""):
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            host = socket.gethostname()
+    return f"{host}:{port}"
 
 
 async def serve(cfg: MasterConfig) -> int:
-    """Run the master until SIGTERM/SIGINT; prints one JSON 'ready' line on stdout."""
-    if cfg.etcd:
-        raise InvalidArgument("--etcd (HA masters) is not available in this build yet")
+    """Run the master until SIGTERM/SIGINT; prints one JSON 'ready' line on stdout.
+
+    With ``cfg.etcd`` it joins the leader election first and raises Unavailable
+    when etcd does not answer within 15 s.
+    """
+    metrics.enable_master_metrics()
     members = Membership(cfg.worker_ttl, replicas=cfg.replicas, cluster_id=cfg.cluster_id)
-    servicer = MasterServicer(members)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    servicer = MasterServicer(members, address=_advertised(cfg, port))
     master_pb2_grpc.add_MasterServicer_to_server(servicer, server)
     hs = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    ha: HaCoordinator | None = None
+    if cfg.etcd:
+        from .etcd import EtcdClient
+        from .ha import DEFAULT_LEASE_TTL, HaCoordinator
+
+        ha = HaCoordinator(
+            EtcdClient(cfg.etcd),
+            Layout(cfg.cluster_id),
+            servicer.address,
+            servicer,
+            lease_ttl=float(getattr(cfg, "lease_ttl", DEFAULT_LEASE_TTL)),
+        )
+        servicer.ha = ha
+        try:
+            await ha.start()
+        except KVStoreError:
+            await ha.etcd.close()
+            raise
+    else:
+        metrics.MASTER_LEADER.set(1)
+        servicer.start_expiry()
     await server.start()
     await hs.set("", health_pb2.HealthCheckResponse.SERVING)
     await hs.set("kvstore.v1.Master", health_pb2.HealthCheckResponse.SERVING)
     metrics.serve(cfg.metrics_port, cfg.host)
-    await servicer._bump()
-    expiry = asyncio.create_task(servicer.expire_loop())
+    await servicer._publish(servicer.published)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     host = cfg.host if cfg.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-    ready = {"event": "ready", "role": "master", "grpc": f"{host}:{port}", "pid": os.getpid()}
+    ready: dict[str, Any] = {
+        "event": "ready",
+        "role": "master",
+        "grpc": f"{host}:{port}",
+        "pid": os.getpid(),
+    }
+    if ha is not None:
+        ready["advertise"] = servicer.address
     print(json.dumps(ready), flush=True)
     await stop.wait()
     log.info("master stopping")
     await hs.enter_graceful_shutdown()
-    expiry.cancel()
+    if ha is not None:
+        await ha.stop()  # revokes the lease: a standby leads at once
+        await ha.etcd.close()
+    await servicer.close()
     await server.stop(grace=2.0)
     return 0

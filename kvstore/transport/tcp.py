@@ -14,6 +14,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
 
 import xxhash
@@ -26,6 +27,7 @@ from kvstore_client.errors import (
     QuotaExceeded,
     ResourceExhausted,
     Unauthenticated,
+    to_grpc_code,
 )
 from kvstore_client.keys import HASH_LEN, check_namespace, to_bitmap
 
@@ -38,6 +40,19 @@ log = logging.getLogger(__name__)
 
 SOCK_BUF = 4 << 20
 SCRATCH = 1 << 20
+
+
+# Operation names for kvstore_requests_total{op} (a small fixed set).
+_OP_NAMES = {
+    wire.OP_PUT: "put",
+    wire.OP_GET: "get",
+    wire.OP_EXISTS: "exists",
+    wire.OP_REMOVE: "remove",
+    wire.OP_GET_LOC: "shm_get",
+    wire.OP_PUT_LOC: "shm_reserve",
+    wire.OP_PUT_COMMIT: "shm_commit",
+    wire.OP_RELEASE: "shm_release",
+}
 
 
 def tune_socket(sock: socket.socket) -> None:
@@ -62,7 +77,8 @@ class TcpTransferServer:
         frame_timeout: float = 30.0,
         max_batch: int = wire.MAX_BATCH,
         max_per_client: int = 256,
-        on_bytes: Callable[[str, int], None] | None = None,
+        on_bytes: Callable[[str, str, int], None] | None = None,
+        on_request: Callable[[str, str, float], None] | None = None,
         tenants: Tenants | None = None,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
@@ -75,7 +91,8 @@ class TcpTransferServer:
         self.idle_timeout = idle_timeout
         self.frame_timeout = frame_timeout
         self.max_batch = max_batch
-        self.on_bytes = on_bytes
+        self.on_bytes = on_bytes  # (transport, direction, payload bytes)
+        self.on_request = on_request  # (op, status code name, seconds) per served frame
         self._sock = socket.create_server((host, port), backlog=1024, reuse_port=False)
         self.port = self._sock.getsockname()[1]
         self._conns: set[socket.socket] = set()
@@ -210,6 +227,23 @@ class TcpTransferServer:
             err = InvalidArgument(f"batch of {h.count} exceeds the limit of {self.max_batch}")
             self._fail(conn, h, err)
             raise ProtocolError(str(err))
+        t0 = time.perf_counter()
+        code = "OK"
+        try:
+            self._dispatch(conn, h, ns, scratch, st)
+        except KVStoreError as e:
+            code = to_grpc_code(e).name
+            raise
+        except BaseException:
+            code = "UNAVAILABLE"  # the connection broke or timed out mid-frame
+            raise
+        finally:
+            if self.on_request is not None:
+                self.on_request(_OP_NAMES.get(h.op, "other"), code, time.perf_counter() - t0)
+
+    def _dispatch(
+        self, conn: socket.socket, h: wire.Header, ns: str, scratch: memoryview, st: shm.ShmState
+    ) -> None:
         if h.op == wire.OP_PUT:
             self._put(conn, h, ns, scratch)
         elif h.op == wire.OP_GET:
@@ -242,7 +276,7 @@ class TcpTransferServer:
             self._fail(conn, h, e)
             raise ProtocolError(str(e)) from e
         if self.on_bytes is not None and n:
-            self.on_bytes(direction, n)
+            self.on_bytes("shm", direction, n)
 
     def _fail(self, conn: socket.socket, h: wire.Header, err: KVStoreError) -> None:
         msg = str(err).encode()[:4096]
@@ -295,7 +329,7 @@ class TcpTransferServer:
             raise
         self.store.finish_many(reserved, ok)
         if self.on_bytes is not None:
-            self.on_bytes("rx", total)
+            self.on_bytes("tcp", "rx", total)
         wire.send_buffers(conn, [wire.encode_answer_header(h.op, 0, h.count, h.req_id), status])
 
     def _get(self, conn: socket.socket, h: wire.Header, ns: str) -> None:
@@ -320,4 +354,4 @@ class TcpTransferServer:
         finally:
             self.store.done(reading)
         if self.on_bytes is not None:
-            self.on_bytes("tx", total)
+            self.on_bytes("tcp", "tx", total)

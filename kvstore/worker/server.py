@@ -86,7 +86,8 @@ class Worker:
             frame_timeout=cfg.frame_timeout,
             max_batch=cfg.max_batch,
             max_per_client=cfg.max_connections_per_client,
-            on_bytes=lambda d, n: metrics.TRANSFER_BYTES.labels("tcp", d).inc(n),
+            on_bytes=lambda t, d, n: metrics.TRANSFER_BYTES.labels(t, d).inc(n),
+            on_request=metrics.observe_request,
             tenants=self.tenants,
             ssl_context=(
                 self.tls.server_context(cfg.tls_client_auth) if self.tls.enabled else None
