@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from kvstore_client.security import Tls
+
 
 class StartError(RuntimeError):
     """A daemon exited or stayed silent before printing its ready line."""
@@ -147,6 +149,9 @@ class LocalCluster:
     host: str = "127.0.0.1"
     master_port: int = 0
     extra_worker_args: list[str] = field(default_factory=list)
+    extra_master_args: list[str] = field(default_factory=list)
+    tls: Tls | None = None  # how this process talks to the master (TLS clusters)
+    token: str = ""  # bearer token for the master (clusters with tenants)
     log_dir: str | None = None
     stderr: IO[bytes] | int | None = None
     master: Daemon | None = None
@@ -172,6 +177,7 @@ class LocalCluster:
                     str(self.master_port),
                     "--worker-ttl",
                     self.worker_ttl,
+                    *self.extra_master_args,
                 ],
                 stderr=self.stderr,
                 log_path=self._log("master"),
@@ -219,12 +225,12 @@ class LocalCluster:
         return new
 
     def live_worker_ids(self) -> set[str]:
-        import grpc
         from kvstore_client.proto import master_pb2, master_pb2_grpc
+        from kvstore_client.security import metadata, open_channel
 
-        with grpc.insecure_channel(self.address) as ch:
+        with open_channel(self.address, self.tls) as ch:
             m = master_pb2_grpc.MasterStub(ch).GetShardMap(
-                master_pb2.GetShardMapRequest(), timeout=5
+                master_pb2.GetShardMapRequest(), timeout=5, metadata=metadata(self.token)
             )
         return {w.id for w in m.workers}
 

@@ -33,10 +33,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvstore_client import __version__
 from kvstore_client.proto import master_pb2, master_pb2_grpc
+from kvstore_client.security import AUTH_HEADER, Tls
 
 from .. import metrics
+from ..auth import Tenants
 from ..config import MasterConfig
-from ..errors import KVStoreError, to_grpc_code
+from ..errors import InvalidArgument, KVStoreError, to_grpc_code
+from .guard import TenantGuard
 from .membership import Membership
 from .snapshot import Layout, Snapshot, encode, restore
 
@@ -91,8 +94,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     copy of etcd's state while it stands by; ``self.published`` is the map that
     clients see (on a leader: only states already persisted)."""
 
-    def __init__(self, members: Membership, *, address: str = "") -> None:
+    def __init__(self, members: Membership, *, address: str = "", tls: Tls | None = None) -> None:
         self.m = members
+        self.tls = tls
         self.address = address
         self.published = members.shard_map()
         self.changed = asyncio.Condition()
@@ -155,14 +159,17 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     def _leader_stub(self, addr: str) -> master_pb2_grpc.MasterAsyncStub:
         ch = self._channels.get(addr)
         if ch is None:
-            ch = self._channels[addr] = grpc.aio.insecure_channel(
-                addr,
-                options=[
-                    ("grpc.initial_reconnect_backoff_ms", 200),
-                    ("grpc.min_reconnect_backoff_ms", 200),
-                    ("grpc.max_reconnect_backoff_ms", 2000),
-                ],
-            )
+            options = [
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.min_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2000),
+            ]
+            if self.tls is not None and self.tls.enabled:
+                creds = self.tls.channel_credentials()
+                ch = grpc.aio.secure_channel(addr, creds, options=options)
+            else:
+                ch = grpc.aio.insecure_channel(addr, options=options)
+            self._channels[addr] = ch
         return master_pb2_grpc.MasterStub(ch)
 
     def _leader_hint(self) -> str:
@@ -189,8 +196,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         leader = self._leader_hint()
         if not leader:
             await self._not_leader(context, "election in progress")
+        md: tuple[tuple[str, str], ...] = ((FORWARDED, self.address or "1"),)
+        for k, v in context.invocation_metadata() or ():
+            if k == AUTH_HEADER:  # the caller's token goes along to the leader
+                md += ((k, v if isinstance(v, str) else v.decode()),)
         try:
-            return await call(self._leader_stub(leader), ((FORWARDED, self.address or "1"),))
+            return await call(self._leader_stub(leader), md)
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 await self._not_leader(context, f"leader unreachable: {e.code().name}")
@@ -358,9 +369,20 @@ async def serve(cfg: MasterConfig) -> int:
     """
     metrics.enable_master_metrics()
     members = Membership(cfg.worker_ttl, replicas=cfg.replicas, cluster_id=cfg.cluster_id)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-    servicer = MasterServicer(members, address=_advertised(cfg, port))
+    tenants = Tenants.load(cfg.tenants_file) if cfg.tenants_file else None
+    tls = Tls(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
+    if tls.enabled and not (cfg.tls_cert and cfg.tls_key):
+        raise InvalidArgument("TLS needs both --tls-cert and --tls-key")
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0)],
+        interceptors=[TenantGuard(tenants)] if tenants is not None else None,
+    )
+    bind = f"{cfg.host}:{cfg.port}"
+    if tls.enabled:
+        port = server.add_secure_port(bind, tls.server_credentials(cfg.tls_client_auth))
+    else:
+        port = server.add_insecure_port(bind)
+    servicer = MasterServicer(members, address=_advertised(cfg, port), tls=tls)
     master_pb2_grpc.add_MasterServicer_to_server(servicer, server)
     hs = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
