@@ -109,6 +109,12 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
 @click.option("--id", "id", default=None, help="Stable worker id (ring identity).")
 @click.option("--grpc-port", type=int, default=None, help="Store service port; 0 = free port.")
 @click.option("--tcp-port", type=int, default=None, help="Transfer port; 0 = free port.")
+@click.option(
+    "--ucx-port",
+    type=int,
+    default=None,
+    help="UCX transfer port (kvstore[ucx]); 0 = free; -1 = off.",
+)
 @click.option("--metrics-port", type=int, default=None, help="Prometheus port; 0 = off.")
 @click.option("--dram-size", default=None, help="DRAM arena size, e.g. 4GiB [1GiB].")
 @click.option("--max-value-size", default=None, help="Largest block, also the slab [16MiB].")

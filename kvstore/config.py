@@ -92,6 +92,7 @@ class WorkerConfig:
     id: str = ""  # stable identity on the hash ring; default: advertise_host-grpc_port
     grpc_port: int = 0  # 0: pick a free port
     tcp_port: int = 0
+    ucx_port: int = -1  # ucx:// listener (extra kvstore[ucx]); 0: a free port; -1: none
     metrics_port: int = 0
     dram_size: int = _size("1GiB")
     max_value_size: int = _size("16MiB")  # also the slab size

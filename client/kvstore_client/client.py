@@ -43,11 +43,13 @@ from .sharding import Ring, build_ring
 from .transport import shm
 from .transport.shm import ShmArena
 from .transport.tcp import GetResult, TcpConnection, TcpPool, parse_tcp_url
+from .transport.ucx import UcxPool, find_ucx_url, parse_ucx_url
+from .transport.ucx import available as ucx_available
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-TRANSPORTS = ("auto", "tcp", "shm")
+TRANSPORTS = ("auto", "tcp", "shm", "ucx")
 
 # A batch for one worker is cut into frames of about this many payload bytes,
 # so big batches stream over several connections at once.
@@ -56,15 +58,19 @@ FRAME_BYTES = 32 << 20
 
 @dataclass(slots=True)
 class _Worker:
-    """One worker of the map and how to reach it: tcp://, or shm:// when mapped."""
+    """One worker of the map and how to reach it: tcp://, shm:// when mapped, or ucx://
+    when the client asked for it and the worker advertises it."""
 
     info: master_pb2.WorkerInfo
     pool: TcpPool
     arena: ShmArena | None = None
+    ucx: UcxPool | None = None
 
     def put(
         self, timeout: float, ns: bytes, hs: list[bytes], vs: list[memoryview], cs: list[int]
     ) -> bytes:
+        if self.ucx is not None:
+            return self.ucx.put(timeout, ns, hs, vs, cs)
         if self.arena is not None:
             return self.pool.call(timeout, shm.put, self.arena, ns, hs, vs, cs)
         return self.pool.call(timeout, TcpConnection.put, ns, hs, vs, cs)
@@ -72,14 +78,20 @@ class _Worker:
     def get(
         self, timeout: float, ns: bytes, hs: list[bytes], bufs: list[memoryview] | None
     ) -> GetResult:
+        if self.ucx is not None:
+            return self.ucx.get(timeout, ns, hs, bufs)
         if self.arena is not None:
             return self.pool.call(timeout, shm.get, self.arena, ns, hs, bufs)
         return self.pool.call(timeout, TcpConnection.get, ns, hs, bufs)
 
     def exists(self, timeout: float, ns: bytes, hs: list[bytes]) -> list[bool]:
+        if self.ucx is not None:
+            return self.ucx.exists(timeout, ns, hs)
         return self.pool.call(timeout, TcpConnection.exists, ns, hs)
 
     def remove(self, timeout: float, ns: bytes, hs: list[bytes]) -> int:
+        if self.ucx is not None:
+            return self.ucx.remove(timeout, ns, hs)
         return self.pool.call(timeout, TcpConnection.remove, ns, hs)
 
 
@@ -110,7 +122,9 @@ class Client:
 
     ``transport``: "auto" (default, or env KVSTORE_TRANSPORT) and "shm" copy through
     shared memory with workers on this host whose arena file this process may open,
-    and use tcp:// with the others; "tcp" forces tcp:// everywhere.
+    and use tcp:// with the others; "tcp" forces tcp:// everywhere; "ucx" uses ucx://
+    (UCX, the extra kvstore[ucx]; docs/UCX.md) with every worker that advertises it and
+    tcp:// with the others.
     ``tls`` (default: env KVSTORE_TLS_CA/CERT/KEY) and ``token`` (default: env
     KVSTORE_TOKEN) are needed when the cluster enables TLS or tenants.
     """
@@ -132,6 +146,8 @@ class Client:
             raise InvalidArgument(
                 f"unknown transport {transport!r}; available: {', '.join(TRANSPORTS)}"
             )
+        if transport == "ucx" and not ucx_available():
+            raise InvalidArgument("transport 'ucx' needs ucxx: pip install 'kvstore[ucx]'")
         self.transport = transport
         self.timeout = timeout
         self.tls = tls if tls is not None else Tls.from_env()
@@ -144,6 +160,7 @@ class Client:
         self._view: _View | None = None
         self._pools: dict[str, TcpPool] = {}
         self._arenas: dict[str, ShmArena | None] = {}
+        self._ucx: dict[str, UcxPool] = {}
         self._executor = cf.ThreadPoolExecutor(max_threads, thread_name_prefix="kvstore-io")
         self._channel: grpc.Channel | None = None
         self._watch_call: Any = None  # the open WatchShardMap call, to cancel on close
@@ -225,17 +242,29 @@ class Client:
                     host, port = parse_tcp_url(url) if url else ("", 0)
                     pool = self._pools[key] = TcpPool(host, port, tls=self.tls, token=self._token)
                 arena = None
-                if self.transport != "tcp":
+                if self.transport in ("auto", "shm"):
                     if key not in self._arenas:
                         self._arenas[key] = shm.try_map(info.endpoints)
                     arena = self._arenas[key]
-                workers.append(_Worker(info, pool, arena))
+                ucx = None
+                ucx_url = find_ucx_url(info.endpoints) if self.transport == "ucx" else ""
+                if ucx_url:
+                    ukey = f"{wid}|{ucx_url}"
+                    live.add(ukey)
+                    ucx = self._ucx.get(ukey)
+                    if ucx is None:
+                        uhost, uport = parse_ucx_url(ucx_url)
+                        ucx = self._ucx[ukey] = UcxPool(uhost, uport, token=self._token)
+                workers.append(_Worker(info, pool, arena, ucx))
             for key in list(self._pools):
                 if key not in live:
                     self._pools.pop(key).close()
                     old = self._arenas.pop(key, None)
                     if old is not None:
                         old.close()
+            for key in list(self._ucx):
+                if key not in live:
+                    self._ucx.pop(key).close()
             max_value = min((w.max_value_bytes for w in m.workers), default=0)
             self._view = _View(m.version, ring, workers, max_value)
 
@@ -473,6 +502,9 @@ class Client:
                 if a is not None:
                     a.close()
             self._arenas.clear()
+            for u in self._ucx.values():
+                u.close()
+            self._ucx.clear()
 
     def __enter__(self) -> Client:
         return self

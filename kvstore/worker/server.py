@@ -23,12 +23,14 @@ from kvstore_client.client import parse_masters
 from kvstore_client.proto import master_pb2, master_pb2_grpc, store_pb2_grpc
 from kvstore_client.security import Tls, metadata, open_channel
 from kvstore_client.transport.shm import host_id, shm_url
+from kvstore_client.transport.ucx import ucx_url
 
 from .. import metrics
 from ..auth import Tenants
 from ..config import WorkerConfig
 from ..errors import InvalidArgument
 from ..transport.tcp import TcpTransferServer
+from ..transport.ucx import UcxTransferServer
 from .arena import Arena
 from .servicer import StoreServicer
 from .store import BlockStore
@@ -43,6 +45,7 @@ class Endpoints:
     grpc: str
     tcp: str
     metrics_port: int
+    ucx: str = ""  # ucx://host:port with --ucx-port, else ""
 
 
 class Worker:
@@ -93,6 +96,26 @@ class Worker:
                 self.tls.server_context(cfg.tls_client_auth) if self.tls.enabled else None
             ),
         )
+        # ucx:// (extra kvstore[ucx]), made before anything else in this process uses UCX
+        # so that UCX runs in its listener-safe progress mode (docs/UCX.md).
+        self.ucx: UcxTransferServer | None = None
+        if cfg.ucx_port >= 0:
+            if self.tls.enabled:
+                raise InvalidArgument(
+                    "--ucx-port cannot be combined with TLS: UCX does not encrypt"
+                )
+            self.ucx = UcxTransferServer(
+                self.store,
+                cfg.host,
+                cfg.ucx_port,
+                max_connections=cfg.max_connections,
+                idle_timeout=cfg.idle_timeout,
+                frame_timeout=cfg.frame_timeout,
+                max_batch=cfg.max_batch,
+                on_bytes=lambda t, d, n: metrics.TRANSFER_BYTES.labels(t, d).inc(n),
+                on_request=metrics.observe_request,
+                tenants=self.tenants,
+            )
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc"),
             options=[
@@ -123,6 +146,7 @@ class Worker:
             f"{self.advertise}:{self.grpc_port}",
             f"tcp://{self.advertise}:{self.tcp.port}",
             self.cfg.metrics_port,
+            ucx_url(self.advertise, self.ucx.port) if self.ucx is not None else "",
         )
 
     def info(self) -> master_pb2.WorkerInfo:
@@ -130,7 +154,7 @@ class Worker:
         return master_pb2.WorkerInfo(
             id=self.id,
             grpc=ep.grpc,
-            endpoints=[ep.tcp, shm_url(self.arena.path)],
+            endpoints=[ep.tcp, shm_url(self.arena.path), *([ep.ucx] if ep.ucx else [])],
             capacity_bytes=self.store.tier.capacity,
             max_value_bytes=self.store.max_value_size,
             host_id=host_id(),
@@ -164,6 +188,8 @@ class Worker:
 
     def start(self) -> None:
         self.tcp.start()
+        if self.ucx is not None:
+            self.ucx.start()
         self.grpc_server.start()
         metrics.serve(self.cfg.metrics_port, self.cfg.host)
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -239,6 +265,8 @@ class Worker:
         self._hb.join(timeout=5)
         grace = min(self.cfg.drain_timeout, 10.0)
         self.tcp.stop(grace)
+        if self.ucx is not None:
+            self.ucx.stop(grace)
         self.grpc_server.stop(grace).wait(grace)
         self.store.close(demote_timeout=self.cfg.drain_timeout)
         self.arena.close()
@@ -265,6 +293,7 @@ def run(cfg: WorkerConfig) -> int:
                 "id": w.id,
                 "grpc": ep.grpc,
                 "tcp": ep.tcp,
+                **({"ucx": ep.ucx} if ep.ucx else {}),
                 "arena": w.arena.path,
                 "pid": os.getpid(),
             }

@@ -1,0 +1,590 @@
+"""Client half of the ucx:// transfer plane: UCX through the ``ucxx`` bindings.
+
+Optional (``pip install 'kvstore[ucx]'``): ``ucxx`` is imported on first use only,
+so ``kvstore_client`` imports fine without it; :func:`available` tells whether it
+loads. On RDMA hardware UCX moves the payloads with rc/dc verbs (zero-copy); without
+it, over its tcp transport. See docs/UCX.md.
+
+Framing. The frames are those of :mod:`kvstore_client.wire` (same headers, entries,
+statuses), cut into UCX tag messages on one endpoint, in order:
+
+    request = header (20 bytes)
+              | namespace + body        (one message; its size follows from the header)
+              | one message per payload (PUT; zero-length payloads are not sent)
+    answer  = header (20 bytes)
+              | body                    (one message, absent when empty; on an error
+                                         answer, ``count`` bytes of UTF-8 message)
+              | one message per payload (GET hits; zero-length payloads are not sent)
+
+With tenants, an endpoint's first frame is AUTH: header (ns_len 0, count = token
+length) | the token; the answer is a header (OK, or UNAUTHENTICATED and closed).
+
+Every size is known before its message arrives, so the receiver posts a buffer of
+exactly that size: payloads land straight in their destination (an arena slot on
+the worker, the caller's buffer on the client), never in an intermediate copy.
+Only PUT, GET, EXISTS and REMOVE are served; the shm:// ops are not.
+
+Threads. ucxx is asyncio-based; one daemon thread per process runs an event loop that
+owns the UCX context (:class:`UcxRuntime`, shared by the client and the worker's server
+in the same process). UCX progress defaults to ucxx's ``thread`` mode with Python
+futures in client processes (nothing polls; about half the CPU per GiB of the other
+modes here) and to ``blocking`` mode in a process that serves ucx:// (ucxx's thread
+mode can crash when a listener closes); see :func:`progress_settings`. Blocking callers
+hand coroutines to the loop and wait for them with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures as cf
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from typing import Any, TypeVar
+
+import xxhash
+
+from .. import wire
+from ..errors import DeadlineExceeded, KVStoreError, ProtocolError, Unavailable, from_code
+from ..keys import HASH_LEN, from_bitmap
+from .tcp import GetResult
+
+R = TypeVar("R")
+Buffer = bytes | bytearray | memoryview
+
+SCHEME = "ucx://"
+ERROR_MAX = 4096  # bytes of an error message a peer may send
+# In thread mode ucxx reports a refused first connection only when the handshake times
+# out, so bound the handshake, and fail fast for a while after a failure.
+CONNECT_TIMEOUT = 5.0  # ucxx's own default handshake timeout
+DOWN_FOR = 1.0
+SERVED_OPS = frozenset({wire.OP_PUT, wire.OP_GET, wire.OP_EXISTS, wire.OP_REMOVE})
+CLIENT_PROGRESS_MODE = "thread"  # with Python futures: nothing polls
+SERVER_PROGRESS_MODE = "blocking"  # see progress_settings
+
+_import_lock = threading.Lock()
+_import_error: str | None = None
+
+
+def body_len(op: int, count: int) -> int:
+    """Bytes of a request body after the namespace, for a served op and a count."""
+    if op == wire.OP_PUT:
+        return count * wire.PUT_ENTRY.size
+    return count * HASH_LEN  # GET, EXISTS, REMOVE: the hashes
+
+
+def _import_ucxx() -> Any:
+    """Import ucxx with kvstore's defaults; Unavailable when it cannot be loaded.
+
+    Defaults, only where the environment has no value: host-memory rendezvous staging
+    (ucxx would stage through CUDA memory; kvstore moves host memory only), and no UCX
+    warning about the UCX_MEMTYPE_CACHE variable that ucxx itself sets.
+    """
+    global _import_error
+    with _import_lock:
+        if _import_error is not None:
+            raise Unavailable(_import_error)
+        os.environ.setdefault("UCX_RNDV_FRAG_MEM_TYPE", "host")
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        try:
+            import ucxx  # type: ignore[import-untyped, import-not-found, unused-ignore]
+        except Exception as e:  # ImportError, or a missing libucx: same outcome
+            _import_error = f"ucx:// needs the ucxx package (pip install 'kvstore[ucx]'): {e}"
+            raise Unavailable(_import_error) from e
+        return ucxx
+
+
+def progress_settings(
+    environ: Mapping[str, str] | None = None, *, server: bool = False
+) -> tuple[str, bool]:
+    """(progress mode, Python futures) for ucxx.init. UCXPY_PROGRESS_MODE and
+    UCXPY_ENABLE_PYTHON_FUTURE win; otherwise ``thread`` with futures for a client
+    process and ``blocking`` for a process that serves ucx://.
+
+    Thread mode with futures: a C++ thread progresses UCX and a notifier thread
+    completes asyncio futures, so the loop sleeps while requests are in flight; it took
+    about half the CPU per GiB of ``blocking`` (or plain ``thread``) mode, in which every
+    request in flight re-polls the loop. But in thread mode ucxx 0.52 frees a closing
+    listener's callback while UCX can still deliver connection requests to it (seen:
+    KeyError/SystemError in the callback, and segfaults), so a process with a listener
+    defaults to ``blocking``, where closing is synchronous.
+    """
+    env = os.environ if environ is None else environ
+    default = SERVER_PROGRESS_MODE if server else CLIENT_PROGRESS_MODE
+    mode = env.get("UCXPY_PROGRESS_MODE", default)
+    futures = mode.startswith("thread") and env.get("UCXPY_ENABLE_PYTHON_FUTURE", "1") != "0"
+    return mode, futures
+
+
+def _no_cuda_context() -> None:
+    return None
+
+
+def available() -> bool:
+    """True when ucxx imports (this loads it: about a second or two the first time)."""
+    try:
+        _import_ucxx()
+    except Unavailable:
+        return False
+    return True
+
+
+class UcxRuntime:
+    """The process's UCX context and the event loop thread that progresses it.
+
+    :meth:`get` starts it on first use (Unavailable without ucxx); it lives until the
+    process exits. Everything that touches a ucxx object runs on :attr:`loop`.
+    """
+
+    _instance: UcxRuntime | None = None
+    _lock = threading.Lock()
+
+    def __init__(self, *, server: bool = False) -> None:
+        self.ucxx = _import_ucxx()
+        self.mode, self.futures = progress_settings(server=server)
+        self.ucx_error: type[Exception] = self.ucxx.exceptions.UCXError
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name="kvstore-ucx", daemon=True)
+        self._thread.start()
+        try:
+            self.run(self._init(), 60.0)
+        except Exception as e:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            raise Unavailable(f"UCX did not start: {e!r}") from e
+
+    @classmethod
+    def get(cls, *, server: bool = False) -> UcxRuntime:
+        """The process-wide runtime, started on first use; Unavailable without ucxx.
+
+        ``server``: the caller will listen; only matters for the first call, which picks
+        the progress mode (:func:`progress_settings`).
+        """
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = UcxRuntime(server=server)
+            return cls._instance
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    async def _init(self) -> None:
+        mode, futures = self.mode, self.futures
+        # ucxx's progress thread makes a CUDA context on device 0 when it starts: GPU
+        # memory on GPU hosts, for nothing, as kvstore moves host memory only.
+        progress_mod = getattr(
+            getattr(self.ucxx, "_lib_async", None), "continuous_ucx_progress", None
+        )
+        make_context = getattr(progress_mod, "_create_context", None)
+        if make_context is not None:
+            progress_mod._create_context = _no_cuda_context  # type: ignore[union-attr]
+        try:
+            self.ucxx.init(progress_mode=mode, enable_python_future=futures)
+        except RuntimeError:
+            pass  # the application initialised ucxx already: share its context
+        finally:
+            if make_context is not None:
+                progress_mod._create_context = make_context  # type: ignore[union-attr]
+        with contextlib.suppress(Exception):  # a shared context may refuse a second loop
+            self.ucxx.continuous_ucx_progress(event_loop=self.loop)
+        atexit.register(self._at_exit)
+
+    def _at_exit(self) -> None:
+        # ucxx: stop the notifier thread before the interpreter goes, or exit may hang.
+        with contextlib.suppress(Exception):
+            self.ucxx.stop_notifier_thread()
+
+    def submit(self, coro: Coroutine[Any, Any, R]) -> cf.Future[R]:
+        """Schedule ``coro`` on the UCX loop; the future resolves with its outcome."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, R], timeout: float) -> R:
+        """Run ``coro`` on the UCX loop and wait for it; DeadlineExceeded after ``timeout``
+        (the coroutine is then cancelled). Must not be called from the loop itself."""
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except cf.TimeoutError as e:
+            fut.cancel()
+            raise DeadlineExceeded(f"UCX operation did not finish in {timeout:.1f}s") from e
+
+
+# ---- message helpers (used by both halves) -------------------------------------------
+
+
+async def send_all(ep: Any, buffers: Sequence[Buffer]) -> None:
+    """Send each non-empty buffer as one tag message, all posted at once, in order.
+
+    Returns when every send completed (the buffers may be reused); raises the first
+    error. UCX matches messages of one tag in the order they were posted.
+    """
+    bufs = [b for b in buffers if len(b)]
+    if len(bufs) == 1:
+        await ep.send(bufs[0])
+        return
+    # gather wraps each coroutine in a task, started in order; each posts its send
+    # before its first await, so the posting order is the list order.
+    results = await asyncio.gather(*(ep.send(b) for b in bufs), return_exceptions=True)
+    _raise_first(results)
+
+
+async def recv_all(ep: Any, buffers: Sequence[memoryview | bytearray]) -> None:
+    """Receive one tag message into each non-empty buffer, all posted at once, in order.
+
+    A message longer than its buffer fails the receive (UCX truncation); a shorter
+    one leaves the buffer's tail as it was (checksums catch that for payloads).
+    """
+    bufs = [b for b in buffers if len(b)]
+    if len(bufs) == 1:
+        await ep.recv(bufs[0])
+        return
+    results = await asyncio.gather(*(ep.recv(b) for b in bufs), return_exceptions=True)
+    _raise_first(results)
+
+
+def _raise_first(results: Sequence[object]) -> None:
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+
+
+def abort(ep: Any) -> None:
+    """Close an endpoint at once, cancelling its in-flight requests (never raises)."""
+    with contextlib.suppress(Exception):
+        ep.abort(period=10**8, max_attempts=1)
+
+
+# ---- the client -----------------------------------------------------------------------
+
+
+class UcxConnection:
+    """One UCX endpoint to a worker's ucx:// listener; one call at a time (the pool's).
+
+    The methods are coroutines for the runtime's loop; their contracts are those of
+    :class:`~kvstore_client.transport.tcp.TcpConnection`'s methods of the same names.
+    """
+
+    def __init__(self, ep: Any) -> None:
+        self.ep = ep
+        self._req = 0
+        self._scratch = bytearray(0)
+
+    @classmethod
+    async def open(
+        cls, rt: UcxRuntime, host: str, port: int, timeout: float, token: str = ""
+    ) -> UcxConnection:
+        """Connect (name lookup included) within ``timeout``, then authenticate with
+        ``token`` when given; OSError/TimeoutError/UCX errors on failure, the worker's
+        error (Unauthenticated) when it refuses the token."""
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        addr = str(infos[0][4][0])
+        ep = await asyncio.wait_for(
+            rt.ucxx.create_endpoint(addr, port, connect_timeout=timeout), timeout
+        )
+        conn = cls(ep)
+        if token:
+            try:
+                await asyncio.wait_for(conn._auth(token), timeout)
+            except BaseException:
+                conn.abort()
+                raise
+        return conn
+
+    async def _auth(self, token: str) -> None:
+        raw = token.encode()
+        self._req += 1
+        head = wire.HEADER.pack(wire.REQ_MAGIC, wire.OP_AUTH, 0, 0, len(raw), self._req)
+        await self._exchange(wire.OP_AUTH, [head, raw])
+
+    @property
+    def closed(self) -> bool:
+        try:
+            return bool(self.ep.closed)
+        except Exception:
+            return True
+
+    def abort(self) -> None:
+        abort(self.ep)
+
+    def _discard_buffer(self, size: int) -> memoryview:
+        if len(self._scratch) < size:
+            self._scratch = bytearray(size)
+        return memoryview(self._scratch)[:size]
+
+    async def _exchange(self, op: int, parts: Sequence[Buffer]) -> wire.Header:
+        """Send a request's messages and receive its answer header (posted first, so an
+        error the worker answers before closing wins over the failed send it causes)."""
+        answer = asyncio.ensure_future(self._answer(op, self._req))
+        try:
+            await send_all(self.ep, parts)
+        except asyncio.CancelledError:
+            answer.cancel()
+            raise
+        except Exception:
+            await asyncio.wait({answer}, timeout=0.5)
+            if answer.done() and not answer.cancelled():
+                err = answer.exception()
+                if isinstance(err, KVStoreError):
+                    raise err from None
+            answer.cancel()
+            raise
+        return await answer
+
+    async def _answer(self, op: int, req_id: int) -> wire.Header:
+        head = bytearray(wire.HEADER_LEN)
+        await self.ep.recv(head)
+        h = wire.decode_header(head, wire.ANS_MAGIC)
+        if h.req_id != req_id or h.op != op:
+            raise ProtocolError(f"answer for request {h.req_id}/{h.op}, expected {req_id}/{op}")
+        if h.flags_or_code:
+            msg = bytearray(min(h.count, ERROR_MAX))
+            await recv_all(self.ep, [msg])
+            raise from_code(h.flags_or_code, msg.decode(errors="replace"))
+        return h
+
+    async def _body(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        await recv_all(self.ep, [buf])
+        return buf
+
+    async def put(
+        self,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        values: Sequence[Buffer],
+        checksums: Sequence[int],
+    ) -> bytes:
+        """Send one PUT frame; returns one wire.PUT_* status byte per block."""
+        self._req += 1
+        entries = bytearray(len(hashes) * wire.PUT_ENTRY.size)
+        for i, (key, v, c) in enumerate(zip(hashes, values, checksums, strict=True)):
+            wire.PUT_ENTRY.pack_into(entries, i * wire.PUT_ENTRY.size, key, len(v), c)
+        head = wire.HEADER.pack(wire.REQ_MAGIC, wire.OP_PUT, 0, len(ns), len(hashes), self._req)
+        h = await self._exchange(wire.OP_PUT, [head, ns + entries, *values])
+        if h.count != len(hashes):
+            raise ProtocolError(f"{h.count} statuses for {len(hashes)} blocks")
+        return bytes(await self._body(h.count))
+
+    async def get(
+        self, ns: bytes, hashes: Sequence[bytes], buffers: Sequence[memoryview] | None
+    ) -> GetResult:
+        """One GET frame. With ``buffers``, hits land in them (a hit whose size differs
+        from its buffer is received and dropped, and reported as a miss)."""
+        h = await self._simple(wire.OP_GET, ns, hashes)
+        if h.count != len(hashes):
+            raise ProtocolError(f"{h.count} entries for {len(hashes)} hashes")
+        meta = await self._body(h.count * wire.GET_ENTRY.size)
+        found: list[bool] = []
+        values: list[bytearray | None] = []
+        dests: list[memoryview | bytearray] = []
+        checks: list[tuple[int, memoryview | bytearray, int]] = []  # (index, landed, xxh3)
+        total = 0
+        biggest_drop = max(
+            (
+                size
+                for i, (status, size, _) in enumerate(wire.GET_ENTRY.iter_unpack(meta))
+                if status == wire.GET_HIT and buffers is not None and buffers[i].nbytes != size
+            ),
+            default=0,
+        )
+        drop = self._discard_buffer(biggest_drop)
+        for i, (status, size, checksum) in enumerate(wire.GET_ENTRY.iter_unpack(meta)):
+            found.append(False)
+            values.append(None)
+            if status != wire.GET_HIT:
+                continue
+            total += size
+            if buffers is None:
+                buf = bytearray(size)
+                dests.append(buf)
+                checks.append((i, buf, checksum))
+                values[i] = buf
+            elif buffers[i].nbytes != size:
+                dests.append(drop[:size])  # dropped: concurrent landings do not matter
+            else:
+                dests.append(buffers[i])
+                checks.append((i, buffers[i], checksum))
+        await recv_all(self.ep, dests)
+        for i, landed, checksum in checks:
+            ok = xxhash.xxh3_64_intdigest(landed) == checksum
+            found[i] = ok
+            if not ok:
+                values[i] = None
+        return GetResult(found, values, total)
+
+    async def exists(self, ns: bytes, hashes: Sequence[bytes]) -> list[bool]:
+        """One EXISTS frame: per hash, whether the worker holds it."""
+        h = await self._simple(wire.OP_EXISTS, ns, hashes)
+        if h.count != len(hashes):
+            raise ProtocolError(f"{h.count} flags for {len(hashes)} hashes")
+        bitmap = await self._body((h.count + 7) // 8)
+        return from_bitmap(bytes(bitmap), h.count)
+
+    async def remove(self, ns: bytes, hashes: Sequence[bytes]) -> int:
+        """One REMOVE frame; returns how many of the hashes were present."""
+        return (await self._simple(wire.OP_REMOVE, ns, hashes)).count
+
+    async def _simple(self, op: int, ns: bytes, hashes: Sequence[bytes]) -> wire.Header:
+        self._req += 1
+        head = wire.HEADER.pack(wire.REQ_MAGIC, op, 0, len(ns), len(hashes), self._req)
+        return await self._exchange(op, [head, b"".join([ns, *hashes])])
+
+
+class UcxPool:
+    """Endpoints to one worker's ucx:// listener, opened on demand and reused.
+
+    Same contract as :class:`~kvstore_client.transport.tcp.TcpPool`: a failed or
+    timed-out call closes its endpoint and raises Unavailable or DeadlineExceeded
+    (the Client turns those into misses); errors the worker answers (InvalidArgument,
+    Unauthenticated, PermissionDenied, ...) are raised as they are. With ``token``,
+    every new endpoint authenticates first (AUTH frame). No TLS: UCX does not encrypt.
+    Thread-safe.
+    """
+
+    def __init__(self, host: str, port: int, *, max_idle: int = 8, token: str = "") -> None:
+        self.host = host
+        self.port = port
+        self.token = token
+        self.max_idle = max_idle
+        self._idle: list[UcxConnection] = []  # touched on the runtime's loop only
+        self._closed = False
+        self.down_until = 0.0  # after a connect failure, fail fast for a moment
+
+    def call(self, timeout: float, fn: Callable[..., Awaitable[R]], *args: Any) -> R:
+        """Run ``await fn(connection, *args)`` on a pooled endpoint within ``timeout``."""
+        if self._closed:
+            raise Unavailable(f"ucx pool to {self.host}:{self.port} is closed")
+        if time.monotonic() < self.down_until:
+            raise Unavailable(f"worker {self.host}:{self.port} was unreachable a moment ago")
+        rt = UcxRuntime.get()
+        return rt.run(self._call(rt, max(timeout, 0.001), fn, args), timeout + 5.0)
+
+    async def _call(
+        self, rt: UcxRuntime, timeout: float, fn: Callable[..., Awaitable[R]], args: Any
+    ) -> R:
+        where = f"ucx://{self.host}:{self.port}"
+        deadline = time.monotonic() + timeout
+        conn = None
+        while self._idle and conn is None:
+            c = self._idle.pop()
+            if c.closed:
+                c.abort()
+            else:
+                conn = c
+        if conn is None:
+            try:
+                wait = min(timeout, CONNECT_TIMEOUT)
+                conn = await UcxConnection.open(rt, self.host, self.port, wait, self.token)
+            except KVStoreError as e:
+                if isinstance(e, ProtocolError):
+                    raise Unavailable(f"{where}: {e}") from e
+                raise  # the worker refused the token: the caller's mistake, not a miss
+            except Exception as e:  # refused, unreachable, name lookup, handshake
+                self.down_until = time.monotonic() + DOWN_FOR
+                raise Unavailable(f"cannot connect to {where}: {e!r}") from e
+        try:
+            result = await asyncio.wait_for(fn(conn, *args), max(deadline - time.monotonic(), 0))
+        except KVStoreError as e:
+            conn.abort()
+            if isinstance(e, ProtocolError):
+                raise Unavailable(f"{where}: {e}") from e
+            raise
+        except TimeoutError as e:
+            conn.abort()
+            raise DeadlineExceeded(f"{where} did not answer in time") from e
+        except BaseException as e:  # UCX errors, cancellation: the endpoint is unusable
+            conn.abort()
+            if isinstance(e, Exception):
+                raise Unavailable(f"{where}: {e!r}") from e
+            raise
+        if not self._closed and len(self._idle) < self.max_idle:
+            self._idle.append(conn)
+        else:
+            conn.abort()
+        return result
+
+    def put(
+        self,
+        timeout: float,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        values: Sequence[Buffer],
+        checksums: Sequence[int],
+    ) -> bytes:
+        """PUT one batch: one wire.PUT_* status byte per block (see TcpConnection.put)."""
+        return self.call(timeout, UcxConnection.put, ns, hashes, values, checksums)
+
+    def get(
+        self,
+        timeout: float,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        buffers: Sequence[memoryview] | None,
+    ) -> GetResult:
+        """GET one batch, into ``buffers`` when given (see TcpConnection.get)."""
+        return self.call(timeout, UcxConnection.get, ns, hashes, buffers)
+
+    def exists(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> list[bool]:
+        """Per hash, whether the worker holds it."""
+        return self.call(timeout, UcxConnection.exists, ns, hashes)
+
+    def remove(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> int:
+        """Remove blocks; returns how many were present."""
+        return self.call(timeout, UcxConnection.remove, ns, hashes)
+
+    def close(self) -> None:
+        """Close idle endpoints; later calls raise Unavailable. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        rt = UcxRuntime._instance
+        if rt is None:
+            return
+
+        async def drain() -> None:
+            idle, self._idle = self._idle, []
+            for c in idle:
+                c.abort()
+
+        with contextlib.suppress(Exception):
+            rt.run(drain(), 5.0)
+
+
+def parse_ucx_url(url: str) -> tuple[str, int]:
+    """``ucx://host:port`` -> (host, port); ValueError when malformed."""
+    if not url.startswith(SCHEME):
+        raise ValueError(f"not a ucx:// URL: {url}")
+    host, _, port = url[len(SCHEME) :].rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"bad ucx:// URL {url!r}: want ucx://host:port")
+    return host.strip("[]"), int(port)
+
+
+def ucx_url(host: str, port: int) -> str:
+    """The endpoint a worker advertises for its ucx:// listener."""
+    return f"{SCHEME}[{host}]:{port}" if ":" in host else f"{SCHEME}{host}:{port}"
+
+
+def find_ucx_url(endpoints: Sequence[str]) -> str:
+    """The first ucx:// endpoint of a worker's advertised list, or ""."""
+    return next((e for e in endpoints if e.startswith(SCHEME)), "")
+
+
+__all__ = [
+    "GetResult",
+    "UcxConnection",
+    "UcxPool",
+    "UcxRuntime",
+    "available",
+    "body_len",
+    "find_ucx_url",
+    "parse_ucx_url",
+    "recv_all",
+    "send_all",
+    "ucx_url",
+]

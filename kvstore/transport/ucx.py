@@ -1,0 +1,389 @@
+"""Server half of the ucx:// transfer plane: UCX through the ``ucxx`` bindings.
+
+Framing and threading are described in :mod:`kvstore_client.transport.ucx`: wire.py
+frames cut into UCX tag messages, served on the process's UCX event loop thread.
+PUT payloads are received straight into reserved arena slots (``reserve_many`` ->
+slot view -> UCX receive -> xxh3 check -> ``finish_many``); GET payloads are sent
+from the zero-copy views ``store.read`` returns and released with ``store.done``
+once UCX reports the sends complete (or the endpoint is aborted).
+
+A malformed frame gets an error answer where one can be framed, then that endpoint
+is closed and counted in ``store.counters.bad_frames``; every other endpoint keeps
+being served. Optional: constructing a server raises Unavailable without ucxx.
+
+UCX's listener binds every interface of the host (ucxx takes no bind address), so
+``host`` is informational; restrict the interfaces UCX uses with ``UCX_NET_DEVICES``
+and firewall the port (docs/UCX.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import xxhash
+from kvstore_client import wire
+from kvstore_client.errors import (
+    InvalidArgument,
+    KVStoreError,
+    PermissionDenied,
+    ProtocolError,
+    QuotaExceeded,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+    to_grpc_code,
+)
+from kvstore_client.keys import HASH_LEN, check_namespace, to_bitmap
+from kvstore_client.transport.ucx import (
+    ERROR_MAX,
+    SERVED_OPS,
+    UcxRuntime,
+    abort,
+    body_len,
+    recv_all,
+    send_all,
+)
+
+from ..auth import Tenant, Tenants
+from ..worker.store import BlockStore
+from ..worker.tiers.dram import Block
+
+log = logging.getLogger(__name__)
+
+# Operation names for kvstore_requests_total{op}, as the tcp:// server counts them.
+OP_NAMES = {
+    wire.OP_PUT: "put",
+    wire.OP_GET: "get",
+    wire.OP_EXISTS: "exists",
+    wire.OP_REMOVE: "remove",
+}
+
+
+class UcxTransferServer:
+    """Serves PUT/GET/EXISTS/REMOVE frames over UCX against a BlockStore.
+
+    ``port`` 0 lets UCX pick a free port; :attr:`port` is the bound one, known once
+    the constructor returns (which also starts listening; endpoints that connect
+    before :meth:`start` wait for it). Timeouts, limits and ``tenants`` mean what they
+    mean for :class:`~kvstore.transport.tcp.TcpTransferServer`: with tenants, an
+    endpoint's first frame must be AUTH with a known token, and a frame for a namespace
+    its tenant does not own is answered PERMISSION_DENIED and closes the endpoint. There
+    is no TLS and no per-client connection limit (ucxx does not tell the peer's address).
+    """
+
+    def __init__(
+        self,
+        store: BlockStore,
+        host: str,
+        port: int,
+        *,
+        max_connections: int = 1024,
+        idle_timeout: float = 300.0,
+        frame_timeout: float = 30.0,
+        max_batch: int = wire.MAX_BATCH,
+        on_bytes: Callable[[str, str, int], None] | None = None,
+        on_request: Callable[[str, str, float], None] | None = None,
+        tenants: Tenants | None = None,
+    ) -> None:
+        self.store = store
+        self.tenants = tenants
+        self.host = host
+        self.max_connections = max_connections
+        self.idle_timeout = idle_timeout
+        self.frame_timeout = frame_timeout
+        self.max_batch = max_batch
+        self.on_bytes = on_bytes  # ("ucx", direction, payload bytes)
+        self.on_request = on_request  # (op, status code name, seconds) per served frame
+        self.rejected_connections = 0
+        self._rt = UcxRuntime.get(server=True)
+        if self._rt.mode.startswith("thread"):
+            log.warning(
+                "ucx:// server in a %r-mode UCX runtime: ucxx may crash when the listener "
+                "closes while peers connect; start it first or set UCXPY_PROGRESS_MODE="
+                "blocking",
+                self._rt.mode,
+            )
+        self._truncated: type[Exception] = self._rt.ucxx.exceptions.UCXMessageTruncatedError
+        self._eps: dict[Any, bool] = {}  # endpoint -> in the middle of a frame
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        self._scratch = memoryview(bytearray(0))
+        self._started: asyncio.Event | None = None
+        self._listener: Any = None
+        try:
+            self.port: int = self._rt.run(self._listen(port), 30.0)
+        except Exception as e:  # port in use, no usable interface, ...
+            raise Unavailable(f"cannot listen for ucx:// on port {port}: {e!r}") from e
+
+    # ---- lifetime (called from any thread but the UCX loop) ------------------
+
+    async def _listen(self, port: int) -> int:
+        self._started = asyncio.Event()
+        self._listener = self._rt.ucxx.create_listener(self._accept, port)
+        return int(self._listener.port)
+
+    def start(self) -> None:
+        """Begin serving frames."""
+
+        async def go() -> None:
+            assert self._started is not None
+            self._started.set()
+
+        self._rt.run(go(), 10.0)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stop accepting, let frames in flight finish for ``grace`` seconds, then close
+        every endpoint. Idempotent."""
+        with contextlib.suppress(KVStoreError):
+            self._rt.run(self._stop(grace), grace + 10.0)
+
+    async def _stop(self, grace: float) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        if self._started is not None:
+            self._started.set()  # endpoints waiting for start() see _stopping and leave
+        for ep, busy in list(self._eps.items()):
+            if not busy:
+                abort(ep)  # wakes the idle reader
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while any(self._eps.values()) and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        for ep in list(self._eps):
+            abort(ep)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=2.0)
+        if self._listener is not None:
+            deadline = loop.time() + 2.0  # let ucxx retire its handlers (and handshakes)
+            while self._listener.active_clients and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            log.debug("ucx listener closing, %d handlers left", self._listener.active_clients)
+            self._listener.close()
+            self._listener = None
+            # Endpoints accepted by the listener keep it alive until they are collected
+            # (ucxx's finalizers hold them); collect now so the port closes now.
+            gc.collect()
+            await asyncio.sleep(0.05)
+
+    # ---- endpoints (on the UCX loop) -----------------------------------------
+
+    async def _accept(self, ep: Any) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        try:
+            await self._serve(ep)
+        finally:
+            if task is not None:
+                self._tasks.discard(task)
+
+    async def _serve(self, ep: Any) -> None:
+        if self._stopping or len(self._eps) >= self.max_connections:
+            self.rejected_connections += 1
+            abort(ep)
+            return
+        self._eps[ep] = False
+        try:
+            assert self._started is not None
+            await self._started.wait()
+            tenant = None
+            if self.tenants is not None:
+                tenant = await asyncio.wait_for(self._authenticate(ep), self.frame_timeout)
+            first = tenant is None
+            while not self._stopping:
+                head = bytearray(wire.HEADER_LEN)
+                await asyncio.wait_for(ep.recv(head), self.idle_timeout)
+                self._eps[ep] = True
+                await asyncio.wait_for(self._frame(ep, head, tenant, first), self.frame_timeout)
+                self._eps[ep] = False
+                first = False
+        except ProtocolError as e:
+            self.store.counters.bad_frames += 1
+            log.info("closing ucx endpoint after a bad frame: %s", e)
+        except self._truncated:
+            self.store.counters.bad_frames += 1  # a message longer than its frame said
+            log.info("closing ucx endpoint after a message longer than announced")
+        except (TimeoutError, self._rt.ucx_error, ConnectionError):
+            pass  # idle, stalled or gone: just close
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # never let one endpoint take the daemon down
+            log.exception("ucx transfer endpoint failed")
+        finally:
+            self._eps.pop(ep, None)
+            abort(ep)
+
+    async def _authenticate(self, ep: Any) -> Tenant:
+        """The first frame must be AUTH (count = token length, body = the token)."""
+        assert self.tenants is not None
+        head = bytearray(wire.HEADER_LEN)
+        await ep.recv(head)
+        h = wire.decode_header(head, wire.REQ_MAGIC)
+        if h.op != wire.OP_AUTH or h.count > wire.MAX_TOKEN:
+            err: KVStoreError = Unauthenticated("the first frame must be AUTH with a token")
+            await self._fail(ep, h, err)
+            raise ProtocolError(str(err))
+        token = bytearray(h.count)
+        await recv_all(ep, [token])
+        try:
+            tenant = self.tenants.authenticate(token.decode(errors="replace"))
+        except Unauthenticated as e:
+            await self._fail(ep, h, e)
+            raise ProtocolError(str(e)) from e
+        await send_all(ep, [wire.encode_answer_header(h.op, 0, 0, h.req_id)])
+        return tenant
+
+    async def _frame(self, ep: Any, head: bytearray, tenant: Tenant | None, first: bool) -> None:
+        h = wire.decode_header(head, wire.REQ_MAGIC)
+        if h.op == wire.OP_AUTH:  # without tenants: accepted (any token) as the first frame
+            if not first or h.count > wire.MAX_TOKEN:
+                raise ProtocolError("AUTH is only valid as the first frame")
+            await recv_all(ep, [bytearray(h.count)])
+            await send_all(ep, [wire.encode_answer_header(h.op, 0, 0, h.req_id)])
+            return
+        if h.ns_len == 0 or h.ns_len > 255:
+            raise ProtocolError(f"namespace length {h.ns_len} out of range")
+        if h.op not in SERVED_OPS:
+            await self._fail(ep, h, InvalidArgument(f"op {h.op} is not served over ucx://"))
+            raise ProtocolError(f"op {h.op} is not served over ucx://")
+        if h.count > self.max_batch:
+            err = InvalidArgument(f"batch of {h.count} exceeds the limit of {self.max_batch}")
+            await self._fail(ep, h, err)
+            raise ProtocolError(str(err))
+        body = bytearray(h.ns_len + body_len(h.op, h.count))
+        await ep.recv(body)
+        try:
+            ns = check_namespace(body[: h.ns_len].decode())
+        except (UnicodeDecodeError, InvalidArgument) as e:
+            await self._fail(ep, h, InvalidArgument(f"bad namespace: {e}"))
+            raise ProtocolError("bad namespace") from e
+        if tenant is not None and not tenant.owns(ns):
+            denied = PermissionDenied(f"tenant {tenant.name!r} does not own namespace {ns!r}")
+            await self._fail(ep, h, denied)
+            raise ProtocolError(str(denied))
+        t0 = time.perf_counter()
+        code = "OK"
+        try:
+            await self._dispatch(ep, h, ns, memoryview(body)[h.ns_len :])
+        except KVStoreError as e:
+            code = to_grpc_code(e).name
+            raise
+        except BaseException:
+            code = "UNAVAILABLE"  # the endpoint broke or timed out mid-frame
+            raise
+        finally:
+            if self.on_request is not None:
+                self.on_request(OP_NAMES.get(h.op, "other"), code, time.perf_counter() - t0)
+
+    async def _dispatch(self, ep: Any, h: wire.Header, ns: str, rest: memoryview) -> None:
+        if h.op == wire.OP_PUT:
+            await self._put(ep, h, ns, rest)
+        elif h.op == wire.OP_GET:
+            await self._get(ep, h, ns, _hashes(rest))
+        elif h.op == wire.OP_EXISTS:
+            bitmap = to_bitmap(self.store.exists(ns, _hashes(rest)))
+            await send_all(ep, [wire.encode_answer_header(h.op, 0, h.count, h.req_id), bitmap])
+        else:  # OP_REMOVE
+            n = self.store.remove(ns, _hashes(rest))
+            await send_all(ep, [wire.encode_answer_header(h.op, 0, n, h.req_id)])
+
+    async def _fail(self, ep: Any, h: wire.Header, err: KVStoreError) -> None:
+        msg = str(err).encode()[:ERROR_MAX]
+        head = wire.encode_answer_header(h.op, int(err.code), len(msg), h.req_id)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(send_all(ep, [head, msg]), 1.0)
+
+    def _discard_buffer(self, size: int) -> memoryview:
+        # One landing area for every payload that is received only to be dropped: UCX
+        # may fill it from several endpoints at once, which does not matter.
+        if len(self._scratch) < size:
+            self._scratch = memoryview(bytearray(size))
+        return self._scratch[:size]
+
+    async def _put(self, ep: Any, h: wire.Header, ns: str, raw: memoryview) -> None:
+        entries = list(wire.PUT_ENTRY.iter_unpack(raw))
+        limit = self.store.max_value_size
+        for i, (_, size, _) in enumerate(entries):
+            if size > limit:
+                err = InvalidArgument(f"value {i} of {size} bytes exceeds the limit of {limit}")
+                await self._fail(ep, h, err)
+                raise ProtocolError(str(err))
+        slots = self.store.reserve_many(
+            ns, [e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries]
+        )
+        reserved = [s for s in slots if isinstance(s, Block)]
+        status = bytearray(h.count)
+        ok: list[bool] = []
+        total = 0
+        try:
+            dests: list[memoryview] = []
+            for (_, size, _), slot in zip(entries, slots, strict=True):
+                total += size
+                dests.append(
+                    self.store.view(slot) if isinstance(slot, Block) else self._discard_buffer(size)
+                )
+            await recv_all(ep, dests)
+            for i, ((_, _, checksum), slot, dest) in enumerate(
+                zip(entries, slots, dests, strict=True)
+            ):
+                if isinstance(slot, Block):
+                    good = xxhash.xxh3_64_intdigest(dest) == checksum
+                    ok.append(good)
+                    status[i] = wire.PUT_STORED if good else wire.PUT_CORRUPT
+                    if not good:
+                        self.store.counters.checksum_errors += 1
+                elif isinstance(slot, QuotaExceeded):
+                    status[i] = wire.PUT_QUOTA
+                elif isinstance(slot, ResourceExhausted):
+                    status[i] = wire.PUT_FULL
+                else:
+                    status[i] = wire.PUT_PRESENT
+        except BaseException:
+            # The sender vanished or stalled mid-frame: cancel what UCX still has
+            # posted into the slots, and none of its blocks become visible.
+            abort(ep)
+            self.store.finish_many(reserved, [False] * len(reserved))
+            raise
+        self.store.finish_many(reserved, ok)
+        if self.on_bytes is not None:
+            self.on_bytes("ucx", "rx", total)
+        await send_all(ep, [wire.encode_answer_header(h.op, 0, h.count, h.req_id), status])
+
+    async def _get(self, ep: Any, h: wire.Header, ns: str, keys: list[bytes]) -> None:
+        # DRAM blocks are verified by the reader against the checksum sent with them.
+        reading = self.store.read(ns, keys, verify_dram=False)
+        total = 0
+        try:
+            meta = bytearray(h.count * wire.GET_ENTRY.size)
+            views: list[memoryview] = []
+            for i, held in enumerate(reading.held):
+                if held is None:
+                    wire.GET_ENTRY.pack_into(meta, i * wire.GET_ENTRY.size, wire.GET_MISS, 0, 0)
+                else:
+                    size = len(held.view)
+                    wire.GET_ENTRY.pack_into(
+                        meta, i * wire.GET_ENTRY.size, wire.GET_HIT, size, held.checksum
+                    )
+                    views.append(held.view)
+                    total += size
+            head = wire.encode_answer_header(h.op, 0, h.count, h.req_id)
+            await send_all(ep, [head, meta, *views])
+        except BaseException:
+            abort(ep)  # no send may still read the views once they are released
+            raise
+        finally:
+            self.store.done(reading)
+        if self.on_bytes is not None:
+            self.on_bytes("ucx", "tx", total)
+
+
+def _hashes(raw: memoryview) -> list[bytes]:
+    b = bytes(raw)
+    return [b[i : i + HASH_LEN] for i in range(0, len(b), HASH_LEN)]
