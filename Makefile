@@ -16,6 +16,7 @@ venv: $(STAMP)
 
 run: $(STAMP)
 	$(BIN)/kvstore --log-level warning demo
+	$(BIN)/kvstore --log-level warning bench replay --synth 4 --quick --sessions 4
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,0 +1,732 @@
+"""`kvstore bench replay`: replay agent / chat traces against a real store and score it.
+
+Each request does what an inference engine's connector does: chained hashes of its block
+ids, one ``match_prefix``, a batched load of the hit blocks into pre-faulted buffers
+(each block's bytes are derived from its hash, so a wrong block is caught and counted),
+and a store of only the blocks that missed. Sessions run concurrently (``--sessions N``
+conversations at once), each session's requests in order, pauses scaled by
+``--time-scale``; a sub-agent starts, on its own thread (inline when sessions run one at
+a time), when its parent reaches the sub-agent's start time, so it forks from the
+parent's cached prefix.
+
+The same requests, in the order the replay looked them up, go through the offline
+simulators of :mod:`cachesim`: an infinite cache (the ideal hit rate) and a block LRU of
+the store's capacity, so the gap to the LRU figure shows the store's eviction quality.
+:func:`run_replay` is the engine (used by the tests); :data:`replay_cmd` is the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+from rich.console import Console
+
+from . import report
+from .backends import BACKENDS, Backend, ClusterSpec, leading, open_backend, unavailable_reason
+from .cachesim import HitStats, ideal_hit_rate, lru_hit_rate
+from .traces import IdSpace, Request, Session, block_hashes, load_agentic, load_mooncake
+
+__all__ = [
+    "ReplayConfig",
+    "ReplayResult",
+    "RequestRecord",
+    "block_content",
+    "clear",
+    "load_sessions",
+    "replay_cmd",
+    "request_hashes",
+    "run_replay",
+]
+
+_SALT = b"kvstore-bench-replay"
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayConfig:
+    """How to replay. Byte sizes: a block is ``block_tokens * bytes_per_token`` bytes.
+
+    ``sessions``: top-level sessions replayed at once (1 = one after another, with
+    sub-agents run inline: fully deterministic). ``time_scale``: a pause of x seconds
+    in the trace lasts ``x * time_scale`` (0 = no pauses). The four switches are the
+    ablations: ``write_only_new`` (off: every block of each prompt is written),
+    ``batched_lookup`` (off: one exists call per block), ``parallel_loads`` (off: one
+    worker at a time), ``retain`` (off: a request's blocks are removed when it ends,
+    as with no shared store). ``verify`` compares every loaded block with the bytes
+    derived from its hash. ``buffer_bytes``: the pre-faulted buffer each running
+    session loads into and stores from, in chunks of at most this many bytes.
+    """
+
+    bytes_per_token: int = 512
+    model_bytes_per_token: int = 131072
+    prefill_tokens_per_s: float = 10_000.0
+    sessions: int = 8
+    time_scale: float = 0.0
+    write_only_new: bool = True
+    batched_lookup: bool = True
+    parallel_loads: bool = True
+    retain: bool = True
+    verify: bool = True
+    buffer_bytes: int = 32 << 20
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What one replayed request measured. Times are seconds; ``end`` is since start."""
+
+    session: str
+    end: float
+    blocks: int
+    matched: int
+    hit: int
+    tokens: int
+    hit_tokens: int
+    match_s: float
+    load_s: float
+    store_s: float
+    loaded_bytes: int
+    written_bytes: int
+    skipped_bytes: int
+    content_errors: int
+    store_failed: int
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    """A replay's records, its offline reference figures and the store it ran against."""
+
+    backend: str
+    description: str
+    config: ReplayConfig
+    block_tokens: int
+    block_bytes: int
+    wall_s: float
+    records: list[RequestRecord]
+    ideal: HitStats
+    lru: HitStats | None
+    capacity_blocks: int | None
+    label: str = ""
+
+    def summary(self) -> dict[str, Any]:
+        """The headline figures (see :func:`report.summarize`)."""
+        return report.summarize(self)
+
+
+def request_hashes(req: Request, cache: dict[int, bytes] | None = None) -> list[bytes]:
+    """The 16-byte keys the replay uses for ``req``'s blocks (chained over its ids)."""
+    return block_hashes(req.block_ids, _SALT, cache)
+
+
+def block_content(hashes: Sequence[bytes], block_bytes: int) -> np.ndarray:
+    """The bytes a replay stores for each hash: shape (len(hashes), block_bytes), uint8.
+
+    Word j (8 bytes) of a block is ``(j * 0x9E3779B97F4A7C15) XOR hash[j % 2]``, so two
+    blocks differ in every word and a block moved within a buffer is caught too.
+    """
+    out = np.empty((len(hashes), block_bytes), dtype=np.uint8)
+    _fill(out, hashes, _pattern(block_bytes))
+    return out
+
+
+def _pattern(block_bytes: int) -> np.ndarray:
+    words = block_bytes // 8
+    return (np.arange(words, dtype=np.uint64) * _MIX).reshape(words // 2, 2)
+
+
+def _words(rows: np.ndarray) -> np.ndarray:
+    return rows.view(np.uint64).reshape(rows.shape[0], -1, 2)
+
+
+def _hash_words(hashes: Sequence[bytes]) -> np.ndarray:
+    return np.frombuffer(b"".join(hashes), dtype=np.uint64).reshape(-1, 1, 2)
+
+
+def _fill(rows: np.ndarray, hashes: Sequence[bytes], pattern: np.ndarray) -> None:
+    np.bitwise_xor(pattern, _hash_words(hashes), out=_words(rows))
+
+
+def _verify(rows: np.ndarray, hashes: Sequence[bytes], pattern: np.ndarray) -> np.ndarray:
+    """Which rows hold their hash's content (destroys the rows' bytes)."""
+    w = _words(rows)
+    np.bitwise_xor(w, _hash_words(hashes), out=w)
+    ok: np.ndarray = (w == pattern).all(axis=(1, 2))
+    return ok
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class _Buffers:
+    """Pre-faulted (rows, block_bytes) arrays, one per running session, reused."""
+
+    def __init__(self, backend: Backend, rows: int, block_bytes: int) -> None:
+        self.backend = backend
+        self.rows = rows
+        self.block_bytes = block_bytes
+        self.free: list[tuple[np.ndarray, list[memoryview]]] = []
+        self.lock = threading.Lock()
+
+    def acquire(self) -> tuple[np.ndarray, list[memoryview]]:
+        with self.lock:
+            if self.free:
+                return self.free.pop()
+        arr = np.empty((self.rows, self.block_bytes), dtype=np.uint8)
+        arr.fill(0)  # touch every page now, not during a timed load
+        self.backend.register(arr)
+        return arr, [r.data for r in arr]
+
+    def release(self, buf: tuple[np.ndarray, list[memoryview]]) -> None:
+        with self.lock:
+            self.free.append(buf)
+
+    def close(self) -> None:
+        """Unregister every buffer (all must have been released)."""
+        with self.lock:
+            for arr, _ in self.free:
+                self.backend.unregister(arr)
+            self.free.clear()
+
+
+class _Replay:
+    def __init__(
+        self,
+        backend: Backend,
+        cfg: ReplayConfig,
+        block_tokens: int,
+        rows: int,
+        on_request: Callable[[RequestRecord], None] | None,
+    ) -> None:
+        self.b = backend
+        self.cfg = cfg
+        self.block_tokens = block_tokens
+        self.block_bytes = block_tokens * cfg.bytes_per_token
+        self.pattern = _pattern(self.block_bytes)
+        self.buffers = _Buffers(backend, rows, self.block_bytes)
+        self.on_request = on_request
+        self.hash_cache: dict[int, bytes] = {}
+        self.lock = threading.Lock()
+        self.order: list[Request] = []
+        self.records: list[RequestRecord] = []
+        self.threads: list[threading.Thread] = []
+        self.failure: BaseException | None = None
+        self.stop = threading.Event()
+        self.t0 = time.perf_counter()
+
+    # -- scheduling --
+
+    def run(self, sessions: Sequence[Session]) -> None:
+        queue = deque(sorted(sessions, key=lambda s: s.start))
+        if self.cfg.sessions <= 1:
+            for s in queue:
+                self._wait_until(s.start)
+                self._session(s)
+            return
+        for _ in range(min(self.cfg.sessions, len(queue))):
+            self._spawn(self._slot, queue)
+        try:
+            while True:  # join everything, including sub-agents spawned meanwhile
+                with self.lock:
+                    alive = [t for t in self.threads if t.is_alive()]
+                if not alive:
+                    break
+                alive[0].join(0.2)
+        except BaseException:  # Ctrl-C: let the sessions stop at their next request
+            self.stop.set()
+            raise
+        if self.failure is not None:
+            raise self.failure
+
+    def _spawn(self, fn: Callable[..., None], *args: object) -> None:
+        def guarded() -> None:
+            try:
+                fn(*args)
+            except BaseException as e:
+                with self.lock:
+                    self.failure = self.failure or e
+                self.stop.set()
+
+        t = threading.Thread(target=guarded, daemon=True)
+        with self.lock:
+            self.threads.append(t)
+        t.start()
+
+    def _slot(self, queue: deque[Session]) -> None:
+        while not self.stop.is_set():
+            with self.lock:
+                if not queue:
+                    return
+                s = queue.popleft()
+            self._wait_until(s.start)
+            self._session(s)
+
+    def _wait_until(self, t: float, base: float | None = None, origin: float = 0.0) -> None:
+        if self.cfg.time_scale <= 0:
+            return
+        target = (self.t0 if base is None else base) + (t - origin) * self.cfg.time_scale
+        delay = target - time.perf_counter()
+        if delay > 0:
+            self.stop.wait(delay)
+
+    def _session(self, s: Session) -> None:
+        begin = time.perf_counter()
+        children = deque(s.children)
+        buf = self.buffers.acquire()
+        try:
+            for req in s.requests:
+                while children and children[0].start <= req.t:
+                    self._fork(children.popleft())
+                if self.stop.is_set():
+                    return
+                self._wait_until(req.t, begin, s.start)
+                self._request(req, buf)
+        finally:
+            self.buffers.release(buf)
+        while children:
+            self._fork(children.popleft())
+
+    def _fork(self, child: Session) -> None:
+        if self.cfg.sessions <= 1:
+            self._session(child)
+        else:
+            self._spawn(self._session, child)
+
+    # -- one request --
+
+    def _request(self, req: Request, buf: tuple[np.ndarray, list[memoryview]]) -> None:
+        arr, views = buf
+        rows = arr.shape[0]
+        b, cfg, bb = self.b, self.cfg, self.block_bytes
+        hashes = request_hashes(req, self.hash_cache)
+        n = len(hashes)
+
+        t = time.perf_counter()
+        if cfg.batched_lookup:
+            matched = b.match_prefix(hashes)
+        else:
+            matched = 0
+            while matched < n and b.exists([hashes[matched]])[0]:
+                matched += 1
+        match_s = time.perf_counter() - t
+        with self.lock:
+            self.order.append(req)
+
+        hit = errors = 0
+        load_s = 0.0
+        while hit < matched:
+            k = min(rows, matched - hit)
+            t = time.perf_counter()
+            flags = b.get_into(hashes[hit : hit + k], views[:k], cfg.parallel_loads)
+            load_s += time.perf_counter() - t
+            if cfg.verify:
+                good = _verify(arr[:k], hashes[hit : hit + k], self.pattern)
+                errors += sum(1 for f, g in zip(flags, good, strict=True) if f and not g)
+                flags = [bool(f and g) for f, g in zip(flags, good, strict=True)]
+            run = leading(flags)
+            hit += run
+            if run < k:
+                break
+
+        first = hit if cfg.write_only_new else 0
+        store_s = 0.0
+        failed = 0
+        for pos in range(first, n, rows):
+            chunk = hashes[pos : pos + rows]
+            k = len(chunk)
+            _fill(arr[:k], chunk, self.pattern)
+            t = time.perf_counter()
+            _, bad = b.put(chunk, views[:k])
+            store_s += time.perf_counter() - t
+            failed += bad
+        if not cfg.retain:
+            b.remove(hashes)
+
+        bt = self.block_tokens
+        rec = RequestRecord(
+            session=req.session,
+            end=time.perf_counter() - self.t0,
+            blocks=n,
+            matched=matched,
+            hit=hit,
+            tokens=req.input_tokens,
+            hit_tokens=min(hit, req.input_tokens // bt) * bt,
+            match_s=match_s,
+            load_s=load_s,
+            store_s=store_s,
+            loaded_bytes=hit * bb,
+            written_bytes=(n - first) * bb,
+            skipped_bytes=first * bb,
+            content_errors=errors,
+            store_failed=failed,
+        )
+        with self.lock:
+            self.records.append(rec)
+        if self.on_request is not None:
+            self.on_request(rec)
+
+
+def run_replay(
+    sessions: Sequence[Session],
+    backend: Backend,
+    cfg: ReplayConfig,
+    *,
+    label: str = "",
+    on_request: Callable[[RequestRecord], None] | None = None,
+) -> ReplayResult:
+    """Replay ``sessions`` against ``backend`` and return what was measured.
+
+    All requests must share one ``block_tokens`` (ValueError otherwise); a block is
+    ``block_tokens * cfg.bytes_per_token`` bytes, which must be a multiple of 64.
+    ``on_request`` is called (from replay threads) after each request. The offline
+    ideal and LRU figures are computed on the requests in the order they were looked
+    up, the LRU with ``backend.capacity_blocks``. Exceptions of the backend propagate.
+    """
+    reqs = [r for s in sessions for sub in s.walk() for r in sub.requests]
+    sizes = {r.block_tokens for r in reqs}
+    if len(sizes) > 1:
+        raise ValueError(f"requests use different block sizes {sorted(sizes)}: replay one kind")
+    block_tokens = sizes.pop() if sizes else 64
+    block_bytes = block_tokens * cfg.bytes_per_token
+    if block_bytes <= 0 or block_bytes % 64:
+        raise ValueError(
+            f"a block of {block_tokens} tokens x {cfg.bytes_per_token} bytes = {block_bytes} "
+            "bytes: must be a positive multiple of 64"
+        )
+    longest = max((len(r.block_ids) for r in reqs), default=1)
+    rows = max(1, min(longest, cfg.buffer_bytes // block_bytes))
+    rp = _Replay(backend, cfg, block_tokens, rows, on_request)
+    try:
+        rp.run(sessions)
+    finally:
+        rp.buffers.close()
+    wall = time.perf_counter() - rp.t0
+    capacity = backend.capacity_blocks(block_bytes)
+    return ReplayResult(
+        backend=backend.name,
+        description=backend.description,
+        config=cfg,
+        block_tokens=block_tokens,
+        block_bytes=block_bytes,
+        wall_s=wall,
+        records=rp.records,
+        ideal=ideal_hit_rate(rp.order),
+        lru=lru_hit_rate(rp.order, capacity) if capacity is not None else None,
+        capacity_blocks=capacity,
+        label=label,
+    )
+
+
+# --------------------------------------------------------------------------- traces
+
+
+def load_sessions(
+    files: Sequence[str],
+    fmt: str,
+    *,
+    block_tokens: int | None = None,
+    max_requests: int | None = None,
+    limit: int | None = None,
+) -> list[Session]:
+    """Load trace files of one format into sessions with ids apart per file.
+
+    ``block_tokens`` regroups agentic ids (a multiple of the trace's block size);
+    ``max_requests`` keeps each session's (and sub-agent's) first requests; ``limit``
+    keeps a Mooncake file's first requests. Raises TraceFormatError / ValueError / OSError
+    as the loaders do.
+    """
+    ids = IdSpace()
+    if fmt == "agentic":
+        sessions = load_agentic(files, block_tokens=block_tokens, ids=ids)
+    else:
+        if block_tokens not in (None, 512):
+            raise ValueError("Mooncake traces have 512-token blocks; --block-tokens must be 512")
+        sessions = [s for f in files for s in load_mooncake(f, limit=limit, ids=ids)]
+    if max_requests is not None:
+        sessions = [_truncate(s, max_requests) for s in sessions]
+    return sessions
+
+
+def _truncate(s: Session, k: int) -> Session:
+    kids = tuple(_truncate(c, k) for c in s.children)
+    return dataclasses.replace(s, requests=s.requests[:k], children=kids)
+
+
+# --------------------------------------------------------------------------- CLI
+
+# --quick: the first 8 requests of each session (a Mooncake file's first 2000), 512-token
+# blocks of 32 bytes/token (16 KiB), 2 x 32 MiB = 4096 blocks of memory.
+_QUICK: dict[str, Any] = {
+    "block_tokens": 512,
+    "bytes_per_token": 32,
+    "max_requests": 8,
+    "limit": 2000,
+    "dram_size": "32MiB",
+}
+
+
+def _parse_sessions(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise click.BadParameter(f"want N or N1,N2,... (positive), got {text!r}")
+    return out
+
+
+@click.command("replay")
+@click.argument("trace_files", nargs=-1, type=click.Path(exists=True, dir_okay=True))
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["agentic", "mooncake"]),
+    default="agentic",
+    show_default=True,
+)
+@click.option(
+    "--backend",
+    type=click.Choice([*BACKENDS, "all"]),
+    default="kvstore",
+    show_default=True,
+    help="Store to replay against; 'all' runs each in turn and prints one table.",
+)
+@click.option("--master", default=None, help="Use a running kvstore cluster (HOST:PORT).")
+@click.option("--workers", type=int, default=2, show_default=True)
+@click.option("--dram-size", default=None, help="Per worker / Mooncake segment [256MiB].")
+@click.option("--ssd-size", default=None, help="kvstore workers' SSD tier size (when given).")
+@click.option("--max-value-size", default=None, help="kvstore slab size [16 blocks].")
+@click.option("--sessions", "sessions_text", default="8", show_default=True, help="N or N1,N2,...")
+@click.option(
+    "--time-scale", type=float, default=0.0, show_default=True, help="Pause multiplier; 0: none."
+)
+@click.option("--block-tokens", type=int, default=None, help="Regroup ids into blocks of this.")
+@click.option("--bytes-per-token", type=int, default=None, help="Replayed KV bytes [512].")
+@click.option(
+    "--model-bytes-per-token",
+    type=int,
+    default=131072,
+    show_default=True,
+    help="KV bytes per token to scale to (Llama-3-8B bf16).",
+)
+@click.option(
+    "--prefill-tokens-per-s",
+    type=float,
+    default=10_000.0,
+    show_default=True,
+    help="Prefill speed a hit saves.",
+)
+@click.option("--max-requests", type=int, default=None, help="First N requests per session.")
+@click.option("--limit", type=int, default=None, help="Mooncake: first N requests of a file.")
+@click.option("--synth", type=int, default=None, help="Replay N synthetic sessions instead.")
+@click.option("--seed", type=int, default=1, show_default=True, help="Seed for --synth.")
+@click.option("--ablate", is_flag=True, help="Turn each optimization off in turn.")
+@click.option("--quick", is_flag=True, help="A subset that runs in about a minute.")
+@click.option("--out", default="bench/results", show_default=True)
+@click.option("--progress/--no-progress", default=True, show_default=True)
+@click.option(
+    "--mooncake-lease-ms",
+    type=int,
+    default=2000,
+    show_default=True,
+    help="Mooncake read lease (its default, 10 s, pins a small cache).",
+)
+@click.option(
+    "--transport",
+    type=click.Choice(["auto", "tcp", "shm"]),
+    default="auto",
+    show_default=True,
+    help="kvstore client transport (auto: shm on the same host).",
+)
+def replay_cmd(
+    trace_files: tuple[str, ...],
+    fmt: str,
+    backend: str,
+    master: str | None,
+    workers: int,
+    dram_size: str | None,
+    ssd_size: str | None,
+    max_value_size: str | None,
+    sessions_text: str,
+    time_scale: float,
+    block_tokens: int | None,
+    bytes_per_token: int | None,
+    model_bytes_per_token: int,
+    prefill_tokens_per_s: float,
+    max_requests: int | None,
+    limit: int | None,
+    synth: int | None,
+    seed: int,
+    ablate: bool,
+    quick: bool,
+    out: str,
+    progress: bool,
+    mooncake_lease_ms: int,
+    transport: str,
+) -> None:
+    """Replay TRACE_FILES against kvstore (and Mooncake, Redis) and score the cache.
+
+    Reports hit rates against the offline ideal and LRU figures, bytes loaded / written /
+    skipped, match/load/store latency percentiles, GiB/s, prefill time saved at
+    --prefill-tokens-per-s and --model-bytes-per-token, and content errors; writes JSON
+    and PNG plots under --out. --quick replays the first 8 requests of each session in
+    512-token blocks of 32 bytes/token on 2 x 32 MiB.
+    """
+    from kvstore.config import parse_size
+
+    console = Console()
+    q = _QUICK if quick else {}
+    block_tokens = block_tokens or _opt_int(q, "block_tokens", fmt == "agentic")
+    bytes_per_token = bytes_per_token or int(q.get("bytes_per_token", 512))
+    max_requests = max_requests or _opt_int(q, "max_requests", fmt == "agentic")
+    limit = limit or _opt_int(q, "limit", fmt == "mooncake")
+    dram = parse_size(dram_size or str(q.get("dram_size", "256MiB")))
+    levels = _parse_sessions(sessions_text)
+
+    with tempfile.TemporaryDirectory(prefix="kvbench-synth-") as tmp:
+        files = list(trace_files)
+        if synth is not None:
+            from .synth import write
+
+            files = [str(p) for p in write(tmp, synth, seed)]
+            fmt = "agentic"
+        if not files:
+            raise click.UsageError("give TRACE_FILES or --synth N")
+        try:
+            sessions = load_sessions(
+                files, fmt, block_tokens=block_tokens, max_requests=max_requests, limit=limit
+            )
+        except (ValueError, OSError) as e:
+            raise click.ClickException(str(e)) from e
+    n_req = sum(len(x.requests) for s in sessions for x in s.walk())
+    bt = next((r.block_tokens for s in sessions for x in s.walk() for r in x.requests), 64)
+    block_bytes = bt * bytes_per_token
+    if block_bytes % 64:
+        raise click.UsageError(
+            f"a block is {bt} tokens x {bytes_per_token} B = {block_bytes} B: "
+            "--bytes-per-token must make it a multiple of 64 bytes"
+        )
+    spec = ClusterSpec(
+        workers=workers,
+        dram_bytes=dram,
+        max_value_bytes=parse_size(max_value_size) if max_value_size else 16 * block_bytes,
+        ssd_size=ssd_size,
+        master=master,
+        mooncake_lease_ms=mooncake_lease_ms,
+        transport=transport,
+    )
+    cfg = ReplayConfig(
+        bytes_per_token=bytes_per_token,
+        model_bytes_per_token=model_bytes_per_token,
+        prefill_tokens_per_s=prefill_tokens_per_s,
+        time_scale=time_scale,
+        sessions=levels[0],
+    )
+    kinds = list(BACKENDS) if backend == "all" else [backend]
+    if master and kinds != ["kvstore"]:
+        raise click.UsageError("--master applies to --backend kvstore only")
+    console.print(
+        f"[bold]replay[/] {len(files)} {fmt} file(s): {len(sessions)} sessions, {n_req} "
+        f"requests, blocks of {bt} tokens x {bytes_per_token} B = {block_bytes >> 10} KiB"
+    )
+    results: list[ReplayResult] = []
+    for kind in kinds:
+        reason = unavailable_reason(kind)
+        if reason is not None:
+            console.print(f"[yellow]skipping {kind}[/]: {reason}")
+            continue
+        plan = _plan(kind, levels, ablate, cfg)
+        try:
+            results += _run_backend(console, kind, plan, sessions, spec, n_req, progress)
+        except click.ClickException as e:
+            if len(kinds) == 1:
+                raise
+            console.print(f"[red]{kind} failed[/], going on without it: {e.message}")
+    if not results:
+        raise click.ClickException("no backend could run")
+    paths = report.replay_outputs(
+        console,
+        results,
+        Path(out),
+        sweep=len(levels) > 1,
+        ablate=ablate,
+        command=report.command_line(),
+    )
+    for p in paths:
+        console.print(f"wrote {p}")
+
+
+def _opt_int(q: dict[str, Any], key: str, applies: bool) -> int | None:
+    v = q.get(key)
+    return int(v) if applies and v is not None else None
+
+
+def _plan(
+    kind: str, levels: list[int], ablate: bool, cfg: ReplayConfig
+) -> list[tuple[str, ReplayConfig]]:
+    """(label, config) of every run against one backend, in order: the concurrency
+    levels, then (with ``ablate``) each optimization off in turn."""
+    rep = dataclasses.replace
+    plan = [(f"{kind} x{n}" if len(levels) > 1 else kind, rep(cfg, sessions=n)) for n in levels]
+    if ablate:
+        plan += [
+            (f"{kind}: write every block", rep(cfg, write_only_new=False)),
+            (f"{kind}: one exists per block", rep(cfg, batched_lookup=False)),
+            (f"{kind}: drop blocks at pauses", rep(cfg, retain=False)),
+        ]
+        if kind == "kvstore":  # the peers here are one server: nothing to parallelize
+            plan.append(("kvstore: one worker at a time", rep(cfg, parallel_loads=False)))
+    return plan
+
+
+def _run_backend(
+    console: Console,
+    kind: str,
+    plan: list[tuple[str, ReplayConfig]],
+    sessions: Sequence[Session],
+    spec: ClusterSpec,
+    n_req: int,
+    show: bool,
+) -> list[ReplayResult]:
+    """Start ``kind``'s servers once and run the plan, emptying the store between runs."""
+    out: list[ReplayResult] = []
+    try:
+        with open_backend(kind, spec, f"bench-replay/{uuid.uuid4().hex[:12]}") as b:
+            for i, (label, cfg) in enumerate(plan):
+                if i:
+                    clear(b, sessions)
+                with report.progress(console, label, n_req, show) as tick:
+                    res = run_replay(sessions, b, cfg, label=label, on_request=tick)
+                s = res.summary()
+                console.print(
+                    f"  {label}: token hit rate {report.pct(s['hit_rate_tokens'])} (ideal "
+                    f"{report.pct(s['ideal_hit_rate_tokens'])}, LRU "
+                    f"{report.pct(s['lru_hit_rate_tokens'])}), {res.wall_s:.1f} s"
+                )
+                out.append(res)
+    except Exception as e:
+        raise click.ClickException(f"{kind}: {type(e).__name__}: {e}") from e
+    return out
+
+
+def clear(backend: Backend, sessions: Sequence[Session]) -> None:
+    """Remove every block the replay of ``sessions`` may have stored."""
+    cache: dict[int, bytes] = {}
+    keys = {
+        h for s in sessions for x in s.walk() for r in x.requests for h in request_hashes(r, cache)
+    }
+    ordered = sorted(keys)
+    for i in range(0, len(ordered), 4096):
+        backend.remove(ordered[i : i + 4096])
