@@ -105,6 +105,54 @@ def _read_ready(proc: subprocess.Popen[bytes], timeout: float, what: str) -> dic
     raise StartError(f"{what} exited with code {code} before it was ready")
 
 
+@dataclass(slots=True)
+class Starting:
+    """A daemon process launched but not yet ready; see :func:`launch`."""
+
+    role: str
+    proc: subprocess.Popen[bytes]
+    args: list[str]
+    log_path: str | None
+
+    def ready(self, timeout: float = 30.0) -> Daemon:
+        """Wait for the ready line; on failure the process is killed and reaped."""
+        try:
+            msg = _read_ready(self.proc, timeout, f"kvstore {self.role}")
+        except BaseException:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(5)
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+            raise
+        return Daemon(self.role, self.proc, msg, self.args, self.log_path)
+
+
+def launch(
+    role: str,
+    args: Sequence[str],
+    *,
+    stderr: IO[bytes] | int | None = None,
+    env: dict[str, str] | None = None,
+    log_path: str | None = None,
+) -> Starting:
+    """Start ``python -m kvstore ROLE ARGS...`` without waiting for it."""
+    cmd = [sys.executable, "-m", "kvstore", role, *args]
+    err: IO[bytes] | int | None = stderr
+    log_fh = None
+    if log_path is not None:
+        log_fh = open(log_path, "ab")  # noqa: SIM115 - handed to the child
+        err = log_fh
+    try:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=err, env=env, stdin=subprocess.DEVNULL
+        )
+    finally:
+        if log_fh is not None:
+            log_fh.close()
+    return Starting(role, proc, list(args), log_path)
+
+
 def spawn(
     role: str,
     args: Sequence[str],
@@ -115,27 +163,7 @@ def spawn(
     log_path: str | None = None,
 ) -> Daemon:
     """Start ``python -m kvstore ROLE ARGS...`` and wait until it is ready."""
-    cmd = [sys.executable, "-m", "kvstore", role, *args]
-    err: IO[bytes] | int | None = stderr
-    log_fh = None
-    if log_path is not None:
-        log_fh = open(log_path, "ab")  # noqa: SIM115 - handed to the child
-        err = log_fh
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=err, env=env, stdin=subprocess.DEVNULL
-    )
-    if log_fh is not None:
-        log_fh.close()
-    try:
-        ready = _read_ready(proc, timeout, f"kvstore {role}")
-    except BaseException:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
-        if proc.stdout is not None:
-            proc.stdout.close()
-        raise
-    return Daemon(role, proc, ready, list(args), log_path)
+    return launch(role, args, stderr=stderr, env=env, log_path=log_path).ready(timeout)
 
 
 @dataclass(slots=True)
@@ -182,32 +210,44 @@ class LocalCluster:
                 stderr=self.stderr,
                 log_path=self._log("master"),
             )
-            for _ in range(self.workers):
-                self.add_worker()
+            # Workers start in parallel (each faults its arena in, which takes a while).
+            starting = [self._launch_worker(i) for i in range(self.workers)]
+            try:
+                for s in starting:
+                    self.worker_procs.append(s.ready())
+            finally:
+                for s in starting:  # a failed start leaves no process behind
+                    if s.proc.poll() is None and all(
+                        w.proc is not s.proc for w in self.worker_procs
+                    ):
+                        s.proc.kill()
+                        s.proc.wait(5)
             self.wait_for_workers(self.workers)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def add_worker(self, *extra: str) -> Daemon:
-        d = spawn(
+    def _worker_args(self, extra: Sequence[str] = ()) -> list[str]:
+        return [
+            "--master", self.address,
+            "--host", self.host,
+            "--dram-size", self.dram_size,
+            "--max-value-size", self.max_value_size,
+            *self.extra_worker_args,
+            *extra,
+        ]  # fmt: skip
+
+    def _launch_worker(self, index: int, *extra: str) -> Starting:
+        return launch(
             "worker",
-            [
-                "--master",
-                self.address,
-                "--host",
-                self.host,
-                "--dram-size",
-                self.dram_size,
-                "--max-value-size",
-                self.max_value_size,
-                *self.extra_worker_args,
-                *extra,
-            ],
+            self._worker_args(extra),
             stderr=self.stderr,
-            log_path=self._log(f"worker{len(self.worker_procs)}"),
+            log_path=self._log(f"worker{index}"),
         )
+
+    def add_worker(self, *extra: str) -> Daemon:
+        d = self._launch_worker(len(self.worker_procs), *extra).ready()
         self.worker_procs.append(d)
         return d
 
