@@ -36,7 +36,7 @@ from .errors import (
     Unavailable,
     from_rpc_error,
 )
-from .keys import check_hashes, check_namespace, leading_run
+from .keys import HASH_LEN, check_hashes, check_namespace, leading_run
 from .proto import master_pb2, master_pb2_grpc
 from .security import Tls, metadata, open_channel
 from .sharding import Ring, build_ring
@@ -283,9 +283,9 @@ class Client:
         view = self._view
         if view is None or not view.workers:
             return _View(0, build_ring([]), [], 0), []
-        owner = view.ring.primary(hashes)
-        if len(view.workers) == 1:
+        if len(view.workers) == 1:  # no hashing onto the ring needed
             return view, [(0, np.arange(len(hashes)))]
+        owner = view.ring.primary(hashes)
         return view, [(int(w), np.flatnonzero(owner == w)) for w in np.unique(owner)]
 
     def _fan_out(
@@ -373,6 +373,16 @@ class Client:
         """Which hashes are present (False also for unreachable workers)."""
         nsb = self._check(ns, hashes)
         view, groups = self._groups(hashes)
+        if not groups:
+            return [False] * len(hashes)
+        if any(view.workers[w].ucx is not None for w, _ in groups):
+            return self._exists_threads(nsb, hashes, view, groups)
+        flags: list[bool] = self._exists_scatter(nsb, hashes, view, groups).tolist()
+        return flags
+
+    def _exists_threads(
+        self, nsb: bytes, hashes: list[bytes], view: _View, groups: list[tuple[int, np.ndarray]]
+    ) -> list[bool]:
         result = [False] * len(hashes)
         tasks: list[Callable[[], Any]] = [
             _bind(view.workers[w].exists, self.timeout, nsb, [hashes[i] for i in idx])
@@ -384,9 +394,54 @@ class Client:
                     result[int(i)] = flags[j]
         return result
 
+    def _exists_scatter(
+        self, nsb: bytes, hashes: list[bytes], view: _View, groups: list[tuple[int, np.ndarray]]
+    ) -> np.ndarray:
+        """EXISTS without threads: send one request to every owner, then read every
+        answer. A prefix lookup is one round trip to the slowest worker."""
+        packed = np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(-1, HASH_LEN)
+        out = np.zeros(len(hashes), dtype=bool)
+        sent: list[tuple[TcpPool, TcpConnection, np.ndarray]] = []
+        deadline = time.monotonic() + self.timeout
+        for w, idx in groups:
+            pool = view.workers[w].pool
+            try:
+                conn = pool.take(self.timeout)
+                conn.sock.settimeout(self.timeout)
+                body = packed.tobytes() if len(groups) == 1 else packed[idx].tobytes()
+                conn.send_exists(nsb, body, len(idx))
+            except KVStoreError as e:
+                _misses_only(w, e)
+                continue
+            except OSError:
+                conn.close()
+                continue
+            sent.append((pool, conn, idx))
+        error: KVStoreError | None = None
+        for pool, conn, idx in sent:
+            try:
+                conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
+                out[idx] = conn.recv_exists()
+            except (OSError, KVStoreError) as e:
+                conn.close()
+                if isinstance(e, InvalidArgument | PermissionDenied | Unauthenticated):
+                    error = error or e
+                continue
+            pool.give(conn)
+        if error is not None:
+            raise error
+        return out
+
     def match_prefix(self, ns: str, hashes: list[bytes]) -> int:
-        """Number of leading hashes present."""
-        return leading_run(self.batch_exists(ns, hashes))
+        """Number of leading hashes present (one batched EXISTS per owner, in parallel)."""
+        nsb = self._check(ns, hashes)
+        view, groups = self._groups(hashes)
+        if not groups:
+            return 0
+        if any(view.workers[w].ucx is not None for w, _ in groups):
+            return leading_run(self._exists_threads(nsb, hashes, view, groups))
+        flags = self._exists_scatter(nsb, hashes, view, groups)
+        return len(flags) if flags.all() else int(np.argmin(flags))
 
     def batch_get(self, ns: str, hashes: list[bytes]) -> list[bytes | None]:
         """The values, None for misses (absent, corrupt, or worker unreachable)."""

@@ -107,7 +107,12 @@ class BlockStore:
 
     def exists(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
         with self.lock:
-            return [self._present(ns, k) for k in keys]
+            space = self.tier.index.get(ns, {})
+            flags = [b is not None and b.ready for b in map(space.get, keys)]
+            if len(self.ssd_index):
+                ssd = self.ssd_index.entries
+                flags = [f or (ns, k) in ssd for f, k in zip(flags, keys, strict=True)]
+            return flags
 
     def match_prefix(self, ns: str, keys: Sequence[bytes], state_ns: str = "") -> int:
         """Leading run of present keys; with ``state_ns`` the state at the last one too."""

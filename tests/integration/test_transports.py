@@ -90,7 +90,7 @@ from kvstore_client.transport.tcp import TcpConnection
 from helpers import key
 with Client(PARAMS["master"]) as c:
     w = c._view.workers[0]
-    conn = w.pool._take(5)
+    conn = w.pool.take(5)
     entries = b"".join(wire.PUT_ENTRY.pack(key(i, "dead"), 1 << 20, 0) for i in range(32))
     head = wire.encode_request_header(wire.OP_PUT_LOC, PARAMS["ns"].encode(), 32, 1)
     wire.send_buffers(conn.sock, [head, entries])

@@ -121,3 +121,15 @@ def test_oversize_value_is_invalid() -> None:
     t = DramTier(2 * MiB, 1 * MiB)
     with pytest.raises(InvalidArgument):
         t.reserve("ns", k(1), 1 * MiB + 1, 0)
+
+
+def test_emptied_slab_goes_to_another_size_class_without_evictions() -> None:
+    t = DramTier(4 * MiB, 1 * MiB)
+    for i in range(1024):  # every slab taken by 4 KiB blocks
+        assert put(t, i, 4 * KiB)
+    for i in range(1024):
+        assert t.remove("ns", k(i))
+    for i in range(4):  # the arena is empty: 1 MiB blocks must fit without evicting
+        assert put(t, 5000 + i, 1 * MiB)
+    assert t.counters.evictions == 0
+    assert all(t.contains("ns", k(5000 + i)) for i in range(4))

@@ -16,11 +16,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 import xxhash
 
 from .. import wire
 from ..errors import DeadlineExceeded, KVStoreError, ProtocolError, Unavailable, from_code
-from ..keys import HASH_LEN, from_bitmap
+from ..keys import HASH_LEN
 from ..security import Tls, wrap_client_socket
 
 SOCK_BUF = 4 << 20
@@ -135,12 +136,23 @@ class TcpConnection:
         return GetResult(found, values, total)
 
     def exists(self, ns: bytes, hashes: Sequence[bytes]) -> list[bool]:
+        self.send_exists(ns, b"".join(hashes), len(hashes))
+        flags: list[bool] = self.recv_exists().tolist()
+        return flags
+
+    def send_exists(self, ns: bytes, packed: bytes, count: int) -> None:
+        """First half of EXISTS (so one thread can have requests out to many workers)."""
         self._req += 1
-        head = wire.encode_request_header(wire.OP_EXISTS, ns, len(hashes), self._req)
-        wire.send_buffers(self.sock, [head, b"".join(hashes)])
+        head = wire.encode_request_header(wire.OP_EXISTS, ns, count, self._req)
+        wire.send_buffers(self.sock, [head, packed])
+
+    def recv_exists(self) -> np.ndarray:
+        """Second half of EXISTS: a bool array, one flag per hash sent."""
         h = self._answer(wire.OP_EXISTS, self._req)
         bitmap = wire.recv_exact(self.sock, (h.count + 7) // 8)
-        return from_bitmap(bytes(bitmap), h.count)
+        return np.unpackbits(
+            np.frombuffer(bitmap, dtype=np.uint8), count=h.count, bitorder="little"
+        ).astype(bool)
 
     def remove(self, ns: bytes, hashes: Sequence[bytes]) -> int:
         self._req += 1
@@ -165,7 +177,8 @@ class TcpPool:
         self._closed = False
         self.down_until = 0.0  # after a connect failure, fail fast for a moment
 
-    def _take(self, timeout: float) -> TcpConnection:
+    def take(self, timeout: float) -> TcpConnection:
+        """Borrow a connection (opened on demand); give it back with :meth:`give`."""
         with self._lock:
             if self._closed:
                 raise Unavailable(f"connection pool to {self.host}:{self.port} is closed")
@@ -179,7 +192,7 @@ class TcpPool:
             self.down_until = time.monotonic() + 0.5
             raise Unavailable(f"cannot connect to {self.host}:{self.port}: {e}") from e
 
-    def _give(self, conn: TcpConnection) -> None:
+    def give(self, conn: TcpConnection) -> None:
         with self._lock:
             if not self._closed and len(self._idle) < self.max_idle:
                 self._idle.append(conn)
@@ -188,7 +201,7 @@ class TcpPool:
 
     def call(self, timeout: float, fn: Callable[..., R], *args: Any) -> R:
         """Run ``fn(connection, *args)`` on a pooled connection within ``timeout``."""
-        conn = self._take(timeout)
+        conn = self.take(timeout)
         conn.sock.settimeout(max(timeout, 0.001))
         try:
             result = fn(conn, *args)
@@ -203,7 +216,7 @@ class TcpPool:
         except OSError as e:
             conn.close()
             raise Unavailable(f"{self.host}:{self.port}: {e}") from e
-        self._give(conn)
+        self.give(conn)
         return result
 
     def close(self) -> None:

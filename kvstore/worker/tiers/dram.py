@@ -108,6 +108,8 @@ class DramTier:
         self._class_sizes = [c.size for c in self.classes]
         self.slab_class = [-1] * self.nslabs
         self.free_slabs = list(range(self.nslabs - 1, -1, -1))
+        self.slab_live = [0] * self.nslabs  # slots in use (pending or ready) per slab
+        self.empty_slabs: set[int] = set()  # assigned to a class, no slot in use
         self.index: dict[str, dict[bytes, Block]] = {}
         self.owner: dict[int, Block] = {}  # offset -> block holding that slot
         self.counters = TierCounters()
@@ -247,6 +249,10 @@ class DramTier:
             del self.owner[b.offset]
             self.used_bytes -= b.size
             self.classes[b.cls].free.add(b.offset)
+            slab = b.offset // self.slab_size
+            self.slab_live[slab] -= 1
+            if self.slab_live[slab] == 0:
+                self.empty_slabs.add(slab)
 
     def _evict(self, b: Block) -> None:
         if self._on_evict is not None:
@@ -289,6 +295,8 @@ class DramTier:
         c = self.classes[cls]
         if not c.free and self.free_slabs:
             self._assign_slab(self.free_slabs.pop(), cls)
+        if not c.free and self.empty_slabs:  # an emptied slab of another class: no eviction
+            self._take_empty_slab(self.empty_slabs.pop(), cls)
         if not c.free:
             own = self._lru_victim(c)
             donor = self._oldest_other(cls)
@@ -301,7 +309,20 @@ class DramTier:
             raise ResourceExhausted(
                 f"no free {c.size}-byte slot: every candidate block is being read or written"
             )
-        return c.free.pop()
+        offset = c.free.pop()
+        slab = offset // self.slab_size
+        self.slab_live[slab] += 1
+        self.empty_slabs.discard(slab)
+        return offset
+
+    def _take_empty_slab(self, slab: int, to_cls: int) -> None:
+        from_c = self.classes[self.slab_class[slab]]
+        start = slab * self.slab_size
+        end = start + self.slab_size - from_c.size + 1
+        from_c.free.difference_update(range(start, end, from_c.size))
+        from_c.slabs -= 1
+        self.counters.slab_moves += 1
+        self._assign_slab(slab, to_cls)
 
     def _oldest_other(self, cls: int) -> Block | None:
         best: Block | None = None
@@ -324,6 +345,7 @@ class DramTier:
             return False
         for b in holders:
             self._evict(b)
+        self.empty_slabs.discard(slab)
         from_c.free.difference_update(offsets)
         from_c.slabs -= 1
         self.counters.slab_moves += 1
