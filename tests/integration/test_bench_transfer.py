@@ -1,0 +1,146 @@
+"""`kvstore bench transfer --quick` end to end with tiny sizes: real daemons, JSON checked.
+
+The Mooncake variant runs when the mooncake wheel is installed and is skipped
+with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvstore_bench.peers import PeerUnavailable, mooncake_master_binary
+from kvstore_bench.transfer import Plan, Point, evaluate_targets
+
+TINY = [
+    "--quick",
+    "--block-sizes", "4KiB,64KiB",
+    "--batch-sizes", "1,4",
+    "--concurrency", "1,2",
+    "--total-bytes", "1MiB",
+    "--max-seconds", "0.05",
+    "--dram-size", "256MiB",
+    "--aggregate-workers", "2",
+]  # fmt: skip
+
+
+def run_bench(tmp_path: Path, *extra: str) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstore", "bench", "transfer", *TINY, "--out", str(tmp_path),
+         "--log-dir", str(tmp_path), *extra],
+        capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    files = sorted(tmp_path.glob("transfer-*.json"))
+    assert len(files) == 1, out.stdout[-2000:]
+    assert "kvstore bench transfer" in out.stdout and "batch_exists" in out.stdout
+    result: dict[str, Any] = json.loads(files[0].read_text())
+    return result
+
+
+def check_points(result: dict[str, Any], series: list[tuple[str, str]]) -> None:
+    """Every grid point and the aggregate point, for every series, with sane numbers."""
+    cfg = result["config"]
+    want = {
+        (s, tr, op, block, batch, conc, 1)
+        for s, tr in series
+        for op in ("put", "get")
+        for block in cfg["blocks"]
+        for batch in cfg["batches"]
+        for conc in cfg["concurrency"]
+    }
+    want |= {(s, tr, op, 1 << 20, 64, 1, 2) for s, tr in series for op in ("put", "get")}
+    got = {
+        (p["system"], p["transport"], p["op"], p["block_bytes"], p["batch"], p["concurrency"],
+         p["workers"]): p
+        for p in result["points"]
+    }  # fmt: skip
+    assert want <= set(got), sorted(want - set(got))
+    for k in want:
+        p = got[k]
+        assert p["errors"] == 0, p
+        assert p["bytes"] > 0 and p["batches"] > 0, p
+        assert 0 < p["gib_s"] < 1000, p
+        assert p["seconds"] > 0 and p["p99_ms"] >= p["p50_ms"] > 0, p
+        assert p["cpu_s_per_gib"] > 0 and p["cpu_client_s"] >= 0, p
+        assert p["frac_socket"] == pytest.approx(p["gib_s"] / result["ceilings"]["socket_gib_s"])
+    exists = {(e["system"], e["transport"], e["workers"]): e for e in result["exists"]}
+    for s, tr in series:
+        for w in (1, 2):
+            e = exists[(s, tr, w)]
+            assert e["all_found"] and e["keys"] == 1024 and e["keys_per_s"] > 0, e
+    ceil = result["ceilings"]
+    assert 0 < ceil["socket_gib_s"] < 1000 and 0 < ceil["memcpy_gib_s"] < 1000
+
+
+def test_quick_kvstore(tmp_path: Path) -> None:
+    result = run_bench(tmp_path, "--transport", "tcp,shm")
+    skipped = [n for n in result["notes"] if "shm" in n]
+    series = [("kvstore", "tcp")] + ([] if skipped else [("kvstore", "shm")])
+    check_points(result, series)
+    assert result["excluded"] == []
+    assert not any(p["system"] == "mooncake" for p in result["points"])
+    # Without Mooncake only the bare-socket goals can be judged.
+    assert {t["name"] for t in result["targets"]} >= {"get 1 MiB x32 vs bare socket"} or (
+        1 << 20 not in result["config"]["blocks"]
+    )
+    pytest.importorskip("matplotlib")
+    assert list(tmp_path.glob("transfer-*.png"))
+
+
+def _mooncake_missing() -> str | None:
+    """Why Mooncake cannot run here, or None. The library loads in a child process."""
+    try:
+        mooncake_master_binary()
+    except PeerUnavailable as e:
+        return str(e)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import mooncake.store"], capture_output=True, text=True, timeout=60
+    )
+    if probe.returncode != 0:
+        return f"mooncake.store does not load: {probe.stderr.strip()[-300:]}"
+    return None
+
+
+MOONCAKE_MISSING = _mooncake_missing()
+
+
+@pytest.mark.skipif(MOONCAKE_MISSING is not None, reason=str(MOONCAKE_MISSING))
+def test_quick_vs_mooncake(tmp_path: Path) -> None:
+    result = run_bench(tmp_path, "--transport", "tcp", "--vs", "mooncake")
+    assert result["notes"] == []
+    check_points(result, [("kvstore", "tcp"), ("mooncake", "tcp")])
+
+
+def test_targets_and_plan_logic() -> None:
+    def pt(system: str, op: str, block: int, gib_s: float) -> Point:
+        return Point(system, "tcp", op, block, 32, 1, 1, 1, 1.0, gib_s, 1, 0, 1, 1, 0, 0, 0)
+
+    points = [
+        pt("kvstore", "get", 1 << 20, 3.0),
+        pt("mooncake", "get", 1 << 20, 1.0),
+        pt("kvstore", "put", 1 << 20, 2.0),
+        pt("mooncake", "put", 1 << 20, 1.0),
+    ]
+    exists = [
+        {"system": "kvstore", "transport": "tcp", "workers": 1, "keys_per_s": 3e6},
+        {"system": "mooncake", "transport": "tcp", "workers": 1, "keys_per_s": 2e6},
+    ]
+    got = {
+        t["name"]: (round(t["value"], 3), t["met"]) for t in evaluate_targets(points, exists, 4.0)
+    }
+    assert got == {
+        "get 1 MiB x32 vs Mooncake": (3.0, True),
+        "get 1 MiB x32 vs bare socket": (0.75, True),
+        "put 1 MiB x32 vs Mooncake": (2.0, False),
+        "put 1 MiB x32 vs bare socket": (0.5, False),
+        "batch_exists x1024 vs batch_is_exist": (1.5, True),
+    }
+    plan = Plan([4 << 10, 16 << 20], [1, 128], [1, 4], 1 << 30, 1.0, 1 << 30)
+    assert plan.combos(4 << 10) == [(1, 1), (1, 4), (128, 1), (128, 4)]
+    assert plan.combos(16 << 20) == [(1, 1), (1, 4)]
+    assert len(plan.excluded()) == 2
