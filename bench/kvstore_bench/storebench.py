@@ -133,6 +133,14 @@ def _ints(text: str) -> list[int]:
 @click.option("--transport", type=click.Choice(["auto", "tcp", "shm"]), default="auto")
 @click.option("--quick", is_flag=True, help="4KiB,64KiB,1MiB x 1,32, 16 MiB per cell.")
 @click.option("--out", default="bench/results", show_default=True)
+@click.option(
+    "--tier",
+    type=click.Choice(["ssd"]),
+    default=None,
+    help="Tier mode: SSD tier write/read GiB/s beside the raw disk (dd), same run.",
+)
+@click.option("--ssd-dir", default=None, help="Tier mode: directory on the disk to test [tmp].")
+@click.option("--tier-size", default=None, help="Tier mode: bytes to write [2GiB; quick 512MiB].")
 def store_cmd(
     backend: str,
     block_sizes: str | None,
@@ -143,12 +151,22 @@ def store_cmd(
     transport: str,
     quick: bool,
     out: str,
+    tier: str | None,
+    ssd_dir: str | None,
+    tier_size: str | None,
 ) -> None:
     """Put / get / exists throughput and p50/p99 latency of kvstore, Mooncake and Redis,
-    by block size and batch size, on the same memory; JSON and a PNG go to --out."""
+    by block size and batch size, on the same memory; JSON and a PNG go to --out.
+    With --tier ssd: the SSD tier against the raw speed of its disk instead."""
     from kvstore.config import parse_size
 
     console = Console()
+    if tier == "ssd":
+        from .tierbench import run_tier
+
+        total = parse_size(tier_size or ("512MiB" if quick else "2GiB"))
+        run_tier(ssd_dir, total, 1 << 20, "64MiB", out, console)
+        return
     blocks = _sizes(
         block_sizes or ("4KiB,64KiB,1MiB" if quick else "4KiB,16KiB,64KiB,256KiB,1MiB,4MiB")
     )

@@ -80,7 +80,7 @@ class SsdStore:
             writemap=False,
             sync=sync,
             metasync=sync,
-            readahead=False,
+            readahead=True,  # values are large runs of contiguous overflow pages
             max_readers=1024,
             lock=True,
         )
