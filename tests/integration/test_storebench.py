@@ -59,3 +59,14 @@ def test_cli_rejects_a_cell_larger_than_the_store(tmp_path: Path) -> None:
     args = ["--backend", "kvstore", "--cell-size", "64MiB", "--dram-size", "16MiB"]
     r = CliRunner().invoke(store_cmd, [*args, "--out", str(tmp_path)])
     assert r.exit_code == 2 and "cell-size" in r.output
+
+
+def test_tier_mode_reads_every_ssd_block_back(tmp_path: Path) -> None:
+    from kvstore_bench.tierbench import run_tier
+    from rich.console import Console
+
+    r = run_tier(str(tmp_path), 160 << 20, 1 << 20, "32MiB", str(tmp_path / "out"), Console())
+    st, raw = r["store"], r["raw"]
+    assert st["ssd_blocks_read"] >= 90 and st["hits"] == st["ssd_blocks_read"]
+    assert st["write_gib_s"] > 0 and st["read_gib_s"] > 0 and raw["write_gib_s"] > 0
+    assert list((tmp_path / "out").glob("tier-*.json"))
