@@ -36,5 +36,8 @@ test: lint typecheck chart unit
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
 
+e2e:
+	bash scripts/e2e.sh
+
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-e2e build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -432,8 +432,19 @@ class Client:
             raise error
         return out
 
-    def match_prefix(self, ns: str, hashes: list[bytes]) -> int:
-        """Number of leading hashes present (one batched EXISTS per owner, in parallel)."""
+    def match_prefix(self, ns: str, hashes: list[bytes], *, state_ns: str | None = None) -> int:
+        """Number of leading hashes present (one batched EXISTS per owner, in parallel).
+
+        With ``state_ns`` (hybrid models), a prefix of k blocks counts only when its k KV
+        blocks are present in ``ns`` and the state at boundary k (stored under hash k-1)
+        is present in ``state_ns``; a partial write can therefore never make a wrong hit.
+        """
+        if state_ns is not None:
+            k = self.match_prefix(ns, hashes)
+            states = self.batch_exists(state_ns, hashes[:k]) if k else []
+            while k and not states[k - 1]:
+                k -= 1
+            return k
         nsb = self._check(ns, hashes)
         view, groups = self._groups(hashes)
         if not groups:

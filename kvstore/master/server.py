@@ -280,13 +280,16 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self, request: master_pb2.WatchShardMapRequest, context: Ctx
     ) -> AsyncIterator[master_pb2.ShardMap]:
         known = request.known_version
-        while True:
-            if self.published.version != known:
-                current = self.published
-                known = current.version
-                yield current
-            async with self.changed:
-                await self.changed.wait_for(functools.partial(self._moved_on, known))
+        try:
+            while True:
+                if self.published.version != known:
+                    current = self.published
+                    known = current.version
+                    yield current
+                async with self.changed:
+                    await self.changed.wait_for(functools.partial(self._moved_on, known))
+        except asyncio.CancelledError:
+            return  # the client went away or the master is stopping: not an error
 
     def _moved_on(self, known: int) -> bool:
         return self.published.version != known

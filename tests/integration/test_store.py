@@ -105,3 +105,17 @@ def test_invalid_arguments_raise_clear_errors(cluster: LocalCluster) -> None:
         with pytest.raises(InvalidArgument, match="values"):
             c.batch_put(NS, [key(1), key(2)], [b"v"])
         assert c.batch_exists(NS, []) == [] and c.match_prefix(NS, []) == 0
+
+
+def test_match_prefix_with_state_namespace_needs_kv_and_state(cluster: LocalCluster) -> None:
+    """Hybrid models: k blocks hit only if all k KV blocks and the state at k are there."""
+    keys = [key(i, "hybrid") for i in range(10)]
+    state = "llama3-8b/bf16/b16/tp0of1/state"
+    with Client(cluster.address) as c:
+        c.batch_put(NS, keys, [b"kv"] * 10)
+        assert c.match_prefix(NS, keys, state_ns=state) == 0, "no state stored: no hit"
+        c.batch_put(state, [keys[3], keys[7]], [b"s3", b"s7"])
+        assert c.match_prefix(NS, keys, state_ns=state) == 8, "state at boundary 8"
+        c.remove(NS, [keys[5]])  # a KV block lost: only the prefix up to the state at 4
+        assert c.match_prefix(NS, keys, state_ns=state) == 4
+        assert c.match_prefix(NS, keys) == 5

