@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import yaml
+
 from kvstore_client.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from kvstore_client.keys import check_namespace
 

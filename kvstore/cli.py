@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 import click
+
 from kvstore_client import __version__
 from kvstore_client.errors import KVStoreError
 
@@ -193,9 +194,9 @@ def up(workers: int, dram_size: str, max_value_size: str, master_port: int, host
 def status(master: str, as_json: bool, timeout: float) -> None:
     """Show the cluster's workers, capacity, usage, keys and hit counts."""
     import grpc
+
     from kvstore_client.client import parse_masters
     from kvstore_client.proto import master_pb2, master_pb2_grpc
-
     from kvstore_client.security import Tls, metadata, open_channel
 
     addr = parse_masters(master)[0]

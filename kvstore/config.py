@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+
 from kvstore_client.errors import InvalidArgument
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.I)

@@ -6,10 +6,11 @@ import os
 import time
 
 import numpy as np
-from kvstore_client import Client, block_hashes
-from kvstore_client.errors import KVStoreError
 from rich.console import Console
 from rich.table import Table
+
+from kvstore_client import Client, block_hashes
+from kvstore_client.errors import KVStoreError
 
 NS = "demo-model/bf16/b16/tp0of1"
 

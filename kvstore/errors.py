@@ -10,6 +10,7 @@ import logging
 from typing import NoReturn
 
 import grpc
+
 from kvstore_client.errors import (
     Code,
     DeadlineExceeded,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from kvstore_client import __version__
 from prometheus_client import (
     REGISTRY,
     Counter,
@@ -23,6 +22,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from kvstore_client import __version__
 
 # No *_created series: they double the series count and dashboards do not use them.
 disable_created_metrics()  # type: ignore[no-untyped-call]

@@ -274,7 +274,6 @@ def _serve_client(master: str, timeout: float, inp: IO[str], out: IO[str]) -> No
     """Answer commands with a real Client: put/get/exists of ``n`` blocks of ``size``
     bytes keyed by ``salt`` (see tests.helpers), the map's workers, ping, quit."""
     from kvstore_client import Client
-
     from tests.helpers import key, value_for
 
     ns = "netns/bf16/b16/tp0of1"

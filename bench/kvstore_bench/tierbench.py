@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from kvstore_client import Client, block_hashes
 from rich.console import Console
 from rich.table import Table
 
 from kvstore.cluster import LocalCluster
+from kvstore_client import Client, block_hashes
 
 GiB = float(1 << 30)
 

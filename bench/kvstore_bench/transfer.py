@@ -41,14 +41,14 @@ from typing import Any, Protocol
 
 import click
 import numpy as np
-from kvstore_client import Client
-from kvstore_client.errors import KVStoreError, ResourceExhausted
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvstore.cluster import LocalCluster
 from kvstore.config import format_size, parse_size
+from kvstore_client import Client
+from kvstore_client.errors import KVStoreError, ResourceExhausted
 
 from . import ceilings
 from .peers import MooncakeServer, MooncakeStoreAdapter, PeerUnavailable, cpu_seconds

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import xxhash
+
 from kvstore_client.transport import ucx as ucx_client
 from kvstore_client.transport.tcp import GetResult, TcpConnection, TcpPool
 

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
+
 from kvstore_client.errors import KVStoreError, to_grpc_code
 
 from ..auth import Tenants, bearer

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
 from kvstore_client import __version__
 from kvstore_client.proto import master_pb2, master_pb2_grpc
 from kvstore_client.security import AUTH_HEADER, Tls

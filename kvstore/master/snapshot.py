@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
+
 from kvstore_client.proto import master_pb2
 
 from .membership import Member, Membership

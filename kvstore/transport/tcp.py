@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 import xxhash
+
 from kvstore_client import wire
 from kvstore_client.errors import (
     InvalidArgument,

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import xxhash
+
 from kvstore_client import wire
 from kvstore_client.errors import (
     InvalidArgument,

@@ -14,6 +14,7 @@ import os
 import uuid
 
 import numpy as np
+
 from kvstore_client.errors import ResourceExhausted
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap module lacks the name

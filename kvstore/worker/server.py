@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
 from kvstore_client import __version__
 from kvstore_client.client import parse_masters
 from kvstore_client.proto import master_pb2, master_pb2_grpc, store_pb2_grpc

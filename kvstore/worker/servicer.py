@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import grpc
+
 from kvstore_client.keys import check_namespace, to_bitmap, unpack_hashes
 from kvstore_client.proto import store_pb2, store_pb2_grpc
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
+
 from kvstore_client.errors import QuotaExceeded, ResourceExhausted
 
 from .arena import Arena

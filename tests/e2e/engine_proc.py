@@ -52,9 +52,10 @@ def make_llm(cfg: dict[str, Any]) -> Any:
 
 
 def generate(llm: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    from kvstore_client.connectors._common import TOTALS
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from kvstore_client.connectors._common import TOTALS
 
     sp = SamplingParams(
         max_tokens=max_tokens, temperature=0.0, logprobs=0, detokenize=False, ignore_eos=True

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import pytest
+
 from kvstore_client import Client, block_hashes
 from kvstore_client.connectors._common import (
     STATE_KIND,

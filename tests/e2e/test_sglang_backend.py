@@ -22,13 +22,14 @@ sglang_storage = pytest.importorskip(
 )
 
 import torch  # noqa: E402
-from kvstore_client.connectors.sglang import KVStoreHiCacheStorage  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+from kvstore_client.connectors.sglang import KVStoreHiCacheStorage  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvstore_client import Client, block_hashes
 
 from kvstore.cluster import LocalCluster
+from kvstore_client import Client, block_hashes
 
 from .conftest import REPORT
 from .engines import Engine

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from kvstore_bench.peers import PeerUnavailable, mooncake_master_binary
 from kvstore_bench.transfer import Plan, Point, evaluate_targets
 

@@ -9,10 +9,10 @@ import time
 
 import grpc
 import pytest
-from kvstore_client import Client, wire
-from kvstore_client.proto import store_pb2, store_pb2_grpc
 
 from kvstore.cluster import LocalCluster
+from kvstore_client import Client, wire
+from kvstore_client.proto import store_pb2, store_pb2_grpc
 from tests.helpers import key, value_for
 
 NS = "model/bf16/b16/tp0of1"

@@ -25,8 +25,6 @@ from typing import cast
 
 import grpc
 import pytest
-from kvstore_client import Client
-from kvstore_client.proto import master_pb2, master_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.cluster import Daemon, spawn
@@ -41,6 +39,8 @@ from kvstore.master.snapshot import (
     prefix_end,
     restore,
 )
+from kvstore_client import Client
+from kvstore_client.proto import master_pb2, master_pb2_grpc
 from tests.conftest import arena_files
 from tests.helpers import key, value_for
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from kvstore_client import Client, __version__
-from kvstore_client.proto import store_pb2, store_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.cluster import Daemon, spawn
+from kvstore_client import Client, __version__
+from kvstore_client.proto import store_pb2, store_pb2_grpc
 from tests.conftest import arena_files
 from tests.helpers import key, value_for
 

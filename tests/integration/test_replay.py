@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
+from kvstore.cluster import LocalCluster
 from kvstore_bench.backends import ClusterSpec, KVStoreBackend, open_backend, unavailable_reason
 from kvstore_bench.replay import (
     ReplayConfig,
@@ -26,8 +28,6 @@ from kvstore_bench.replay import (
 )
 from kvstore_bench.synth import SynthShape, write
 from kvstore_bench.traces import Session
-
-from kvstore.cluster import LocalCluster
 from tests.conftest import MakeCluster, assert_no_leaks
 
 SHAPE = SynthShape(

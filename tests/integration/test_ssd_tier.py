@@ -11,10 +11,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from kvstore_client import Client, ResourceExhausted
-from kvstore_client.proto import store_pb2, store_pb2_grpc
 
 from kvstore.cluster import LocalCluster
+from kvstore_client import Client, ResourceExhausted
+from kvstore_client.proto import store_pb2, store_pb2_grpc
 from tests.conftest import MakeCluster
 from tests.helpers import key, value_for
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvstore_client import Client, InvalidArgument
 
 from kvstore.cluster import LocalCluster
+from kvstore_client import Client, InvalidArgument
 from tests.helpers import key, run_client_process, value_for
 
 NS = "llama3-8b/bf16/b16/tp0of1"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
 from kvstore_bench.backends import ClusterSpec, open_backend, unavailable_reason
 from kvstore_bench.storebench import measure, store_cmd
 
@@ -62,8 +63,9 @@ def test_cli_rejects_a_cell_larger_than_the_store(tmp_path: Path) -> None:
 
 
 def test_tier_mode_reads_every_ssd_block_back(tmp_path: Path) -> None:
-    from kvstore_bench.tierbench import run_tier
     from rich.console import Console
+
+    from kvstore_bench.tierbench import run_tier
 
     r = run_tier(str(tmp_path), 160 << 20, 1 << 20, "32MiB", str(tmp_path / "out"), Console())
     st, raw = r["store"], r["raw"]

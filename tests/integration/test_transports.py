@@ -8,10 +8,10 @@ import subprocess
 
 import numpy as np
 import pytest
-from kvstore_client import Client, InvalidArgument
-from kvstore_client.transport import shm
 
 from kvstore.cluster import LocalCluster
+from kvstore_client import Client, InvalidArgument
+from kvstore_client.transport import shm
 from tests.conftest import MakeCluster
 from tests.helpers import key, run_client_process, value_for
 
@@ -117,6 +117,7 @@ def test_corrupted_dram_block_is_a_miss_on_every_path(cluster: LocalCluster) -> 
     """Flip a byte of a stored block inside the worker's arena file: tcp://, shm:// and
     gRPC readers all get a miss, never the wrong bytes."""
     import grpc
+
     from kvstore_client.proto import store_pb2, store_pb2_grpc
 
     keys = [key(i, "rot") for i in range(8)]

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import xxhash
+
 from kvstore_client import wire
 from kvstore_client.errors import (
     InvalidArgument,
@@ -27,7 +28,6 @@ from kvstore_client.errors import (
 )
 from kvstore_client.keys import HASH_LEN
 from kvstore_client.transport import ucx
-
 from tests.conftest import MakeCluster
 from tests.helpers import key, run_client_process, value_for
 

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from kvstore_client import Client, InvalidArgument, PermissionDenied, ResourceExhausted
-from kvstore_client.errors import Unauthenticated
-from kvstore_client.proto import store_pb2, store_pb2_grpc
 
 from kvstore.auth import Tenants, token_digest
 from kvstore.cluster import LocalCluster
+from kvstore_client import Client, InvalidArgument, PermissionDenied, ResourceExhausted
+from kvstore_client.errors import Unauthenticated
+from kvstore_client.proto import store_pb2, store_pb2_grpc
 from tests.conftest import MakeCluster
 from tests.helpers import key, value_for
 

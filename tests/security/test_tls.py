@@ -8,11 +8,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+from kvstore.cluster import LocalCluster
 from kvstore_client import Client
 from kvstore_client.errors import Unauthenticated, Unavailable
 from kvstore_client.security import Tls
-
-from kvstore.cluster import LocalCluster
 from tests.conftest import MakeCluster
 from tests.helpers import key, value_for
 
@@ -146,6 +146,7 @@ def test_master_requires_tokens_and_admin_for_membership(
         assert len(c.workers()) == 2, "workers with the admin token registered"
         assert c.batch_put("app/x", [key(1)], [b"ok"]) is not None
     import grpc
+
     from kvstore_client.proto import master_pb2, master_pb2_grpc
     from kvstore_client.security import metadata, open_channel
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from kvstore_client.errors import InvalidArgument, ResourceExhausted
 
 from kvstore.worker.tiers.dram import DramTier, size_classes
+from kvstore_client.errors import InvalidArgument, ResourceExhausted
 
 KiB = 1024
 MiB = 1 << 20

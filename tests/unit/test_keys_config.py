@@ -9,6 +9,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+
+from kvstore.config import load_config, parse_duration, parse_size
 from kvstore_client import errors
 from kvstore_client.keys import (
     check_hashes,
@@ -19,8 +21,6 @@ from kvstore_client.keys import (
     unpack_hashes,
 )
 from kvstore_client.prefix import block_hashes
-
-from kvstore.config import load_config, parse_duration, parse_size
 
 
 @pytest.mark.parametrize("ns", ["llama3-8b/bf16/b16/tp0of2", "m", "a_b/c.d:e+f=g@h"])

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from kvstore_client.proto import master_pb2
-
 from kvstore.master.membership import Membership
+from kvstore_client.proto import master_pb2
 
 
 def info(i: str) -> master_pb2.WorkerInfo:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-from kvstore_client.sharding import build_ring
 
+from kvstore_client.sharding import build_ring
 from tests.helpers import key
 
 GiB = 1 << 30

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from kvstore_client.errors import InvalidArgument, ResourceExhausted
 
 from kvstore.worker.arena import Arena
 from kvstore.worker.store import BlockStore
-from kvstore.worker.tiers.policy import QuotaBook, Promoter, SsdIndex, Watermarks, parse_pins
+from kvstore.worker.tiers.policy import Promoter, QuotaBook, SsdIndex, Watermarks, parse_pins
 from kvstore.worker.tiers.ssd import HEADER_LEN, SsdStore, decode_header, encode_header
+from kvstore_client.errors import InvalidArgument, ResourceExhausted
 from tests.helpers import key, value_for
 
 MiB = 1 << 20

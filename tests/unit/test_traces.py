@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import xxhash
+
 from kvstore_bench.traces import (
     IdSpace,
     Request,

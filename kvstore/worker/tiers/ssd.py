@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import lmdb
 import xxhash
+
 from kvstore_client.errors import ResourceExhausted
 
 log = logging.getLogger(__name__)
