@@ -373,6 +373,11 @@ async def serve(cfg: MasterConfig) -> int:
     """
     metrics.enable_master_metrics()
     members = Membership(cfg.worker_ttl, replicas=cfg.replicas, cluster_id=cfg.cluster_id)
+    if not cfg.etcd:
+        # Alone, in memory: number the maps from the clock, so that a restarted master's
+        # maps rank above every map of its predecessor that clients still hold (they
+        # ignore a map whose version is not above theirs). etcd keeps the count with HA.
+        members.version = time.time_ns() // 1000
     tenants = Tenants.load(cfg.tenants_file) if cfg.tenants_file else None
     tls = Tls(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
     if tls.enabled and not (cfg.tls_cert and cfg.tls_key):

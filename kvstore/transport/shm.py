@@ -123,10 +123,13 @@ def put_commit(
     store: BlockStore, st: ShmState, conn: socket.socket, h: wire.Header, ns: str
 ) -> int:
     """Commit the slots the client wrote; returns payload bytes committed."""
-    slots = st.reserved.pop(h.req_id, None)
+    # Read the flags first: until they are in, the reservation stays with the
+    # connection, so a peer that vanishes here has it aborted by ShmState.close.
     flags = bytes(wire.recv_exact(conn, h.count))
+    slots = st.reserved.get(h.req_id)
     if slots is None or len(slots) != h.count:
         raise ProtocolError(f"PUT_COMMIT for unknown or mismatched request {h.req_id}")
+    del st.reserved[h.req_id]
     blocks: list[Block] = []
     ok: list[bool] = []
     status = bytearray(h.count)

@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 SOCK_BUF = 4 << 20
 SCRATCH = 1 << 20
+# A PUT reserves slots for the next blocks of its frame only, up to this many declared
+# bytes ahead of the payload actually received: a header alone reserves (and evicts) little.
+RESERVE_AHEAD = 8 << 20
 
 
 # Operation names for kvstore_requests_total{op} (a small fixed set).
@@ -97,13 +100,20 @@ class TcpTransferServer:
         self._sock = socket.create_server((host, port), backlog=1024, reuse_port=False)
         self.port = self._sock.getsockname()[1]
         self._conns: set[socket.socket] = set()
+        # Per connection: (in a frame?, since when). A frame (and the TLS handshake and
+        # AUTH) must end within frame_timeout: a reaper enforces it, as socket timeouts
+        # restart with every byte. At the connection limit, the connection that has
+        # waited longest for its next frame makes room for a new one.
+        self._since: dict[socket.socket, tuple[bool, float]] = {}
         self._conns_lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="tcp-accept", daemon=True)
+        self._reaper = threading.Thread(target=self._reap_loop, name="tcp-reaper", daemon=True)
         self.rejected_connections = 0
 
     def start(self) -> None:
         self._thread.start()
+        self._reaper.start()
 
     def stop(self, grace: float = 5.0) -> None:
         """Stop accepting, let frames in flight finish for ``grace`` seconds, then close."""
@@ -128,14 +138,20 @@ class TcpTransferServer:
                 return
             peer = conn.getpeername()[0]
             with self._conns_lock:
-                if (
-                    len(self._conns) >= self.max_connections
-                    or self._per_client.get(peer, 0) >= self.max_per_client
-                ):
+                full = len(self._conns) >= self.max_connections
+                victim = self._longest_idle() if full else None
+                if (full and victim is None) or self._per_client.get(
+                    peer, 0
+                ) >= self.max_per_client:
                     self.rejected_connections += 1
                     conn.close()
                     continue
+                if victim is not None:  # its thread sees EOF, cleans up and leaves
+                    self._since.pop(victim, None)
+                    with contextlib.suppress(OSError):
+                        victim.shutdown(socket.SHUT_RDWR)
                 self._conns.add(conn)
+                self._since[conn] = (True, time.monotonic())
                 self._per_client[peer] = self._per_client.get(peer, 0) + 1
             threading.Thread(
                 target=self._serve, args=(conn, peer), name="tcp-conn", daemon=True
@@ -143,7 +159,7 @@ class TcpTransferServer:
 
     def _serve(self, raw: socket.socket, peer: str) -> None:
         tune_socket(raw)
-        scratch = memoryview(bytearray(SCRATCH))
+        scratch: list[memoryview] = []  # allocated by the first PUT that must skip bytes
         shm_state = shm.ShmState()
         conn = raw
         try:
@@ -152,10 +168,12 @@ class TcpTransferServer:
                 conn = self.ssl_context.wrap_socket(raw, server_side=True)
             tenant = self._authenticate(conn) if self.tenants is not None else None
             while not self._stopping.is_set():
+                self._mark(raw, busy=False)
                 conn.settimeout(self.idle_timeout)
                 first = conn.recv(wire.HEADER_LEN)
                 if not first:
                     return
+                self._mark(raw, busy=True)
                 conn.settimeout(self.frame_timeout)
                 head = bytearray(first)
                 if len(head) < wire.HEADER_LEN:
@@ -172,12 +190,42 @@ class TcpTransferServer:
             shm_state.close(self.store)
             with self._conns_lock:
                 self._conns.discard(raw)
+                self._since.pop(raw, None)
                 left = self._per_client.get(peer, 1) - 1
                 if left:
                     self._per_client[peer] = left
                 else:
                     self._per_client.pop(peer, None)
             conn.close()
+
+    def _mark(self, conn: socket.socket, *, busy: bool) -> None:
+        with self._conns_lock:
+            if conn in self._conns:
+                self._since[conn] = (busy, time.monotonic())
+
+    def _longest_idle(self) -> socket.socket | None:
+        """The connection waiting longest for its next frame (caller holds the lock)."""
+        idle = [(t, c) for c, (busy, t) in self._since.items() if not busy]
+        return min(idle, key=lambda x: x[0])[1] if idle else None
+
+    def _reap_loop(self) -> None:
+        """Close connections whose current frame outlived frame_timeout (slow senders
+        and slow readers alike): their blocked recv or send returns and the thread ends."""
+        step = min(1.0, max(0.05, self.frame_timeout / 4))
+        while not self._stopping.wait(step):
+            now = time.monotonic()
+            with self._conns_lock:
+                late = [
+                    c
+                    for c, (busy, t) in self._since.items()
+                    if busy and now - t > self.frame_timeout
+                ]
+                for c in late:
+                    self._since.pop(c, None)
+            for c in late:
+                log.info("closing a connection whose frame took over %.1fs", self.frame_timeout)
+                with contextlib.suppress(OSError):
+                    c.shutdown(socket.SHUT_RDWR)
 
     def _authenticate(self, conn: socket.socket) -> Tenant:
         """The first frame must be AUTH with a known token."""
@@ -201,7 +249,7 @@ class TcpTransferServer:
         self,
         conn: socket.socket,
         head: bytearray,
-        scratch: memoryview,
+        scratch: list[memoryview],
         st: shm.ShmState,
         tenant: Tenant | None,
     ) -> None:
@@ -243,7 +291,12 @@ class TcpTransferServer:
                 self.on_request(_OP_NAMES.get(h.op, "other"), code, time.perf_counter() - t0)
 
     def _dispatch(
-        self, conn: socket.socket, h: wire.Header, ns: str, scratch: memoryview, st: shm.ShmState
+        self,
+        conn: socket.socket,
+        h: wire.Header,
+        ns: str,
+        scratch: list[memoryview],
+        st: shm.ShmState,
     ) -> None:
         if h.op == wire.OP_PUT:
             self._put(conn, h, ns, scratch)
@@ -289,7 +342,7 @@ class TcpTransferServer:
         raw = bytes(wire.recv_exact(conn, count * HASH_LEN))
         return [raw[i : i + HASH_LEN] for i in range(0, len(raw), HASH_LEN)]
 
-    def _put(self, conn: socket.socket, h: wire.Header, ns: str, scratch: memoryview) -> None:
+    def _put(self, conn: socket.socket, h: wire.Header, ns: str, scratch: list[memoryview]) -> None:
         raw = wire.recv_exact(conn, h.count * wire.PUT_ENTRY.size)
         entries = list(wire.PUT_ENTRY.iter_unpack(raw))
         limit = self.store.max_value_size
@@ -298,37 +351,52 @@ class TcpTransferServer:
                 err = InvalidArgument(f"value {i} of {size} bytes exceeds the limit of {limit}")
                 self._fail(conn, h, err)
                 raise ProtocolError(str(err))
-        slots = self.store.reserve_many(
-            ns, [e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries]
-        )
-        reserved = [s for s in slots if isinstance(s, Block)]
         status = bytearray(h.count)
-        ok: list[bool] = []
         total = 0
+        reserved: list[Block] = []  # reserved and not yet finished
+        start = 0
         try:
-            for i, ((_, size, checksum), slot) in enumerate(zip(entries, slots, strict=True)):
-                total += size
-                if isinstance(slot, Block):
-                    view = self.store.view(slot)
-                    wire.recv_into_exact(conn, view)
-                    good = xxhash.xxh3_64_intdigest(view) == checksum
-                    ok.append(good)
-                    status[i] = wire.PUT_STORED if good else wire.PUT_CORRUPT
-                    if not good:
-                        self.store.counters.checksum_errors += 1
-                else:
-                    wire.discard(conn, size, scratch)
-                    full = isinstance(slot, ResourceExhausted)
-                    status[i] = (
-                        (wire.PUT_QUOTA if isinstance(slot, QuotaExceeded) else wire.PUT_FULL)
-                        if full
-                        else wire.PUT_PRESENT
-                    )
+            while start < len(entries):
+                # Reserve only the next RESERVE_AHEAD declared bytes (at least one block):
+                # a sender has to deliver bytes before it can hold (or evict) more.
+                end, ahead = start + 1, entries[start][1]
+                while end < len(entries) and ahead + entries[end][1] <= RESERVE_AHEAD:
+                    ahead += entries[end][1]
+                    end += 1
+                part = entries[start:end]
+                slots = self.store.reserve_many(
+                    ns, [e[0] for e in part], [e[1] for e in part], [e[2] for e in part]
+                )
+                reserved = [s for s in slots if isinstance(s, Block)]
+                ok: list[bool] = []
+                for i, ((_, size, checksum), slot) in enumerate(zip(part, slots, strict=True)):
+                    total += size
+                    if isinstance(slot, Block):
+                        view = self.store.view(slot)
+                        wire.recv_into_exact(conn, view)
+                        good = xxhash.xxh3_64_intdigest(view) == checksum
+                        ok.append(good)
+                        status[start + i] = wire.PUT_STORED if good else wire.PUT_CORRUPT
+                        if not good:
+                            self.store.counters.checksum_errors += 1
+                    else:
+                        if not scratch:
+                            scratch.append(memoryview(bytearray(SCRATCH)))
+                        wire.discard(conn, size, scratch[0])
+                        full = isinstance(slot, ResourceExhausted)
+                        status[start + i] = (
+                            (wire.PUT_QUOTA if isinstance(slot, QuotaExceeded) else wire.PUT_FULL)
+                            if full
+                            else wire.PUT_PRESENT
+                        )
+                # Every block of this part is in: each becomes visible on its own.
+                self.store.finish_many(reserved, ok)
+                reserved = []
+                start = end
         except BaseException:
-            # The sender vanished mid-frame: none of its blocks become visible.
+            # The sender vanished mid-frame: blocks whose bytes did not all arrive are dropped.
             self.store.finish_many(reserved, [False] * len(reserved))
             raise
-        self.store.finish_many(reserved, ok)
         if self.on_bytes is not None:
             self.on_bytes("tcp", "rx", total)
         wire.send_buffers(conn, [wire.encode_answer_header(h.op, 0, h.count, h.req_id), status])

@@ -29,7 +29,7 @@ from kvstore_client.transport.ucx import ucx_url
 from .. import metrics
 from ..auth import Tenants
 from ..config import WorkerConfig
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, RejectUndecodable
 from ..transport.tcp import TcpTransferServer
 from ..transport.ucx import UcxTransferServer
 from .arena import Arena
@@ -119,6 +119,7 @@ class Worker:
             )
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc"),
+            interceptors=[RejectUndecodable()],
             options=[
                 ("grpc.max_receive_message_length", 256 << 20),
                 ("grpc.max_send_message_length", 256 << 20),
@@ -269,8 +270,10 @@ class Worker:
         if self.ucx is not None:
             self.ucx.stop(grace)
         self.grpc_server.stop(grace).wait(grace)
-        self.store.close(demote_timeout=self.cfg.drain_timeout)
-        self.arena.close()
+        try:
+            self.store.close(demote_timeout=self.cfg.drain_timeout)
+        finally:
+            self.arena.close()
 
 
 def run(cfg: WorkerConfig) -> int:

@@ -440,11 +440,15 @@ class BlockStore:
         if self.ssd is not None:
             self._stop.clear()
             deadline = time.monotonic() + demote_timeout
-            while time.monotonic() < deadline and self.tier.keys:
-                if not self.demote(DEMOTE_BATCH_BYTES, everything=True):
-                    break
-            self._stop.set()
-            left = self.tier.keys
-            if left:
-                log.warning("shutdown: %d DRAM blocks could not be demoted in time", left)
-            self.ssd.close()
+            try:
+                while time.monotonic() < deadline and self.tier.keys:
+                    if not self.demote(DEMOTE_BATCH_BYTES, everything=True):
+                        break
+            except Exception:  # a failing disk must not keep the worker from exiting
+                log.exception("shutdown: demotion to SSD failed")
+            finally:
+                self._stop.set()
+                left = self.tier.keys
+                if left:
+                    log.warning("shutdown: %d DRAM blocks could not be demoted", left)
+                self.ssd.close()

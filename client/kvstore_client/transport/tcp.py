@@ -9,7 +9,9 @@ DeadlineExceeded; the Client turns those into misses.
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -178,12 +180,21 @@ class TcpPool:
         self.down_until = 0.0  # after a connect failure, fail fast for a moment
 
     def take(self, timeout: float) -> TcpConnection:
-        """Borrow a connection (opened on demand); give it back with :meth:`give`."""
-        with self._lock:
-            if self._closed:
-                raise Unavailable(f"connection pool to {self.host}:{self.port} is closed")
-            if self._idle:
-                return self._idle.pop()
+        """Borrow a connection (opened on demand); give it back with :meth:`give`.
+
+        An idle connection with something to read before any request was closed by
+        the worker (its idle timeout, a restart): it is dropped, not reused.
+        """
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise Unavailable(f"connection pool to {self.host}:{self.port} is closed")
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                break
+            if not _readable(conn.sock):
+                return conn
+            conn.close()
         if time.monotonic() < self.down_until:
             raise Unavailable(f"worker {self.host}:{self.port} was unreachable a moment ago")
         try:
@@ -225,6 +236,15 @@ class TcpPool:
             idle, self._idle = self._idle, []
         for c in idle:
             c.close()
+
+
+def _readable(sock: socket.socket) -> bool:
+    """True if a read would not block: EOF, a reset, or bytes nobody asked for."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    return bool(p.poll(0))
 
 
 def parse_tcp_url(url: str) -> tuple[str, int]:

@@ -1,0 +1,1 @@
+"""Reliability tests: fault injection, hostile input, sustained load (docs/RELIABILITY.md)."""
