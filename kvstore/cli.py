@@ -71,6 +71,7 @@ def main(ctx: click.Context, config_file: str | None, log_level: str) -> None:
     """kvstore: a distributed KV-cache store for LLM inference."""
     ctx.ensure_object(dict)
     ctx.obj["config"] = config_file
+    os.environ["KVSTORE_LOG_LEVEL"] = log_level  # daemons this command starts log alike
     _setup_logging(log_level)
 
 
