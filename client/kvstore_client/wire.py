@@ -117,6 +117,27 @@ def decode_header(buf: bytes | bytearray | memoryview, magic: bytes) -> Header:
     return Header(op, flags, ns_len, count, req_id)
 
 
+def encode_get_entries(
+    blocks: Sequence[tuple[memoryview, int] | None],
+) -> tuple[bytearray, list[memoryview], int]:
+    """The GET answer body for (payload view, checksum) per hash, None for a miss.
+
+    Returns the entries, the payload views to send after them, and their total size.
+    """
+    meta = bytearray(len(blocks) * GET_ENTRY.size)
+    views: list[memoryview] = []
+    total = 0
+    for i, b in enumerate(blocks):
+        if b is None:
+            GET_ENTRY.pack_into(meta, i * GET_ENTRY.size, GET_MISS, 0, 0)
+        else:
+            view, checksum = b
+            GET_ENTRY.pack_into(meta, i * GET_ENTRY.size, GET_HIT, len(view), checksum)
+            views.append(view)
+            total += len(view)
+    return meta, views, total
+
+
 def recv_exact(sock: socket.socket, n: int) -> bytearray:
     """Read exactly n bytes; ConnectionError if the peer closes first."""
     buf = bytearray(n)

@@ -362,18 +362,9 @@ class UcxTransferServer:
         reading = self.store.read(ns, keys, verify_dram=False)
         total = 0
         try:
-            meta = bytearray(h.count * wire.GET_ENTRY.size)
-            views: list[memoryview] = []
-            for i, held in enumerate(reading.held):
-                if held is None:
-                    wire.GET_ENTRY.pack_into(meta, i * wire.GET_ENTRY.size, wire.GET_MISS, 0, 0)
-                else:
-                    size = len(held.view)
-                    wire.GET_ENTRY.pack_into(
-                        meta, i * wire.GET_ENTRY.size, wire.GET_HIT, size, held.checksum
-                    )
-                    views.append(held.view)
-                    total += size
+            meta, views, total = wire.encode_get_entries(
+                [(x.view, x.checksum) if x is not None else None for x in reading.held]
+            )
             head = wire.encode_answer_header(h.op, 0, h.count, h.req_id)
             await send_all(ep, [head, meta, *views])
         except BaseException:
