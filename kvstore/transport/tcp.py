@@ -28,7 +28,6 @@ from kvstore_client.errors import (
     QuotaExceeded,
     ResourceExhausted,
     Unauthenticated,
-    to_grpc_code,
 )
 from kvstore_client.keys import HASH_LEN, check_namespace, to_bitmap
 
@@ -36,6 +35,7 @@ from ..auth import Tenant, Tenants
 from ..worker.store import BlockStore
 from ..worker.tiers.dram import Block
 from . import shm
+from .observe import observe_frame
 
 log = logging.getLogger(__name__)
 
@@ -44,19 +44,6 @@ SCRATCH = 1 << 20
 # A PUT reserves slots for the next blocks of its frame only, up to this many declared
 # bytes ahead of the payload actually received: a header alone reserves (and evicts) little.
 RESERVE_AHEAD = 8 << 20
-
-
-# Operation names for kvstore_requests_total{op} (a small fixed set).
-_OP_NAMES = {
-    wire.OP_PUT: "put",
-    wire.OP_GET: "get",
-    wire.OP_EXISTS: "exists",
-    wire.OP_REMOVE: "remove",
-    wire.OP_GET_LOC: "shm_get",
-    wire.OP_PUT_LOC: "shm_reserve",
-    wire.OP_PUT_COMMIT: "shm_commit",
-    wire.OP_RELEASE: "shm_release",
-}
 
 
 def tune_socket(sock: socket.socket) -> None:
@@ -276,19 +263,8 @@ class TcpTransferServer:
             err = InvalidArgument(f"batch of {h.count} exceeds the limit of {self.max_batch}")
             self._fail(conn, h, err)
             raise ProtocolError(str(err))
-        t0 = time.perf_counter()
-        code = "OK"
-        try:
+        with observe_frame(self.on_request, h.op):
             self._dispatch(conn, h, ns, scratch, st)
-        except KVStoreError as e:
-            code = to_grpc_code(e).name
-            raise
-        except BaseException:
-            code = "UNAVAILABLE"  # the connection broke or timed out mid-frame
-            raise
-        finally:
-            if self.on_request is not None:
-                self.on_request(_OP_NAMES.get(h.op, "other"), code, time.perf_counter() - t0)
 
     def _dispatch(
         self,

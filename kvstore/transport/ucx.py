@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +37,6 @@ from kvstore_client.errors import (
     ResourceExhausted,
     Unauthenticated,
     Unavailable,
-    to_grpc_code,
 )
 from kvstore_client.keys import HASH_LEN, check_namespace, to_bitmap
 from kvstore_client.transport.ucx import (
@@ -54,16 +52,9 @@ from kvstore_client.transport.ucx import (
 from ..auth import Tenant, Tenants
 from ..worker.store import BlockStore
 from ..worker.tiers.dram import Block
+from .observe import observe_frame
 
 log = logging.getLogger(__name__)
-
-# Operation names for kvstore_requests_total{op}, as the tcp:// server counts them.
-OP_NAMES = {
-    wire.OP_PUT: "put",
-    wire.OP_GET: "get",
-    wire.OP_EXISTS: "exists",
-    wire.OP_REMOVE: "remove",
-}
 
 
 class UcxTransferServer:
@@ -269,19 +260,8 @@ class UcxTransferServer:
             denied = PermissionDenied(f"tenant {tenant.name!r} does not own namespace {ns!r}")
             await self._fail(ep, h, denied)
             raise ProtocolError(str(denied))
-        t0 = time.perf_counter()
-        code = "OK"
-        try:
+        with observe_frame(self.on_request, h.op):
             await self._dispatch(ep, h, ns, memoryview(body)[h.ns_len :])
-        except KVStoreError as e:
-            code = to_grpc_code(e).name
-            raise
-        except BaseException:
-            code = "UNAVAILABLE"  # the endpoint broke or timed out mid-frame
-            raise
-        finally:
-            if self.on_request is not None:
-                self.on_request(OP_NAMES.get(h.op, "other"), code, time.perf_counter() - t0)
 
     async def _dispatch(self, ep: Any, h: wire.Header, ns: str, rest: memoryview) -> None:
         if h.op == wire.OP_PUT:
