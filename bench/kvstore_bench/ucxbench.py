@@ -53,9 +53,9 @@ def serve(dram: int, block: int) -> None:
     Prints ``{"tcp": port, "ucx": port | null}`` on stdout, then serves until stdin
     closes.
     """
-    from kvstore.transport.tcp import TcpTransferServer
     from kvstore.worker.arena import Arena
     from kvstore.worker.store import BlockStore
+    from kvstore.worker.transfer.tcp import TcpTransferServer
 
     arena = Arena(dram - dram % block, "/dev/shm")
     tcp: Any = None
@@ -65,7 +65,7 @@ def serve(dram: int, block: int) -> None:
         tcp = TcpTransferServer(store, "127.0.0.1", 0)
         tcp.start()
         if ucx_client.available():
-            from kvstore.transport.ucx import UcxTransferServer
+            from kvstore.worker.transfer.ucx import UcxTransferServer
 
             ucx = UcxTransferServer(store, "127.0.0.1", 0)
             ucx.start()

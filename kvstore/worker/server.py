@@ -30,13 +30,13 @@ from .. import metrics
 from ..auth import Tenants
 from ..config import WorkerConfig
 from ..errors import InvalidArgument, RejectUndecodable
-from ..transport.tcp import TcpTransferServer
-from ..transport.ucx import UcxTransferServer
 from .arena import Arena
 from .servicer import StoreServicer
 from .store import BlockStore
 from .tiers.policy import Promoter, Watermarks, parse_pins
 from .tiers.ssd import SsdStore
+from .transfer.tcp import TcpTransferServer
+from .transfer.ucx import UcxTransferServer
 
 log = logging.getLogger(__name__)
 

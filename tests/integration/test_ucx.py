@@ -45,8 +45,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVER = """
 import json, sys
 from kvstore.auth import Tenants
-from kvstore.transport.tcp import TcpTransferServer
-from kvstore.transport.ucx import UcxTransferServer
+from kvstore.worker.transfer.tcp import TcpTransferServer
+from kvstore.worker.transfer.ucx import UcxTransferServer
 from kvstore.worker.arena import Arena
 from kvstore.worker.store import BlockStore
 
@@ -336,7 +336,7 @@ import xxhash
 from kvstore_client import wire
 from kvstore_client.errors import Unavailable
 from kvstore_client.transport import ucx
-from kvstore.transport.ucx import UcxTransferServer
+from kvstore.worker.transfer.ucx import UcxTransferServer
 from kvstore.worker.arena import Arena
 from kvstore.worker.store import BlockStore
 

@@ -23,8 +23,8 @@ from kvstore_client.errors import (
 )
 from kvstore_client.keys import HASH_LEN
 
-from ..worker.store import BlockStore, Reading
-from ..worker.tiers.dram import Block
+from ..store import BlockStore, Reading
+from ..tiers.dram import Block
 
 MAX_OPEN = 64  # LOC requests a connection may hold open at once
 

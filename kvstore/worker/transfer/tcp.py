@@ -31,9 +31,9 @@ from kvstore_client.errors import (
 )
 from kvstore_client.keys import HASH_LEN, check_namespace, to_bitmap
 
-from ..auth import Tenant, Tenants
-from ..worker.store import BlockStore
-from ..worker.tiers.dram import Block
+from ...auth import Tenant, Tenants
+from ..store import BlockStore
+from ..tiers.dram import Block
 from . import shm
 from .observe import observe_frame
 

@@ -49,9 +49,9 @@ from kvstore_client.transport.ucx import (
     send_all,
 )
 
-from ..auth import Tenant, Tenants
-from ..worker.store import BlockStore
-from ..worker.tiers.dram import Block
+from ...auth import Tenant, Tenants
+from ..store import BlockStore
+from ..tiers.dram import Block
 from .observe import observe_frame
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class UcxTransferServer:
     ``port`` 0 lets UCX pick a free port; :attr:`port` is the bound one, known once
     the constructor returns (which also starts listening; endpoints that connect
     before :meth:`start` wait for it). Timeouts, limits and ``tenants`` mean what they
-    mean for :class:`~kvstore.transport.tcp.TcpTransferServer`: with tenants, an
+    mean for :class:`~kvstore.worker.transfer.tcp.TcpTransferServer`: with tenants, an
     endpoint's first frame must be AUTH with a known token, and a frame for a namespace
     its tenant does not own is answered PERMISSION_DENIED and closes the endpoint. There
     is no TLS and no per-client connection limit (ucxx does not tell the peer's address).
