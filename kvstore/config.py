@@ -114,6 +114,13 @@ class WorkerConfig:
     pin: list[str] = field(default_factory=list)  # pinned namespaces: "ns" or "ns=QUOTA"
     max_batch: int = 65536  # blocks per transfer frame
     max_connections_per_client: int = 256  # transfer connections from one address
+    # Request limits (worker/requests.py); sizes of 0 mean "scaled to the arena".
+    max_answer_bytes: int = _size("64MiB")  # payload of one inline (gRPC) Get answer
+    reserve_ahead: int = _size("8MiB")  # put bytes a connection reserves before they arrive
+    hold_per_connection: int = _size("0")  # bytes one connection may hold pinned/reserved
+    hold_per_client: int = _size("0")  # ... all connections of one client address
+    hold_per_worker: int = _size("0")  # ... all connections together
+    shm_entries_per_connection: int = 65536  # shm blocks one connection may hold open
     tls_cert: str = ""  # PEM certificate of this daemon; with tls_key enables TLS
     tls_key: str = ""
     tls_ca: str = ""  # CA that signed peers' certificates

@@ -10,6 +10,7 @@ collector instead of being mirrored into gauges.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import (
     REGISTRY,
@@ -109,13 +110,18 @@ def observe_request(op: str, code: str, seconds: float) -> None:
 
 
 class StatsCollector(Collector):
-    """Reads a worker's counters at scrape time from a callable returning a dict."""
+    """Reads a worker's counters at scrape time from a callable returning its stats
+    record (kvstore.worker.store.StoreStats; read by attribute name, so this module
+    does not import worker code)."""
 
-    def __init__(self, read: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, read: Callable[[], Any]) -> None:
         self._read = read
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
-        s = self._read()
+        rec = self._read()
+        s = {k: getattr(rec, k) for k in rec.__slots__}
+        if not s.get("has_ssd"):
+            s = {k: v for k, v in s.items() if not k.startswith("ssd_")}
         used = GaugeMetricFamily(
             "kvstore_tier_used_bytes", "Bytes stored per tier", labels=["tier"]
         )
@@ -142,7 +148,7 @@ class StatsCollector(Collector):
             yield c
 
 
-def register_collector(read: Callable[[], dict[str, float]]) -> None:
+def register_collector(read: Callable[[], Any]) -> None:
     REGISTRY.register(StatsCollector(read))
 
 

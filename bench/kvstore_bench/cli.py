@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, str] = {
     "replay": "kvstore_bench.replay:replay_cmd",
     "store": "kvstore_bench.storebench:store_cmd",
     "transfer": "kvstore_bench.transfer:transfer_cmd",
+    "contention": "kvstore_bench.contention:contention_cmd",
 }
 
 

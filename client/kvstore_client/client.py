@@ -71,7 +71,7 @@ class _Worker:
     ) -> bytes:
         if self.ucx is not None:
             return self.ucx.put(timeout, ns, hs, vs, cs)
-        if self.arena is not None:
+        if self.arena is not None and not self.arena.stale:
             return self.pool.call(timeout, shm.put, self.arena, ns, hs, vs, cs)
         return self.pool.call(timeout, TcpConnection.put, ns, hs, vs, cs)
 
@@ -80,7 +80,7 @@ class _Worker:
     ) -> GetResult:
         if self.ucx is not None:
             return self.ucx.get(timeout, ns, hs, bufs)
-        if self.arena is not None:
+        if self.arena is not None and not self.arena.stale:
             return self.pool.call(timeout, shm.get, self.arena, ns, hs, bufs)
         return self.pool.call(timeout, TcpConnection.get, ns, hs, bufs)
 
@@ -243,9 +243,14 @@ class Client:
                     pool = self._pools[key] = TcpPool(host, port, tls=self.tls, token=self._token)
                 arena = None
                 if self.transport in ("auto", "shm"):
-                    if key not in self._arenas:
-                        self._arenas[key] = shm.try_map(info.endpoints)
-                    arena = self._arenas[key]
+                    # Keyed by the arena's identity too: a worker restarted behind the
+                    # same id and ports has a new arena, which must be mapped anew.
+                    surl = next((e for e in info.endpoints if e.startswith("shm://")), "")
+                    akey = f"{key}|{surl}"
+                    live.add(akey)
+                    if akey not in self._arenas:
+                        self._arenas[akey] = shm.try_map(info.endpoints)
+                    arena = self._arenas[akey]
                 ucx = None
                 ucx_url = find_ucx_url(info.endpoints) if self.transport == "ucx" else ""
                 if ucx_url:
@@ -259,7 +264,9 @@ class Client:
             for key in list(self._pools):
                 if key not in live:
                     self._pools.pop(key).close()
-                    old = self._arenas.pop(key, None)
+            for key in list(self._arenas):
+                if key not in live:
+                    old = self._arenas.pop(key)
                     if old is not None:
                         old.close()
             for key in list(self._ucx):

@@ -11,7 +11,8 @@ Request  = header(20) | namespace(ns_len) | body
   REMOVE  body: count x hash 16
 
 Answer   = header(20) | body
-  header = magic b"KVA1" | op u8 | code u8 | reserved u16 | count u32 | req_id u64
+  header = magic b"KVA1" | op u8 | code u8 | tag u16 | count u32 | req_id u64
+           (tag: the worker's arena tag in shm answers, else 0; decoded into ns_len)
   code != 0: body is `count` bytes of UTF-8 message; the server closes after it
   PUT     body: count x status u8 (PUT_STORED, PUT_PRESENT, PUT_FULL, PUT_CORRUPT, PUT_QUOTA)
   GET     body: count x (status u8 | pad 3 | size u32 | xxh3_64 u64)  then the found payloads
@@ -83,6 +84,10 @@ PUT_LOC_SLOT = 0  # reserved: write the slot, then commit
 LOC_ENTRY = struct.Struct("<B3xIQQ")  # 24
 PUT_LOC_ENTRY = struct.Struct("<B7xQ")  # 16
 
+# shm:// hand-over: magic | arena id (8 bytes) | arena size u64, with the memfd attached.
+SHM_MAGIC = b"KVSH"
+SHM_HELLO = struct.Struct("<4s8sQ")
+
 MAX_BATCH = 1 << 16
 IOV_MAX = 1024
 
@@ -103,8 +108,24 @@ def encode_request_header(op: int, ns: bytes, count: int, req_id: int, flags: in
     return HEADER.pack(REQ_MAGIC, op, flags, len(ns), count, req_id) + ns
 
 
-def encode_answer_header(op: int, code: int, count: int, req_id: int) -> bytes:
-    return HEADER.pack(ANS_MAGIC, op, code, 0, count, req_id)
+def encode_answer_header(op: int, code: int, count: int, req_id: int, tag: int = 0) -> bytes:
+    """``tag``: the worker's 16-bit arena tag in shm:// answers (0 elsewhere)."""
+    return HEADER.pack(ANS_MAGIC, op, code, tag, count, req_id)
+
+
+def encode_shm_hello(arena_id: str, size: int) -> bytes:
+    """The message that carries an arena's descriptor (SCM_RIGHTS) to a same-host client."""
+    return SHM_HELLO.pack(SHM_MAGIC, bytes.fromhex(arena_id), size)
+
+
+def decode_shm_hello(buf: bytes) -> tuple[str, int]:
+    """(arena id, size) of a hand-over message; ProtocolError when it is not one."""
+    if len(buf) != SHM_HELLO.size:
+        raise ProtocolError("bad shm hand-over message")
+    magic, raw_id, size = SHM_HELLO.unpack(buf)
+    if magic != SHM_MAGIC:
+        raise ProtocolError("bad shm hand-over magic")
+    return raw_id.hex(), size
 
 
 def decode_header(buf: bytes | bytearray | memoryview, magic: bytes) -> Header:

@@ -31,10 +31,12 @@ from ..auth import Tenants
 from ..config import WorkerConfig
 from ..errors import InvalidArgument, RejectUndecodable
 from .arena import Arena
+from .requests import Limits, RequestCore
 from .servicer import StoreServicer
-from .store import BlockStore
+from .store import BlockStore, StoreStats
 from .tiers.policy import Promoter, Watermarks, parse_pins
 from .tiers.ssd import SsdStore
+from .transfer.shm import ArenaShare
 from .transfer.tcp import TcpTransferServer
 from .transfer.ucx import UcxTransferServer
 
@@ -68,6 +70,11 @@ class Worker:
             raise InvalidArgument("TLS needs both --tls-cert and --tls-key")
         ssd = SsdStore(cfg.ssd_path, cfg.ssd_size, sync=cfg.ssd_sync) if cfg.ssd_path else None
         self.arena = Arena(cfg.dram_size - cfg.dram_size % cfg.max_value_size, cfg.shm_dir)
+        try:
+            self.share = ArenaShare(self.arena, cfg.shm_dir)
+        except BaseException:
+            self.arena.close()
+            raise
         self.store = BlockStore(
             self.arena,
             cfg.max_value_size,
@@ -77,6 +84,23 @@ class Worker:
             promoter=Promoter(cfg.promote, cfg.promote_window),
             pins=pins,
             tenant_quota=self.tenants.quota_book() if self.tenants else None,
+        )
+        n = cfg.shm_entries_per_connection
+        self.core = RequestCore(
+            Limits.for_arena(
+                self.store.tier.capacity,
+                self.store.max_value_size,
+                max_batch=cfg.max_batch,
+                max_answer_bytes=cfg.max_answer_bytes,
+                reserve_ahead=cfg.reserve_ahead,
+                hold_per_connection=cfg.hold_per_connection,
+                hold_per_client=cfg.hold_per_client,
+                hold_per_worker=cfg.hold_per_worker,
+                entries_per_connection=n,
+                entries_per_client=4 * n,
+                entries_per_worker=16 * n,
+            ),
+            self.tenants,
         )
         self.advertise = cfg.advertise_host or (
             socket.gethostname() if cfg.host in ("0.0.0.0", "::", "") else cfg.host
@@ -92,7 +116,7 @@ class Worker:
             max_per_client=cfg.max_connections_per_client,
             on_bytes=lambda t, d, n: metrics.TRANSFER_BYTES.labels(t, d).inc(n),
             on_request=metrics.observe_request,
-            tenants=self.tenants,
+            core=self.core,
             ssl_context=(
                 self.tls.server_context(cfg.tls_client_auth) if self.tls.enabled else None
             ),
@@ -115,7 +139,7 @@ class Worker:
                 max_batch=cfg.max_batch,
                 on_bytes=lambda t, d, n: metrics.TRANSFER_BYTES.labels(t, d).inc(n),
                 on_request=metrics.observe_request,
-                tenants=self.tenants,
+                core=self.core,
             )
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc"),
@@ -133,7 +157,7 @@ class Worker:
         else:
             self.grpc_port = self.grpc_server.add_insecure_port(bind)
         self.id = cfg.id or f"{self.advertise}-{self.grpc_port}"
-        self.servicer = StoreServicer(self.store, self.id, self.stats, self.tenants)
+        self.servicer = StoreServicer(self.store, self.id, self.stats, self.core)
         store_pb2_grpc.add_StoreServicer_to_server(self.servicer, self.grpc_server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
@@ -156,37 +180,19 @@ class Worker:
         return master_pb2.WorkerInfo(
             id=self.id,
             grpc=ep.grpc,
-            endpoints=[ep.tcp, shm_url(self.arena.path), *([ep.ucx] if ep.ucx else [])],
+            endpoints=[
+                ep.tcp,
+                shm_url(self.share.path, self.arena.id, self.arena.size),
+                *([ep.ucx] if ep.ucx else []),
+            ],
             capacity_bytes=self.store.tier.capacity,
             max_value_bytes=self.store.max_value_size,
             host_id=host_id(),
             version=__version__,
         )
 
-    def stats(self) -> dict[str, float]:
-        st = self.store
-        t = st.tier
-        c = t.counters
-        out: dict[str, float] = {
-            "dram_capacity_bytes": t.capacity,
-            "dram_used_bytes": t.used_bytes,
-            "dram_keys": t.keys,
-            "hits": c.hits,
-            "misses": c.misses,
-            "evictions": c.evictions,
-            "puts": c.puts,
-            "checksum_errors": st.counters.checksum_errors,
-            "bad_frames": st.counters.bad_frames,
-            "demotions": st.counters.demotions,
-            "promotions": st.counters.promotions,
-            "ssd_hits": st.counters.ssd_hits,
-        }
-        if st.ssd is not None:
-            out["ssd_capacity_bytes"] = st.ssd.size
-            out["ssd_used_bytes"] = st.ssd_index.used_bytes
-            out["ssd_keys"] = len(st.ssd_index)
-            out["ssd_evictions"] = st.ssd_index.evictions
-        return out
+    def stats(self) -> StoreStats:
+        return self.store.stats()
 
     def start(self) -> None:
         self.tcp.start()
@@ -239,19 +245,19 @@ class Worker:
     def _pb_stats(self) -> master_pb2.WorkerStats:
         s = self.stats()
         return master_pb2.WorkerStats(
-            used_bytes=int(s["dram_used_bytes"]),
-            keys=int(s["dram_keys"]),
-            hits=int(s["hits"]),
-            misses=int(s["misses"]),
-            evictions=int(s["evictions"]),
-            puts=int(s["puts"]),
-            checksum_errors=int(s["checksum_errors"]),
-            ssd_capacity_bytes=int(s.get("ssd_capacity_bytes", 0)),
-            ssd_used_bytes=int(s.get("ssd_used_bytes", 0)),
-            ssd_keys=int(s.get("ssd_keys", 0)),
-            demotions=int(s["demotions"]),
-            promotions=int(s["promotions"]),
-            ssd_evictions=int(s.get("ssd_evictions", 0)),
+            used_bytes=s.dram_used_bytes,
+            keys=s.dram_keys,
+            hits=s.hits,
+            misses=s.misses,
+            evictions=s.evictions,
+            puts=s.puts,
+            checksum_errors=s.checksum_errors,
+            ssd_capacity_bytes=s.ssd_capacity_bytes,
+            ssd_used_bytes=s.ssd_used_bytes,
+            ssd_keys=s.ssd_keys,
+            demotions=s.demotions,
+            promotions=s.promotions,
+            ssd_evictions=s.ssd_evictions,
             draining=self.servicer.draining,
         )
 
@@ -273,6 +279,7 @@ class Worker:
         try:
             self.store.close(demote_timeout=self.cfg.drain_timeout)
         finally:
+            self.share.close()
             self.arena.close()
 
 
@@ -298,7 +305,7 @@ def run(cfg: WorkerConfig) -> int:
                 "grpc": ep.grpc,
                 "tcp": ep.tcp,
                 **({"ucx": ep.ucx} if ep.ucx else {}),
-                "arena": w.arena.path,
+                "arena": w.share.path,
                 "pid": os.getpid(),
             }
         ),

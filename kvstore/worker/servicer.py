@@ -12,17 +12,16 @@ from typing import TypeVar
 
 import grpc
 
-from kvstore_client.keys import check_namespace, to_bitmap, unpack_hashes
+from kvstore_client.keys import to_bitmap, unpack_hashes
 from kvstore_client.proto import store_pb2, store_pb2_grpc
 
 from .. import metrics
-from ..auth import Tenant, Tenants, bearer
+from ..auth import Tenant, bearer
 from ..errors import InvalidArgument, Unavailable, abort, to_grpc_code
-from .store import BlockStore
+from .requests import RequestCore
+from .store import BlockStore, StoreStats
 
 R = TypeVar("R")
-
-MAX_BATCH = 1 << 16
 
 
 class StoreServicer(store_pb2_grpc.StoreServicer):
@@ -30,11 +29,11 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         self,
         store: BlockStore,
         worker_id: str,
-        stats: Callable[[], dict[str, float]],
-        tenants: Tenants | None = None,
+        stats: Callable[[], StoreStats],
+        core: RequestCore,
     ):
         self.store = store
-        self.tenants = tenants
+        self.core = core
         self.worker_id = worker_id
         self.draining = False
         self._stats = stats
@@ -42,9 +41,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def _run(self, op: str, context: grpc.ServicerContext, fn: Callable[[Tenant | None], R]) -> R:
         t0 = time.perf_counter()
         try:
-            tenant = None
-            if self.tenants is not None:
-                tenant = self.tenants.authenticate(bearer(context.invocation_metadata()))
+            tenant = self.core.authenticate(bearer(context.invocation_metadata()))
             if self.draining and op not in ("stats",):
                 raise Unavailable("worker is draining")
             out = fn(tenant)
@@ -56,18 +53,15 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         finally:
             metrics.LATENCY.labels(op).observe(time.perf_counter() - t0)
 
-    @staticmethod
-    def _ns(tenant: Tenant | None, ns: str) -> str:
-        check_namespace(ns)
-        if tenant is not None:
-            Tenants.authorize(tenant, ns)
-        return ns
+    def _ns(self, tenant: Tenant | None, ns: str) -> str:
+        return self.core.admit(tenant, ns)
 
     def _keys(self, tenant: Tenant | None, ns: str, packed: bytes) -> tuple[str, list[bytes]]:
-        self._ns(tenant, ns)
+        ns = self.core.admit(tenant, ns)
+        if len(packed) // 16 > self.core.limits.max_batch:
+            self.core.check_batch(len(packed) // 16)
         keys = unpack_hashes(packed)
-        if len(keys) > MAX_BATCH:
-            raise InvalidArgument(f"batch of {len(keys)} exceeds the limit of {MAX_BATCH}")
+        self.core.check_batch(len(keys))
         return ns, keys
 
     def Exists(
@@ -100,10 +94,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             values = list(request.values)
             if len(values) != len(keys):
                 raise InvalidArgument(f"{len(keys)} hashes but {len(values)} values")
-            limit = self.store.max_value_size
-            for i, v in enumerate(values):
-                if len(v) > limit:
-                    raise InvalidArgument(f"value {i} of {len(v)} bytes exceeds the limit {limit}")
+            self.core.check_sizes([len(v) for v in values])
             stored = self.store.put_bytes(ns, keys, values)
             return store_pb2.PutResponse(stored_bitmap=to_bitmap(stored))
 
@@ -114,6 +105,8 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     ) -> store_pb2.GetResponse:
         def go(tenant: Tenant | None) -> store_pb2.GetResponse:
             ns, keys = self._keys(tenant, request.namespace, request.hashes)
+            # Bounded before anything is copied: one hash repeated must not cost gigabytes.
+            self.core.check_answer(self.store.sizes(ns, keys), inline=True)
             vals = self.store.get_bytes(ns, keys)
             return store_pb2.GetResponse(
                 found_bitmap=to_bitmap([v is not None for v in vals]),
@@ -147,21 +140,21 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             s = self._stats()
             return store_pb2.StatsResponse(
                 worker_id=self.worker_id,
-                capacity_bytes=int(s["dram_capacity_bytes"]),
-                used_bytes=int(s["dram_used_bytes"]),
-                keys=int(s["dram_keys"]),
-                hits=int(s["hits"]),
-                misses=int(s["misses"]),
-                evictions=int(s["evictions"]),
-                puts=int(s["puts"]),
-                checksum_errors=int(s["checksum_errors"]),
-                bad_frames=int(s["bad_frames"]),
-                ssd_capacity_bytes=int(s.get("ssd_capacity_bytes", 0)),
-                ssd_used_bytes=int(s.get("ssd_used_bytes", 0)),
-                ssd_keys=int(s.get("ssd_keys", 0)),
-                demotions=int(s["demotions"]),
-                promotions=int(s["promotions"]),
-                ssd_evictions=int(s.get("ssd_evictions", 0)),
+                capacity_bytes=s.dram_capacity_bytes,
+                used_bytes=s.dram_used_bytes,
+                keys=s.dram_keys,
+                hits=s.hits,
+                misses=s.misses,
+                evictions=s.evictions,
+                puts=s.puts,
+                checksum_errors=s.checksum_errors,
+                bad_frames=s.bad_frames,
+                ssd_capacity_bytes=s.ssd_capacity_bytes,
+                ssd_used_bytes=s.ssd_used_bytes,
+                ssd_keys=s.ssd_keys,
+                demotions=s.demotions,
+                promotions=s.promotions,
+                ssd_evictions=s.ssd_evictions,
             )
 
         return self._run("stats", context, go)

@@ -1,13 +1,25 @@
-"""The worker's block store: DRAM tier bookkeeping, the arena's bytes, and the SSD tier.
+"""The worker's block store: the DRAM tier's bookkeeping, the arena's bytes, and the SSD tier.
 
-This is where bytes meet bookkeeping: one lock serialises the state machines
-(a few dict operations per block), while checksums, copies and LMDB I/O run
-outside it wherever possible. The gRPC servicer and every transfer server go
-through this class.
+One lock serialises the bookkeeping (the DRAM tier and the tier policy, both pure
+state machines); everything else runs outside it: copies, checksums and all LMDB
+I/O. The policy (:class:`~kvstore.worker.tiers.policy.TierPolicy`) decides
+placement and quotas; this class feeds it events under the lock and executes the
+instructions it returns after the lock is released:
 
-Reads look in DRAM, then SSD. A read pins what it returns until ``done()``:
-DRAM blocks by a pin count, SSD blocks by an open LMDB read transaction whose
-memory-mapped views go straight to the socket.
+- an on-demand DRAM eviction copies the victim's bytes under the lock (the slot is
+  about to be reused) into a *staged* copy that readers can still hit, and writes
+  it to LMDB outside the lock;
+- the background demoter pins the blocks it moves, writes them outside the lock,
+  and drops their DRAM copies only if nobody removed them meanwhile;
+- a promotion copies an SSD hit into DRAM while the read transaction is live and
+  commits it only if the block is still on SSD (a removal in between wins).
+
+Big requests are cut into slices of ``slice_keys`` keys, each under its own hold of
+the lock, so one client's 65,536-key batch cannot stall everyone else's lookups.
+
+Reads look in DRAM, the staged copies, then SSD. A read pins what it returns until
+:meth:`BlockStore.done`: DRAM blocks by a pin count, SSD blocks by an open LMDB
+read transaction whose memory-mapped views go straight to the socket.
 """
 
 from __future__ import annotations
@@ -15,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,12 +37,33 @@ from kvstore_client.errors import QuotaExceeded, ResourceExhausted
 
 from .arena import Arena
 from .tiers.dram import Block, DramTier
-from .tiers.policy import Promoter, QuotaBook, SsdIndex, Watermarks
-from .tiers.ssd import SsdStore
+from .tiers.policy import (
+    Aborted,
+    DeleteSsd,
+    Demote,
+    Evicted,
+    Instruction,
+    NeedSsdRoom,
+    Promote,
+    Promoter,
+    QuotaBook,
+    Removed,
+    Reserved,
+    SsdBad,
+    SsdHit,
+    SsdWriteFailed,
+    SsdWritten,
+    Tick,
+    TierPolicy,
+    Watermarks,
+    WriteSsd,
+)
+from .tiers.ssd import HEADER_LEN, SsdStore
 
 log = logging.getLogger(__name__)
 
 DEMOTE_BATCH_BYTES = 64 << 20
+SLICE_KEYS = 2048
 
 
 @dataclass(slots=True)
@@ -40,6 +73,30 @@ class StoreCounters:
     demotions: int = 0
     promotions: int = 0
     ssd_hits: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class StoreStats:
+    """One snapshot of a worker's store, read by the gRPC Stats call, the heartbeat
+    and the Prometheus collector (the only stats record; no string-keyed dicts)."""
+
+    dram_capacity_bytes: int
+    dram_used_bytes: int
+    dram_keys: int
+    hits: int
+    misses: int
+    evictions: int
+    puts: int
+    checksum_errors: int
+    bad_frames: int
+    demotions: int
+    promotions: int
+    ssd_hits: int
+    has_ssd: bool
+    ssd_capacity_bytes: int = 0
+    ssd_used_bytes: int = 0
+    ssd_keys: int = 0
+    ssd_evictions: int = 0
     ssd_write_errors: int = 0
 
 
@@ -49,7 +106,7 @@ class Held:
 
     view: memoryview
     checksum: int
-    block: Block | None  # the pinned DRAM block, or None when served from SSD
+    block: Block | None  # the pinned DRAM block, or None when served from SSD / staged
 
 
 @dataclass(slots=True)
@@ -58,7 +115,28 @@ class Reading:
 
     held: list[Held | None]
     txn: Any = None  # LMDB read transaction holding SSD views
-    promote: list[tuple[str, bytes, int]] = field(default_factory=list)  # (ns, key, index)
+    released: bool = False
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(h.view) for h in self.held if h is not None)
+
+
+@dataclass(slots=True)
+class _Staged:
+    """An evicted block's bytes on their way to SSD (readable meanwhile)."""
+
+    data: bytes
+    checksum: int
+    writing: bool = False
+
+
+@dataclass(slots=True)
+class _Todo:
+    """Instructions produced under the lock, executed after it is released."""
+
+    deletes: list[tuple[str, bytes]] = field(default_factory=list)
+    write_staged: bool = False
 
 
 class BlockStore:
@@ -75,20 +153,31 @@ class BlockStore:
         promoter: Promoter | None = None,
         pins: dict[str, int] | None = None,
         tenant_quota: QuotaBook | None = None,
+        slice_keys: int = SLICE_KEYS,
     ) -> None:
         self.arena = arena
         self.quota = QuotaBook(pins or {})
-        self.books = [self.quota, *([tenant_quota] if tenant_quota else [])]
         self.tier = DramTier(
             arena.size, slab_size, on_evict=self._on_evict, pinned=self.quota.quotas
         )
+        self.policy = TierPolicy(
+            has_ssd=ssd is not None,
+            ssd_capacity=ssd.size if ssd else 0,
+            dram_marks=dram_marks,
+            ssd_marks=ssd_marks,
+            promoter=promoter,
+            books=[self.quota, *([tenant_quota] if tenant_quota else [])],
+            pinned=self.quota.quotas,
+            charge_of=self.tier.slot_size_for,
+            in_dram=self._held_outside_ssd,
+        )
+        self.ssd_index = self.policy.ssd
+        self.slice_keys = max(1, slice_keys)
         self.lock = threading.Lock()
         self.counters = StoreCounters()
         self.ssd = ssd
-        self.ssd_index = SsdIndex(ssd.size if ssd else 0, pinned=self.quota.quotas)
-        self.dram_marks = dram_marks or Watermarks()
-        self.ssd_marks = ssd_marks or Watermarks()
-        self.promoter = promoter or Promoter()
+        self._staged: dict[tuple[str, bytes], _Staged] = {}
+        self._todo = _Todo()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._demoter: threading.Thread | None = None
@@ -101,54 +190,81 @@ class BlockStore:
     def max_value_size(self) -> int:
         return self.tier.max_value_size
 
+    def _slices(self, n: int) -> Iterator[slice]:
+        for i in range(0, n, self.slice_keys):
+            yield slice(i, min(n, i + self.slice_keys))
+
+    def _held_outside_ssd(self, ns: str, key: bytes) -> bool:
+        """DRAM or a staged copy holds it (the policy's 'is it still stored elsewhere')."""
+        return self.tier.contains(ns, key) or (ns, key) in self._staged
+
     # ---- metadata ------------------------------------------------------------
 
-    def _present(self, ns: str, key: bytes) -> bool:
-        return self.tier.contains(ns, key) or (ns, key) in self.ssd_index
+    def _present_many(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
+        flags = self.tier.exists_many(ns, keys)
+        if len(self.ssd_index) or self._staged:
+            ssd = self.ssd_index.entries
+            staged = self._staged
+            flags = [
+                f or (ns, k) in ssd or (ns, k) in staged for f, k in zip(flags, keys, strict=True)
+            ]
+        return flags
 
     def exists(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
-        with self.lock:
-            space = self.tier.index.get(ns, {})
-            flags = [b is not None and b.ready for b in map(space.get, keys)]
-            if len(self.ssd_index):
-                ssd = self.ssd_index.entries
-                flags = [f or (ns, k) in ssd for f, k in zip(flags, keys, strict=True)]
-            return flags
+        out: list[bool] = []
+        for s in self._slices(len(keys)):
+            with self.lock:
+                out += self._present_many(ns, keys[s])
+        return out
 
     def match_prefix(self, ns: str, keys: Sequence[bytes], state_ns: str = "") -> int:
         """Leading run of present keys; with ``state_ns`` the state at the last one too."""
-        with self.lock:
-            n = 0
-            for k in keys:
-                if not self._present(ns, k):
-                    break
-                n += 1
-            if state_ns:
-                while n and not self._present(state_ns, keys[n - 1]):
-                    n -= 1
+        n = 0
+        for s in self._slices(len(keys)):
+            with self.lock:
+                flags = self._present_many(ns, keys[s])
+            run = next((i for i, f in enumerate(flags) if not f), len(flags))
+            n += run
+            if run < len(flags):
+                break
+        if state_ns and n:
+            # Walk back to the last boundary whose state is present (one slice at a time).
+            while n:
+                lo = max(0, n - self.slice_keys)
+                with self.lock:
+                    flags = self._present_many(state_ns, keys[lo:n])
+                hit = next((i for i in range(len(flags) - 1, -1, -1) if flags[i]), -1)
+                if hit >= 0:
+                    return lo + hit + 1
+                n = lo
         return n
 
     def remove(self, ns: str, keys: Sequence[bytes]) -> int:
-        gone: list[tuple[str, bytes]] = []
+        """Remove keys from every tier; returns how many were present. A removed key
+        stays removed: reads and demotions in flight cannot bring it back."""
         n = 0
-        with self.lock:
-            for k in keys:
-                b = self.tier.peek(ns, k)
-                in_dram = self.tier.remove(ns, k)
-                e = self.ssd_index.remove(ns, k)
-                if e is not None:
-                    gone.append((ns, k))
-                if in_dram or e is not None:
-                    n += 1
-                    self._refund(ns, b.size if b is not None else e.size if e else 0)
-        if gone and self.ssd is not None:
-            self.ssd.delete_many(gone)
+        for s in self._slices(len(keys)):
+            with self.lock:
+                for k in keys[s]:
+                    b = self.tier.peek(ns, k)
+                    staged = self._staged.pop((ns, k), None)
+                    in_dram = b is not None or staged is not None
+                    size = b.size if b is not None else len(staged.data) if staged else 0
+                    if b is not None:
+                        self.tier.remove(ns, k)
+                    present = in_dram or self.policy.on_ssd(ns, k)
+                    if present:
+                        n += 1
+                        self._queue(self.policy.handle(Removed(ns, k, in_dram, size)))
+            self._execute()
         return n
 
     def remove_namespace(self, ns: str) -> int:
+        """Remove every block of exactly this namespace (not of 'ns/...' below it)."""
         with self.lock:
-            keys = {b.key for b in self.tier.index.get(ns, {}).values() if b.ready}
+            keys = set(self.tier.keys_of(ns))
             keys.update(self.ssd_index.keys_of(ns))
+            keys.update(k for n, k in self._staged if n == ns)
         return self.remove(ns, sorted(keys))
 
     # ---- writes (two-phase) --------------------------------------------------
@@ -156,51 +272,50 @@ class BlockStore:
     def reserve_many(
         self, ns: str, keys: Sequence[bytes], sizes: Sequence[int], checksums: Sequence[int]
     ) -> list[Block | ResourceExhausted | None]:
-        """Reserve slots; per key a Block, None (already present) or ResourceExhausted."""
+        """Reserve slots; per key a Block, None (already present) or ResourceExhausted
+        (QuotaExceeded when the namespace's quota is full)."""
         out: list[Block | ResourceExhausted | None] = []
-        with self.lock:
-            for k, s, c in zip(keys, sizes, checksums, strict=True):
-                if (ns, k) in self.ssd_index:
-                    self.tier.counters.skipped += 1
-                    out.append(None)
-                    continue
-                if not all(q.admits(ns, s) for q in self.books):
-                    out.append(QuotaExceeded(f"namespace {ns!r} is over its quota"))
-                    continue
-                try:
-                    b = self.tier.reserve(ns, k, s, c)
-                except ResourceExhausted as e:
-                    out.append(e)
-                    continue
-                if b is not None:
-                    self._charge(ns, s)
-                out.append(b)
-        if self._demoter is not None and self.dram_marks.excess(
-            self.tier.used_bytes, self.tier.capacity
-        ):
-            self._wake.set()
+        for s in self._slices(len(keys)):
+            with self.lock:
+                for k, size, c in zip(keys[s], sizes[s], checksums[s], strict=True):
+                    out.append(self._reserve_one(ns, k, size, c))
+            self._execute()
+        if self._demoter is not None:
+            with self.lock:
+                tick = self.policy.handle(Tick(self.tier.used_bytes, self.tier.capacity))
+            if tick:
+                self._wake.set()
         return out
 
-    def _charge(self, ns: str, size: int) -> None:
-        for q in self.books:
-            q.charge(ns, size)
-
-    def _refund(self, ns: str, size: int) -> None:
-        for q in self.books:
-            q.refund(ns, size)
+    def _reserve_one(
+        self, ns: str, k: bytes, size: int, c: int
+    ) -> Block | ResourceExhausted | None:
+        if self.policy.on_ssd(ns, k) or (ns, k) in self._staged:
+            self.tier.counters.skipped += 1
+            return None
+        if not self.policy.admits(ns, size):
+            return QuotaExceeded(f"namespace {ns!r} is over its quota")
+        try:
+            b = self.tier.reserve(ns, k, size, c)
+        except ResourceExhausted as e:
+            return e
+        if b is not None:
+            self.policy.handle(Reserved(ns, size))
+        return b
 
     def view(self, b: Block) -> memoryview:
         return self.arena.slot(b.offset, b.size)
 
     def finish_many(self, blocks: Sequence[Block], ok: Sequence[bool]) -> None:
         """Commit the blocks whose bytes arrived intact, abort the others."""
-        with self.lock:
-            for b, good in zip(blocks, ok, strict=True):
-                if good:
-                    self.tier.commit(b)
-                else:
-                    self._refund(b.ns, b.size)
-                    self.tier.abort(b)
+        for s in self._slices(len(blocks)):
+            with self.lock:
+                for b, good in zip(blocks[s], ok[s], strict=True):
+                    if good:
+                        self.tier.commit(b)
+                    else:
+                        self.tier.abort(b)
+                        self.policy.handle(Aborted(b.ns, b.size))
 
     def put_bytes(self, ns: str, keys: Sequence[bytes], values: Sequence[bytes]) -> list[bool]:
         """Inline put (gRPC path): True = stored now, False = already present."""
@@ -220,60 +335,107 @@ class BlockStore:
 
     # ---- reads ---------------------------------------------------------------
 
+    def sizes(self, ns: str, keys: Sequence[bytes]) -> int:
+        """Payload bytes a read of ``keys`` would return (duplicates counted), without
+        pinning anything: what the request core checks before an inline answer."""
+        total = 0
+        for s in self._slices(len(keys)):
+            with self.lock:
+                for k in keys[s]:
+                    b = self.tier.peek(ns, k)
+                    if b is not None:
+                        total += b.size
+                        continue
+                    st = self._staged.get((ns, k))
+                    if st is not None:
+                        total += len(st.data)
+                        continue
+                    e = self.ssd_index.get(ns, k)
+                    if e is not None:
+                        total += e.size
+        return total
+
     def read(self, ns: str, keys: Sequence[bytes], *, verify_dram: bool = True) -> Reading:
-        """Pin and verify blocks from DRAM or SSD; corrupt ones are dropped and missed.
+        """Pin and verify blocks from DRAM, staged copies or SSD; corrupt ones are missed.
 
         SSD blocks are always verified. ``verify_dram=False`` skips the check of DRAM
         blocks for transfer-plane readers, which verify every block end to end
         against the checksum sent with it (one pass over the bytes instead of two).
         The views stay valid until :meth:`done`, which every caller must call.
         """
-        with self.lock:
-            blocks = [self.tier.acquire(ns, k) for k in keys]
-            on_ssd = [
-                i for i, b in enumerate(blocks) if b is None and (ns, keys[i]) in self.ssd_index
-            ]
-        held: list[Held | None] = [
-            Held(self.view(b), b.checksum, b) if b is not None else None for b in blocks
-        ]
+        held: list[Held | None] = []
+        on_ssd: list[int] = []
+        for s in self._slices(len(keys)):
+            with self.lock:
+                for i in range(s.start, s.stop):
+                    k = keys[i]
+                    b = self.tier.acquire(ns, k)
+                    if b is not None:
+                        held.append(Held(self.view(b), b.checksum, b))
+                        continue
+                    st = self._staged.get((ns, k))
+                    if st is not None:
+                        self._count_hit()
+                        held.append(Held(memoryview(st.data), st.checksum, None))
+                        continue
+                    held.append(None)
+                    if self.policy.on_ssd(ns, k):
+                        on_ssd.append(i)
         reading = Reading(held)
+        promote: list[int] = []
         if on_ssd and self.ssd is not None:
             reading.txn = self.ssd.begin_read()
             now = time.monotonic()
             for i in on_ssd:
                 got = self.ssd.view(reading.txn, ns, keys[i])
                 if got is None:
-                    self._drop_ssd(ns, keys[i], corrupt=True)
+                    self._bad_ssd(ns, keys[i])
                     continue
                 header, view = got
                 held[i] = Held(view, header.checksum, None)
                 with self.lock:
-                    self.ssd_index.touch(ns, keys[i])
-                    self.tier.counters.hits += 1
-                    self.tier.counters.misses -= 1
+                    self._count_hit()
                     self.counters.ssd_hits += 1
-                    if self.promoter.on_hit(ns, keys[i], now):
-                        reading.promote.append((ns, keys[i], i))
+                    if self.policy.handle(SsdHit(ns, keys[i], now)):
+                        promote.append(i)
         for i, h in enumerate(held):
             if h is None or (h.block is not None and not verify_dram):
                 continue
             if xxhash.xxh3_64_intdigest(h.view) != h.checksum:
                 held[i] = None
                 self._corrupt(ns, keys[i], h)
+            elif i in promote:
+                # Promote while the read transaction (and so the view) is live.
+                self._promote(ns, keys[i], h)
         return reading
 
+    def _count_hit(self) -> None:
+        """A DRAM miss (already counted) that was found elsewhere."""
+        self.tier.counters.hits += 1
+        self.tier.counters.misses -= 1
+
     def done(self, reading: Reading) -> None:
-        """Release a read: unpin DRAM blocks, promote SSD hits, end the LMDB transaction."""
-        for ns, key, i in reading.promote:
-            h = reading.held[i]
-            if h is not None:
-                self._promote(ns, key, h)
+        """Release a read: unpin DRAM blocks, end the LMDB transaction. Idempotent."""
+        if reading.released:
+            return
+        reading.released = True
         if reading.txn is not None:
             reading.txn.abort()
-        with self.lock:
-            for h in reading.held:
-                if h is not None and h.block is not None:
-                    self.tier.release(h.block)
+            reading.txn = None
+        pinned = [h.block for h in reading.held if h is not None and h.block is not None]
+        for s in self._slices(len(pinned)):
+            with self.lock:
+                for b in pinned[s]:
+                    self.tier.release(b)
+
+    def end_txn(self, reading: Reading) -> None:
+        """End the LMDB read transaction early (its views were sent); DRAM pins stay."""
+        if reading.txn is not None:
+            reading.txn.abort()
+            reading.txn = None
+        for i, h in enumerate(reading.held):
+            if h is not None and h.block is None:
+                reading.held[i] = None
 
     def get_bytes(self, ns: str, keys: Sequence[bytes]) -> list[bytes | None]:
         """Inline get (gRPC path): copies of the values, None for misses."""
@@ -292,71 +454,131 @@ class BlockStore:
             if h.block is not None:
                 self.tier.remove(ns, key)
                 self.tier.release(h.block)
+                self._queue(self.policy.handle(Removed(ns, key, True, h.block.size)))
                 h.block = None
-        if h.block is None:
-            self._drop_ssd(ns, key, corrupt=False)
+            elif self._staged.pop((ns, key), None) is not None:
+                self._queue(self.policy.handle(Removed(ns, key, True, len(h.view))))
+            else:
+                self._queue(self.policy.handle(SsdBad(ns, key)))
+        self._execute()
 
-    def _drop_ssd(self, ns: str, key: bytes, *, corrupt: bool) -> None:
+    def _bad_ssd(self, ns: str, key: bytes) -> None:
         with self.lock:
-            e = self.ssd_index.remove(ns, key)
-            if corrupt:
-                self.counters.checksum_errors += 1
-            if e is not None:
-                self._refund(ns, e.size)
-        if self.ssd is not None:
-            self.ssd.delete_many([(ns, key)])
+            self.counters.checksum_errors += 1
+            self._queue(self.policy.handle(SsdBad(ns, key)))
+        self._execute()
 
     def _promote(self, ns: str, key: bytes, h: Held) -> None:
         with self.lock:
-            if self.tier.contains(ns, key):
+            if self.tier.contains(ns, key) or not self.policy.on_ssd(ns, key):
                 return
             try:
                 b = self.tier.reserve(ns, key, len(h.view), h.checksum)
             except ResourceExhausted:
-                return
+                b = None
+        self._execute()
         if b is None:
             return
         self.view(b)[:] = h.view
         with self.lock:
-            self.tier.commit(b)
-            self.counters.promotions += 1
+            if self.policy.on_ssd(ns, key):  # still stored: not removed meanwhile
+                self.tier.commit(b)
+                self.counters.promotions += 1
+            else:
+                self.tier.abort(b)
 
-    # ---- SSD tier: demotion, eviction, recovery ------------------------------
+    # ---- instructions --------------------------------------------------------
 
     def _on_evict(self, b: Block) -> None:
-        """Called under the lock when DRAM evicts on demand: keep the block on SSD."""
-        if self.ssd is None or (b.ns, b.key) in self.ssd_index:
+        """DRAM evicts on demand (under the lock, before the slot is reused)."""
+        for ins in self.policy.handle(Evicted(b.ns, b.key, b.size)):
+            if isinstance(ins, WriteSsd):
+                # Copy now: the slot is handed to the new block as soon as this returns.
+                self._staged[(b.ns, b.key)] = _Staged(bytes(self.view(b)), b.checksum)
+                self._todo.write_staged = True
+
+    def _queue(self, instructions: Sequence[Instruction]) -> None:
+        """Keep instructions for :meth:`_execute` (caller holds the lock)."""
+        for ins in instructions:
+            if isinstance(ins, DeleteSsd):
+                self._todo.deletes.extend(ins.keys)
+            elif isinstance(ins, Demote):
+                self._wake.set()
+            elif isinstance(ins, WriteSsd | Promote):  # pragma: no cover - not queued
+                raise AssertionError(f"{ins} is handled where it is produced")
+
+    def _execute(self) -> None:
+        """Run queued SSD work outside the lock (any thread may drain the queue)."""
+        with self.lock:
+            deletes, self._todo.deletes = self._todo.deletes, []
+            write = self._todo.write_staged
+            self._todo.write_staged = False
+        if deletes and self.ssd is not None:
+            self.ssd.delete_many(deletes)
+        if write:
+            self._write_staged()
+
+    def _write_staged(self) -> None:
+        with self.lock:
+            batch = [(k, st) for k, st in self._staged.items() if not st.writing]
+            for _, st in batch:
+                st.writing = True
+        if not batch:
             return
-        try:
-            self._write_ssd([(b.ns, b.key, self.view(b), b.checksum)])
-            self.counters.demotions += 1
-        except ResourceExhausted:
-            self.counters.ssd_write_errors += 1
+        items = [(ns, key, memoryview(st.data), st.checksum) for (ns, key), st in batch]
+        written = self._write_ssd(items)
+        with self.lock:
+            if written is None:
+                self._queue(
+                    self.policy.handle(
+                        SsdWriteFailed(tuple((ns, k, len(st.data)) for (ns, k), st in batch), True)
+                    )
+                )
+                for (ns, key), st in batch:
+                    if self._staged.get((ns, key)) is st:
+                        del self._staged[(ns, key)]
+            else:
+                done = []
+                for (ns, key, size, stored), ((_, _), st) in zip(written, batch, strict=True):
+                    live = self._staged.get((ns, key)) is st
+                    if live:
+                        del self._staged[(ns, key)]
+                    done.append((ns, key, size, stored, live))
+                self._queue(self.policy.handle(SsdWritten(tuple(done))))
+                self.counters.demotions += len(done)
+        self._execute()
 
-    def _write_ssd(self, items: list[tuple[str, bytes, memoryview, int]]) -> None:
-        """Write to LMDB, evicting SSD blocks first when over the mark. Caller holds the lock."""
+    def _write_ssd(
+        self, items: list[tuple[str, bytes, memoryview, int]]
+    ) -> list[tuple[str, bytes, int, int]] | None:
+        """Write to LMDB (outside the lock), making room first; None when it failed."""
         assert self.ssd is not None
-        need = sum(len(v) + 32 for _, _, v, _ in items)
-        self._evict_ssd(self.ssd_marks.excess(self.ssd_index.used_bytes + need, self.ssd.size))
+        need = sum(len(v) + HEADER_LEN for _, _, v, _ in items)
         for attempt in range(3):
+            room = NeedSsdRoom(max(need, self.ssd.size // 10), force=True) if attempt else None
+            with self.lock:
+                before = self.ssd_index.evictions
+                self._queue(self.policy.handle(room or NeedSsdRoom(need)))
+                freed = self.ssd_index.evictions > before
+            self._execute_deletes()
+            if attempt and not freed:
+                return None  # nothing left to evict: the disk is full of pinned blocks
             try:
-                for ns, key, n, stored in self.ssd.put_many(items):
-                    self.ssd_index.add(ns, key, n, stored)
-                return
+                return [(ns, key, n, stored) for ns, key, n, stored in self.ssd.put_many(items)]
             except ResourceExhausted:
-                if attempt == 2 or not self._evict_ssd(max(need, self.ssd.size // 10)):
-                    raise
+                continue
+            except Exception:
+                log.exception("SSD write failed")
+                return None
+        return None
 
-    def _evict_ssd(self, nbytes: int) -> bool:
-        if nbytes <= 0 or self.ssd is None:
-            return False
-        victims = self.ssd_index.victims(nbytes)
-        for ns, key in victims:
-            self.ssd_index.remove(ns, key)
-        self.ssd_index.evictions += len(victims)
-        if victims:
-            self.ssd.delete_many(victims)
-        return bool(victims)
+    def _execute_deletes(self) -> None:
+        with self.lock:
+            deletes, self._todo.deletes = self._todo.deletes, []
+        if deletes and self.ssd is not None:
+            self.ssd.delete_many(deletes)
+
+    # ---- SSD tier: demotion, recovery ------------------------------------------
 
     def demote(self, nbytes: int, *, everything: bool = False) -> int:
         """Move up to ``nbytes`` of least recently used DRAM blocks to SSD; returns bytes.
@@ -372,29 +594,37 @@ class BlockStore:
                     min(nbytes - moved, DEMOTE_BATCH_BYTES), include_pinned_ns=everything
                 )
                 for b in batch:
-                    b.pins += 1
+                    self.tier.pin(b)
+                todo = [b for b in batch if not self.policy.on_ssd(b.ns, b.key)]
             if not batch:
                 break
-            todo = [
-                (b.ns, b.key, self.view(b), b.checksum)
-                for b in batch
-                if (b.ns, b.key) not in self.ssd_index
-            ]
-            try:
-                with self.lock:
-                    if todo:
-                        self._write_ssd(todo)
-                    for b in batch:
-                        self.tier.release(b)
-                        if b.ready and not b.doomed:
-                            self.tier.remove(b.ns, b.key)
-                            moved += b.size
-                    self.counters.demotions += len(todo)
-            except ResourceExhausted:
-                with self.lock:
-                    for b in batch:
-                        self.tier.release(b)
-                    self.counters.ssd_write_errors += 1
+            written = (
+                self._write_ssd([(b.ns, b.key, self.view(b), b.checksum) for b in todo])
+                if todo
+                else []
+            )
+            with self.lock:
+                if written is None:
+                    self._queue(
+                        self.policy.handle(
+                            SsdWriteFailed(tuple((b.ns, b.key, b.size) for b in todo), False)
+                        )
+                    )
+                else:
+                    live = [b.ready and not b.doomed for b in todo]
+                    done = tuple(
+                        (ns, key, size, stored, ok)
+                        for (ns, key, size, stored), ok in zip(written, live, strict=True)
+                    )
+                    self._queue(self.policy.handle(SsdWritten(done)))
+                    self.counters.demotions += sum(live)
+                for b in batch:
+                    self.tier.release(b)
+                    if written is not None and b.ready and not b.doomed:
+                        self.tier.remove(b.ns, b.key)  # now on SSD: not a removal
+                        moved += b.size
+            self._execute()
+            if written is None:
                 break
         return moved
 
@@ -402,12 +632,14 @@ class BlockStore:
         while not self._stop.is_set():
             self._wake.wait(0.05)
             self._wake.clear()
-            excess = self.dram_marks.excess(self.tier.used_bytes, self.tier.capacity)
-            if excess:
-                try:
-                    self.demote(excess)
-                except Exception:
-                    log.exception("demotion failed")
+            with self.lock:
+                todo = self.policy.handle(Tick(self.tier.used_bytes, self.tier.capacity))
+            for ins in todo:
+                if isinstance(ins, Demote):
+                    try:
+                        self.demote(ins.nbytes)
+                    except Exception:
+                        log.exception("demotion failed")
 
     def _rebuild(self) -> None:
         """Index what LMDB holds (headers only); drop malformed entries."""
@@ -418,8 +650,7 @@ class BlockStore:
             if header is None:
                 bad.append(raw)
                 continue
-            self.ssd_index.add(ns, key, header.size, stored)
-            self._charge(ns, header.size)
+            self.policy.rebuilt(ns, key, header.size, stored)
         if bad:
             self.ssd.delete_raw(bad)
             self.counters.checksum_errors += len(bad)
@@ -429,6 +660,33 @@ class BlockStore:
             self.ssd_index.used_bytes,
             time.monotonic() - t0,
             len(bad),
+        )
+
+    # ---- stats and shutdown ----------------------------------------------------
+
+    def stats(self) -> StoreStats:
+        t = self.tier
+        c = t.counters
+        pc = self.policy.counters
+        return StoreStats(
+            dram_capacity_bytes=t.capacity,
+            dram_used_bytes=t.used_bytes,
+            dram_keys=t.keys,
+            hits=c.hits,
+            misses=c.misses,
+            evictions=c.evictions,
+            puts=c.puts,
+            checksum_errors=self.counters.checksum_errors,
+            bad_frames=self.counters.bad_frames,
+            demotions=self.counters.demotions,
+            promotions=self.counters.promotions,
+            ssd_hits=self.counters.ssd_hits,
+            has_ssd=self.ssd is not None,
+            ssd_capacity_bytes=self.ssd.size if self.ssd else 0,
+            ssd_used_bytes=self.ssd_index.used_bytes,
+            ssd_keys=len(self.ssd_index),
+            ssd_evictions=self.ssd_index.evictions,
+            ssd_write_errors=pc.ssd_write_errors,
         )
 
     def close(self, demote_timeout: float = 30.0) -> None:
@@ -441,6 +699,7 @@ class BlockStore:
             self._stop.clear()
             deadline = time.monotonic() + demote_timeout
             try:
+                self._write_staged()
                 while time.monotonic() < deadline and self.tier.keys:
                     if not self.demote(DEMOTE_BATCH_BYTES, everything=True):
                         break

@@ -60,10 +60,10 @@ def test_health_serving_on_every_daemon(cluster: LocalCluster) -> None:
 
 def test_sigterm_drains_and_exits_cleanly(cluster: LocalCluster) -> None:
     w = cluster.worker_procs[1]
-    assert arena_files(w.pid), "the worker's arena is a file in /dev/shm"
+    assert arena_files(w.pid), "the worker's arena hand-over socket is in /dev/shm"
     w.signal(signal.SIGTERM)
     assert w.proc.wait(20) == 0
-    assert not arena_files(w.pid), "the arena file is removed on exit"
+    assert not arena_files(w.pid), "the hand-over socket is removed on exit"
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and len(cluster.live_worker_ids()) != 1:
         time.sleep(0.05)

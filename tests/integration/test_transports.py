@@ -4,6 +4,7 @@ the arena file may be opened; a client dying mid-transfer leaks nothing."""
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 
 import numpy as np
@@ -57,8 +58,9 @@ def test_shm_needs_the_same_host_and_file_permission(cluster: LocalCluster) -> N
     urls = list(info.endpoints)
     shm_urls = [u for u in urls if u.startswith("shm://")]
     assert shm_urls and "tcp://" in urls[0]
-    path, _ = shm.parse_shm_url(shm_urls[0])
+    path = shm.parse_shm_url(shm_urls[0]).path
     assert os.stat(path).st_mode & 0o777 == 0o600, "only the worker's user may map the arena"
+    assert stat.S_ISSOCK(os.stat(path).st_mode), "a hand-over socket, not the arena itself"
     assert shm.try_map([shm_urls[0].replace("host=", "host=elsewhere")]) is None
     if os.geteuid() == 0:
         # An unprivileged user cannot open it, so such a client falls back to tcp://.
@@ -114,7 +116,7 @@ with Client(PARAMS["master"]) as c:
 
 
 def test_corrupted_dram_block_is_a_miss_on_every_path(cluster: LocalCluster) -> None:
-    """Flip a byte of a stored block inside the worker's arena file: tcp://, shm:// and
+    """Flip a byte of a stored block inside the worker's arena: tcp://, shm:// and
     gRPC readers all get a miss, never the wrong bytes."""
     import grpc
 
@@ -126,17 +128,17 @@ def test_corrupted_dram_block_is_a_miss_on_every_path(cluster: LocalCluster) -> 
         assert all(c.batch_put(NS, keys, vals))
     flipped = 0
     for w in cluster.worker_procs:
-        path = shm.parse_shm_url(
-            next(u for u in w_endpoints(cluster, w.ready["id"]) if u.startswith("shm://"))
-        )[0]
-        with open(path, "r+b") as f:
-            data = f.read()
-            at = data.find(vals[0][:4096])
-            if at >= 0:
-                f.seek(at + 10)
-                f.write(bytes([data[at + 10] ^ 0xFF]))
-                flipped += 1
-                grpc_addr = w.ready["grpc"]
+        # Map the arena as a same-host client does (the worker hands its memfd over).
+        url = next(u for u in w_endpoints(cluster, w.ready["id"]) if u.startswith("shm://"))
+        arena = shm.try_map([url])
+        assert arena is not None
+        data = arena.array
+        at = bytes(data).find(vals[0][:4096])
+        if at >= 0:
+            data[at + 10] ^= 0xFF
+            flipped += 1
+            grpc_addr = w.ready["grpc"]
+        arena.close()
     assert flipped == 1
     for transport in ("tcp", "shm"):
         with Client(cluster.address, transport=transport) as c:

@@ -630,12 +630,6 @@ def test_put_header_without_payload_does_not_lock_the_arena(
     assert all(still), "blocks must not be evicted for bytes that never arrived"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (open): PUT_LOC reserves every declared byte at once and the slots stay "
-    "reserved while the connection lives (any frame, e.g. a RELEASE, renews its idle "
-    "timeout): one peer of the transfer port can hold the whole arena",
-)
 def test_put_loc_without_commit_does_not_lock_the_arena(
     worker: LocalCluster, known_mib: tuple[list[bytes], list[bytes]]
 ) -> None:

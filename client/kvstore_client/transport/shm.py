@@ -1,12 +1,18 @@
 """Client half of the shm:// transport: map a same-host worker's arena and copy directly.
 
-The worker advertises ``shm:///dev/shm/kvstore-...?host=HOSTID``. A client on
-the same host (same host id) that may open the file (its mode is 0600: the
-worker's user only) maps it once; then a get is one GET_LOC round trip for the
-locations, one numpy copy per block out of the mapping (checked against the
-block's xxh3-64), and a one-way RELEASE. A put is a PUT_LOC round trip for
-reserved slots, copies into them, and a PUT_COMMIT round trip. Control frames
-travel over the tcp:// connection (codec in kvstore_client.wire).
+The worker advertises ``shm://SOCKET?host=HOSTID&arena=ID&size=N``: a Unix socket
+(mode 0600) that hands out the arena's descriptor (a memfd). A client on the same
+host (same host id) that may connect receives the descriptor with SCM_RIGHTS and
+maps it once, after checking that the worker's message names the same arena id and
+size as the map, and that the descriptor is a regular file of that size. The client
+never opens a path the map names: a forged or stale entry only ever falls back to
+tcp://. Every LOC answer carries the arena's tag; a mismatch (the worker restarted
+behind the same address) is an error for that call and the mapping is dropped.
+
+Then a get is one GET_LOC round trip for the locations, one numpy copy per block out
+of the mapping (checked against the block's xxh3-64), and a one-way RELEASE. A put is
+a PUT_LOC round trip for reserved slots, copies into them, and a PUT_COMMIT round
+trip. Control frames travel over the tcp:// connection (codec in kvstore_client.wire).
 """
 
 from __future__ import annotations
@@ -15,14 +21,19 @@ import contextlib
 import mmap
 import os
 import socket
+import stat
 import urllib.parse
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
 from .. import wire
+from ..errors import KVStoreError, Unavailable
 from .tcp import GetResult, TcpConnection
+
+SOCKET_PREFIX = "kvstore-"
 
 
 def host_id() -> str:
@@ -35,33 +46,49 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def shm_url(path: str) -> str:
-    return f"shm://{path}?host={urllib.parse.quote(host_id(), safe='')}"
+def shm_url(path: str, arena_id: str = "", size: int = 0) -> str:
+    """The endpoint a worker advertises for its hand-over socket at ``path``."""
+    q = urllib.parse.urlencode({"host": host_id(), "arena": arena_id, "size": size})
+    return f"shm://{path}?{q}"
 
 
-def parse_shm_url(url: str) -> tuple[str, str]:
-    """``shm://PATH?host=ID`` -> (path, host id)."""
+@dataclass(frozen=True, slots=True)
+class ShmEndpoint:
+    path: str
+    host: str
+    arena: str
+    size: int
+
+
+def parse_shm_url(url: str) -> ShmEndpoint:
+    """``shm://PATH?host=ID&arena=ID&size=N``; ValueError when malformed."""
     u = urllib.parse.urlsplit(url)
     if u.scheme != "shm":
         raise ValueError(f"not an shm:// URL: {url}")
-    host = urllib.parse.parse_qs(u.query).get("host", [""])[0]
-    return u.path, host
+    q = urllib.parse.parse_qs(u.query)
+    return ShmEndpoint(
+        u.path, q.get("host", [""])[0], q.get("arena", [""])[0], int(q.get("size", ["0"])[0])
+    )
 
 
 class ShmArena:
-    """A read-write mapping of a worker's arena file."""
+    """A read-write mapping of a worker's arena, from the descriptor it handed over."""
 
-    def __init__(self, path: str) -> None:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            size = os.fstat(fd).st_size
-            # MAP_POPULATE: fault the whole mapping in now, not one page per first touch.
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self.path = path
+    def __init__(self, fd: int, arena_id: str, size: int) -> None:
+        # MAP_POPULATE: fault the whole mapping in now, not one page per first touch.
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.id = arena_id
+        self.tag = int(arena_id[:4], 16)
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
+        self.stale = False
+
+    def check(self, tag: int) -> None:
+        """An answer's arena tag must be ours: else the worker restarted behind its
+        address, and writing or reading through this mapping would be wrong."""
+        if tag != self.tag:
+            self.stale = True
+            raise Unavailable("the worker's arena changed (restarted?): shm mapping dropped")
 
     def close(self) -> None:
         self.array = np.empty(0, dtype=np.uint8)
@@ -69,20 +96,50 @@ class ShmArena:
             self._mm.close()
 
 
-def try_map(endpoints: Sequence[str]) -> ShmArena | None:
-    """Map the arena of a worker on this host if its file may be opened, else None."""
+def try_map(endpoints: Sequence[str], timeout: float = 2.0) -> ShmArena | None:
+    """Map the arena of a worker on this host if it hands it over, else None (tcp://)."""
     me = host_id()
     for url in endpoints:
         if not url.startswith("shm://"):
             continue
-        path, host = parse_shm_url(url)
-        if host != me:
+        try:
+            ep = parse_shm_url(url)
+        except ValueError:
+            return None
+        if ep.host != me or not ep.arena or ep.size <= 0:
             return None
         try:
-            return ShmArena(path)
-        except OSError:
+            return _receive(ep, timeout)
+        except (OSError, ValueError, KVStoreError):
             return None
     return None
+
+
+def _receive(ep: ShmEndpoint, timeout: float) -> ShmArena | None:
+    name = os.path.basename(ep.path)
+    if not (name.startswith(SOCKET_PREFIX) and name.endswith(".sock")):
+        return None
+    if not stat.S_ISSOCK(os.lstat(ep.path).st_mode):
+        return None  # only ever a socket: never open a file the map names
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fds: list[int] = []
+    try:
+        sock.settimeout(timeout)
+        sock.connect(ep.path)
+        msg, fds, _, _ = socket.recv_fds(sock, wire.SHM_HELLO.size, 1)
+        if len(fds) != 1:
+            return None
+        arena_id, size = wire.decode_shm_hello(msg)
+        st = os.fstat(fds[0])
+        if arena_id != ep.arena or size != ep.size or not stat.S_ISREG(st.st_mode):
+            return None
+        if st.st_size != size:
+            return None
+        return ShmArena(fds[0], arena_id, size)
+    finally:
+        for fd in fds:
+            os.close(fd)  # the mapping keeps the memory; the descriptor is not needed
+        sock.close()
 
 
 def _as_array(buf: memoryview) -> np.ndarray:
@@ -103,6 +160,11 @@ def get(
     head = wire.encode_request_header(wire.OP_GET_LOC, ns, len(hashes), req)
     wire.send_buffers(sock, [head, b"".join(hashes)])
     h = conn._answer(wire.OP_GET_LOC, req)
+    try:
+        arena.check(h.ns_len)
+    except Unavailable:
+        conn.close()  # the answer's body is unread: this connection is done
+        raise
     meta = wire.recv_exact(sock, h.count * wire.LOC_ENTRY.size)
     entries = list(wire.LOC_ENTRY.iter_unpack(meta))
     found = [False] * h.count
@@ -165,6 +227,11 @@ def put(
     head = wire.encode_request_header(wire.OP_PUT_LOC, ns, len(hashes), req)
     wire.send_buffers(sock, [head, entries])
     h = conn._answer(wire.OP_PUT_LOC, req)
+    try:
+        arena.check(h.ns_len)
+    except Unavailable:
+        conn.close()
+        raise
     locs = list(wire.PUT_LOC_ENTRY.iter_unpack(wire.recv_exact(sock, h.count * 16)))
     dst = arena.array
     flags = bytearray(h.count)

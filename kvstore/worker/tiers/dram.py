@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvstore_client.errors import InvalidArgument, ResourceExhausted
@@ -132,6 +132,25 @@ class DramTier:
 
     def contains(self, ns: str, key: bytes) -> bool:
         return self.peek(ns, key) is not None
+
+    def exists_many(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: is a ready block stored? (No LRU or counter change.)"""
+        space = self.index.get(ns)
+        if not space:
+            return [False] * len(keys)
+        return [b is not None and b.ready for b in map(space.get, keys)]
+
+    def keys_of(self, ns: str) -> list[bytes]:
+        """The keys of the ready blocks of one namespace."""
+        return [b.key for b in self.index.get(ns, {}).values() if b.ready]
+
+    def slot_size_for(self, size: int) -> int:
+        """Bytes of arena a value of ``size`` bytes occupies (its size class)."""
+        return self._class_sizes[self._class_for(min(size, self.slab_size))]
+
+    def pin(self, b: Block) -> None:
+        """Keep a block from being evicted or freed (not a read: no LRU or counter change)."""
+        b.pins += 1
 
     def acquire(self, ns: str, key: bytes) -> Block | None:
         """Pin a ready block for reading and mark it recently used; None on a miss."""

@@ -1,5 +1,13 @@
 """Tiering policy and SSD bookkeeping, as synchronous state machines with no I/O.
 
+:class:`TierPolicy` is the only place that decides placement: the store feeds it
+events (a block reserved, evicted, read from SSD, written to SSD, removed; a
+tick) under its lock and gets instructions back (write to SSD, delete from SSD,
+promote, demote), which it executes with the LMDB I/O outside the lock. It also
+keeps the quota books (a block is charged once, by the slot bytes it occupies,
+whichever tiers hold it, and refunded when it leaves the last tier) and the SSD
+index. ``policy.handle(event) == [instructions]`` is tested without threads.
+
 The worker alone decides where blocks live:
 - DRAM above its high watermark (default 95%): demote least recently used blocks
   to SSD in background batches until DRAM is down to the low watermark (85%);
@@ -17,7 +25,7 @@ again costs nothing.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore_client.errors import InvalidArgument
@@ -176,3 +184,263 @@ def parse_pins(specs: Iterable[str]) -> dict[str, int]:
         check_namespace(ns)
         out[ns] = parse_size(quota) if quota else 1 << 62
     return out
+
+
+# ---- the policy state machine ------------------------------------------------------
+# Events (the store reports what happened) ...
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """A DRAM slot was reserved for a new block (not a promotion): charge its quota."""
+
+    ns: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Aborted:
+    """A reserved block's bytes never arrived: refund it."""
+
+    ns: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Evicted:
+    """DRAM evicted a block on demand (its bytes are still in the arena, for now)."""
+
+    ns: str
+    key: bytes
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    """A caller removed a block; ``in_dram``: the DRAM tier held it."""
+
+    ns: str
+    key: bytes
+    in_dram: bool
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class SsdWritten:
+    """Blocks reached LMDB: (ns, key, payload size, stored bytes, still live)."""
+
+    items: tuple[tuple[str, bytes, int, int, bool], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SsdWriteFailed:
+    """Blocks could not be written to SSD; ``evicted``: DRAM had already let them go."""
+
+    items: tuple[tuple[str, bytes, int], ...]
+    evicted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SsdHit:
+    ns: str
+    key: bytes
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class SsdBad:
+    """An SSD entry failed its checksum or header check."""
+
+    ns: str
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class NeedSsdRoom:
+    """About to write ``nbytes`` (headers included) to SSD; ``force``: LMDB said it is
+    full, so evict ``nbytes`` of least recently used blocks whatever the watermarks say."""
+
+    nbytes: int
+    force: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Periodic: how full DRAM is."""
+
+    dram_used: int
+    dram_capacity: int
+
+
+Event = (
+    Reserved
+    | Aborted
+    | Evicted
+    | Removed
+    | SsdWritten
+    | SsdWriteFailed
+    | SsdHit
+    | SsdBad
+    | NeedSsdRoom
+    | Tick
+)
+
+# ... and instructions (what the store must do, outside its lock).
+
+
+@dataclass(frozen=True, slots=True)
+class WriteSsd:
+    """Copy this evicted block's bytes now (before the slot is reused), write them later."""
+
+    ns: str
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteSsd:
+    keys: tuple[tuple[str, bytes], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Promote:
+    ns: str
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Demote:
+    nbytes: int
+
+
+Instruction = WriteSsd | DeleteSsd | Promote | Demote
+
+
+@dataclass(slots=True)
+class PolicyCounters:
+    ssd_write_errors: int = 0
+    evicted_lost: int = 0  # DRAM evictions that left no SSD copy
+
+
+class TierPolicy:
+    """Placement and accounting for one worker's tiers (see the module docstring).
+
+    ``charge_of(size)`` is what a block of ``size`` payload bytes costs (its DRAM slot
+    size); ``in_dram(ns, key)`` asks the DRAM tier (both are pure and run under the
+    store's lock, as does every :meth:`handle`).
+    """
+
+    def __init__(
+        self,
+        *,
+        has_ssd: bool,
+        ssd_capacity: int = 0,
+        dram_marks: Watermarks | None = None,
+        ssd_marks: Watermarks | None = None,
+        promoter: Promoter | None = None,
+        books: Sequence[QuotaBook] = (),
+        pinned: Iterable[str] = (),
+        charge_of: Callable[[int], int] = lambda n: n,
+        in_dram: Callable[[str, bytes], bool] = lambda ns, key: False,
+    ) -> None:
+        self.has_ssd = has_ssd
+        self.ssd = SsdIndex(ssd_capacity if has_ssd else 0, pinned=pinned)
+        self.dram_marks = dram_marks or Watermarks()
+        self.ssd_marks = ssd_marks or Watermarks()
+        self.promoter = promoter or Promoter()
+        self.books = list(books)
+        self.charge_of = charge_of
+        self.in_dram = in_dram
+        self.counters = PolicyCounters()
+
+    # ---- queries -----------------------------------------------------------------
+
+    def admits(self, ns: str, size: int) -> bool:
+        """Would a new block of ``size`` bytes in ``ns`` fit every quota?"""
+        cost = self.charge_of(size)
+        return all(q.admits(ns, cost) for q in self.books)
+
+    def on_ssd(self, ns: str, key: bytes) -> bool:
+        return (ns, key) in self.ssd
+
+    # ---- events ------------------------------------------------------------------
+
+    def handle(self, ev: Event) -> list[Instruction]:
+        """Apply one event; returns what the store must do about it."""
+        if isinstance(ev, Reserved):
+            self._charge(ev.ns, ev.size, +1)
+        elif isinstance(ev, Aborted):
+            self._charge(ev.ns, ev.size, -1)
+        elif isinstance(ev, Evicted):
+            if (ev.ns, ev.key) in self.ssd:
+                return []
+            if self.has_ssd:
+                return [WriteSsd(ev.ns, ev.key)]
+            self.counters.evicted_lost += 1
+            self._charge(ev.ns, ev.size, -1)
+        elif isinstance(ev, Removed):
+            e = self.ssd.remove(ev.ns, ev.key)
+            if ev.in_dram or e is not None:
+                self._charge(ev.ns, ev.size if ev.in_dram or e is None else e.size, -1)
+            if e is not None:
+                return [DeleteSsd(((ev.ns, ev.key),))]
+        elif isinstance(ev, SsdWritten):
+            dead: list[tuple[str, bytes]] = []
+            for ns, key, size, stored, live in ev.items:
+                if live:
+                    self.ssd.add(ns, key, size, stored)
+                else:  # removed while being written: must not come back
+                    dead.append((ns, key))
+            return [DeleteSsd(tuple(dead))] if dead else []
+        elif isinstance(ev, SsdWriteFailed):
+            self.counters.ssd_write_errors += 1
+            if ev.evicted:
+                for ns, key, size in ev.items:
+                    if (ns, key) not in self.ssd and not self.in_dram(ns, key):
+                        self.counters.evicted_lost += 1
+                        self._charge(ns, size, -1)
+        elif isinstance(ev, SsdHit):
+            self.ssd.touch(ev.ns, ev.key)
+            if self.promoter.on_hit(ev.ns, ev.key, ev.now):
+                return [Promote(ev.ns, ev.key)]
+        elif isinstance(ev, SsdBad):
+            return self._drop_ssd([(ev.ns, ev.key)])
+        elif isinstance(ev, NeedSsdRoom):
+            excess = (
+                ev.nbytes
+                if ev.force
+                else self.ssd_marks.excess(self.ssd.used_bytes + ev.nbytes, self.ssd.capacity)
+            )
+            if excess > 0:
+                victims = self.ssd.victims(excess)
+                self.ssd.evictions += len(victims)
+                return self._drop_ssd(victims)
+        elif isinstance(ev, Tick) and self.has_ssd:
+            excess = self.dram_marks.excess(ev.dram_used, ev.dram_capacity)
+            if excess > 0:
+                return [Demote(excess)]
+        return []
+
+    def _drop_ssd(self, keys: Sequence[tuple[str, bytes]]) -> list[Instruction]:
+        gone: list[tuple[str, bytes]] = []
+        for ns, key in keys:
+            e = self.ssd.remove(ns, key)
+            if e is None:
+                continue
+            gone.append((ns, key))
+            if not self.in_dram(ns, key):  # it left the last tier
+                self._charge(ns, e.size, -1)
+        return [DeleteSsd(tuple(gone))] if gone else []
+
+    def _charge(self, ns: str, size: int, sign: int) -> None:
+        cost = self.charge_of(size)
+        for q in self.books:
+            if sign > 0:
+                q.charge(ns, cost)
+            else:
+                q.refund(ns, cost)
+
+    def rebuilt(self, ns: str, key: bytes, size: int, stored: int) -> None:
+        """Start-up: LMDB holds this block (charged once)."""
+        if (ns, key) not in self.ssd:
+            self.ssd.add(ns, key, size, stored)
+            self._charge(ns, size, +1)

@@ -1,9 +1,13 @@
-"""Server half of the shm:// transport: hand out arena locations, pin, commit.
+"""Server half of the shm:// transport: hand the arena over, hand out locations, pin, commit.
 
-A same-host client maps the worker's arena file itself and copies bytes
-directly; the worker only answers where blocks live (over the tcp:// control
-connection) and keeps them from being freed or reused while a copy is in
-flight. Blocks that are not in the arena (SSD hits) come back inline.
+The arena is an anonymous memfd (worker/arena.py). :class:`ArenaShare` listens on a
+Unix socket (mode 0600, in the shm directory) and hands the arena's descriptor to
+same-host clients with SCM_RIGHTS, with the arena's identity and size; a client maps
+only what the live worker handed it, never a path from the map. Such a client copies
+bytes directly; the worker only answers where blocks live (over the tcp:// control
+connection; every LOC answer carries the arena's 16-bit tag in its header) and keeps
+them from being freed or reused while a copy is in flight. Blocks that are not in the
+arena (SSD hits) come back inline.
 
 The client is trusted with the checksums it reports for shm writes (it can
 write the whole arena anyway); every read is verified by the reader.
@@ -11,40 +15,166 @@ write the whole arena anyway); every read is verified by the reader.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import glob
+import logging
+import os
 import socket
+import threading
 from dataclasses import dataclass, field
 
 from kvstore_client import wire
 from kvstore_client.errors import (
-    InvalidArgument,
     ProtocolError,
-    QuotaExceeded,
     ResourceExhausted,
 )
 from kvstore_client.keys import HASH_LEN
 
+from ..arena import SHM_PREFIX, Arena
+from ..requests import Holder, RequestCore, put_status
 from ..store import BlockStore, Reading
 from ..tiers.dram import Block
 
-MAX_OPEN = 64  # LOC requests a connection may hold open at once
+log = logging.getLogger(__name__)
+
+
+class ArenaShare:
+    """Hands the arena's descriptor to same-host clients over a Unix socket.
+
+    The socket file is ``DIR/kvstore-PID-ID.sock`` with mode 0600 (the worker's user
+    only; the peer's uid is checked again with SO_PEERCRED). Each connection gets one
+    message, ``wire.SHM_HELLO`` (magic, arena id, size), with the descriptor attached,
+    and is closed. :meth:`close` removes the socket file.
+    """
+
+    def __init__(self, arena: Arena, directory: str) -> None:
+        self.arena = arena
+        sweep_stale(directory)
+        self.path = os.path.join(directory, f"{SHM_PREFIX}{os.getpid()}-{arena.id}.sock")
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            self._sock.bind(self.path)
+        except BaseException:
+            self._sock.close()
+            raise
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        self._sock.listen(64)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="shm-share", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        hello = wire.encode_shm_hello(self.arena.id, self.arena.size)
+        me = os.getuid()
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                if self._stopping.is_set():
+                    return
+                self._stopping.wait(0.05)
+                continue
+            try:
+                conn.settimeout(2.0)
+                cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+                uid = int.from_bytes(cred[4:8], "little")
+                if uid in (me, 0):
+                    socket.send_fds(conn, [hello], [self.arena.fd])
+            except Exception as e:  # one client must not stop the hand-over for others
+                log.info("shm hand-over failed: %s", e)
+            finally:
+                conn.close()
+
+    def close(self) -> None:
+        self._stopping.set()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        self._thread.join(timeout=2)
+
+
+def sweep_stale(directory: str) -> int:
+    """Remove what dead workers left in ``directory``: hand-over sockets nobody listens
+    on, and arena files of earlier versions whose process is gone. Returns the count."""
+    gone = 0
+    for path in glob.glob(os.path.join(directory, f"{SHM_PREFIX}*")):
+        name = os.path.basename(path)
+        try:
+            if name.endswith(".sock"):
+                probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    probe.settimeout(0.5)
+                    probe.connect(path)
+                    continue  # a live worker's socket
+                except OSError as e:
+                    if e.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                        continue
+                finally:
+                    probe.close()
+            else:  # an arena file of an older version: kvstore-PID-...
+                pid = int(name[len(SHM_PREFIX) :].split("-")[0])
+                if pid == os.getpid() or _alive(pid):
+                    continue
+            os.unlink(path)
+            gone += 1
+        except (OSError, ValueError):
+            continue
+    if gone:
+        log.info("removed %d stale kvstore files from %s", gone, directory)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(slots=True)
+class _Open:
+    """One unreleased LOC request: what it pins or reserves, and the budget it holds."""
+
+    reading: Reading | None
+    slots: list[Block | ResourceExhausted | None]
+    nbytes: int
+    entries: int
 
 
 @dataclass(slots=True)
 class ShmState:
-    """What one connection holds: pinned reads and reserved slots, by request id."""
+    """What one connection holds: pinned reads and reserved slots, by request id, within
+    the connection's budget (bytes and entries, see worker.requests)."""
 
-    readings: dict[int, Reading] = field(default_factory=dict)
-    reserved: dict[int, list[Block | ResourceExhausted | None]] = field(default_factory=dict)
+    holder: Holder
+    open: dict[int, _Open] = field(default_factory=dict)
 
     def close(self, store: BlockStore) -> None:
         """The connection is gone: release its pins, abort its reservations."""
-        for r in self.readings.values():
-            store.done(r)
-        for slots in self.reserved.values():
-            blocks = [b for b in slots if isinstance(b, Block)]
-            store.finish_many(blocks, [False] * len(blocks))
-        self.readings.clear()
-        self.reserved.clear()
+        for req in list(self.open):
+            _release(store, self, req)
+
+
+def _release(store: BlockStore, st: ShmState, req: int) -> bool:
+    o = st.open.pop(req, None)
+    if o is None:
+        return False
+    if o.reading is not None:
+        store.done(o.reading)
+    blocks = [b for b in o.slots if isinstance(b, Block)]
+    if blocks:
+        store.finish_many(blocks, [False] * len(blocks))
+    st.holder.give(o.nbytes, o.entries)
+    return True
 
 
 def _hashes(conn: socket.socket, count: int) -> list[bytes]:
@@ -52,12 +182,34 @@ def _hashes(conn: socket.socket, count: int) -> list[bytes]:
     return [raw[i : i + HASH_LEN] for i in range(0, len(raw), HASH_LEN)]
 
 
-def get_loc(store: BlockStore, st: ShmState, conn: socket.socket, h: wire.Header, ns: str) -> int:
-    """Answer locations (pinned) or inline bytes; returns inline payload bytes sent."""
-    if len(st.readings) + len(st.reserved) >= MAX_OPEN:
+def _check_open(core: RequestCore, st: ShmState) -> None:
+    if len(st.open) >= core.limits.max_open_requests:
         raise ProtocolError("too many unreleased shm requests on one connection")
+
+
+def get_loc(
+    store: BlockStore,
+    core: RequestCore,
+    st: ShmState,
+    conn: socket.socket,
+    h: wire.Header,
+    ns: str,
+) -> int:
+    """Answer locations (pinned) or inline bytes; returns inline payload bytes sent.
+
+    Entries a connection may hold pinned are bounded (worker.requests.Budget): over
+    the budget, the request is answered RESOURCE_EXHAUSTED and nothing is pinned.
+    """
+    _check_open(core, st)
     keys = _hashes(conn, h.count)
+    if not st.holder.take(0, h.count):
+        raise ResourceExhausted("too many shm entries held open: release some first")
     reading = store.read(ns, keys, verify_dram=False)
+    pinned = sum(len(x.view) for x in reading.held if x is not None and x.block is not None)
+    if not st.holder.take(pinned):
+        store.done(reading)
+        st.holder.give(0, h.count)
+        raise ResourceExhausted("too many shm bytes held pinned: release some first")
     meta = bytearray(h.count * wire.LOC_ENTRY.size)
     inline: list[memoryview] = []
     for i, held in enumerate(reading.held):
@@ -70,53 +222,55 @@ def get_loc(store: BlockStore, st: ShmState, conn: socket.socket, h: wire.Header
         else:
             wire.LOC_ENTRY.pack_into(meta, off, wire.LOC_INLINE, len(held.view), held.checksum, 0)
             inline.append(held.view)
-    st.readings[h.req_id] = reading
+    st.open[h.req_id] = _Open(reading, [], pinned, h.count)
     try:
-        head = wire.encode_answer_header(h.op, 0, h.count, h.req_id)
+        head = wire.encode_answer_header(h.op, 0, h.count, h.req_id, store.arena.tag)
         wire.send_buffers(conn, [head, meta, *inline])
     finally:
-        if inline and reading.txn is not None:
+        if inline:
             # SSD views went out inline; keep DRAM pins, end the LMDB transaction early.
-            reading.txn.abort()
-            reading.txn = None
+            store.end_txn(reading)
     return sum(len(v) for v in inline)
 
 
 def release(store: BlockStore, st: ShmState, h: wire.Header) -> None:
-    reading = st.readings.pop(h.req_id, None)
-    if reading is not None:
-        store.done(reading)
-        return
-    slots = st.reserved.pop(h.req_id, None)
-    if slots is not None:
-        blocks = [b for b in slots if isinstance(b, Block)]
-        store.finish_many(blocks, [False] * len(blocks))
+    _release(store, st, h.req_id)
 
 
-def put_loc(store: BlockStore, st: ShmState, conn: socket.socket, h: wire.Header, ns: str) -> None:
-    if len(st.readings) + len(st.reserved) >= MAX_OPEN:
-        raise ProtocolError("too many unreleased shm requests on one connection")
+def put_loc(
+    store: BlockStore,
+    core: RequestCore,
+    st: ShmState,
+    conn: socket.socket,
+    h: wire.Header,
+    ns: str,
+) -> None:
+    """Reserve slots for a same-host writer, within the connection's budget: entries
+    over it are answered full (the client writes them over tcp:// or not at all)."""
+    _check_open(core, st)
     raw = wire.recv_exact(conn, h.count * wire.PUT_ENTRY.size)
     entries = list(wire.PUT_ENTRY.iter_unpack(raw))
-    limit = store.max_value_size
-    for i, (_, size, _) in enumerate(entries):
-        if size > limit:
-            raise InvalidArgument(f"value {i} of {size} bytes exceeds the limit of {limit}")
-    slots = store.reserve_many(
-        ns, [e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries]
-    )
+    core.check_sizes([e[1] for e in entries])
+    nbytes = sum(e[1] for e in entries)
+    slots: list[Block | ResourceExhausted | None]
+    if st.holder.take(nbytes, h.count, wait=0.5):
+        slots = store.reserve_many(
+            ns, [e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries]
+        )
+    else:
+        nbytes = 0
+        slots = [ResourceExhausted("shm reservation budget exhausted")] * h.count
+        st.holder.take(0, h.count)
     answer = bytearray(h.count * wire.PUT_LOC_ENTRY.size)
     for i, s in enumerate(slots):
         off = i * wire.PUT_LOC_ENTRY.size
         if isinstance(s, Block):
             wire.PUT_LOC_ENTRY.pack_into(answer, off, wire.PUT_LOC_SLOT, s.offset)
-        elif isinstance(s, ResourceExhausted):
-            full = wire.PUT_QUOTA if isinstance(s, QuotaExceeded) else wire.PUT_FULL
-            wire.PUT_LOC_ENTRY.pack_into(answer, off, full, 0)
         else:
-            wire.PUT_LOC_ENTRY.pack_into(answer, off, wire.PUT_PRESENT, 0)
-    st.reserved[h.req_id] = slots
-    wire.send_buffers(conn, [wire.encode_answer_header(h.op, 0, h.count, h.req_id), answer])
+            wire.PUT_LOC_ENTRY.pack_into(answer, off, put_status(s), 0)
+    st.open[h.req_id] = _Open(None, slots, nbytes, h.count)
+    head = wire.encode_answer_header(h.op, 0, h.count, h.req_id, store.arena.tag)
+    wire.send_buffers(conn, [head, answer])
 
 
 def put_commit(
@@ -126,25 +280,22 @@ def put_commit(
     # Read the flags first: until they are in, the reservation stays with the
     # connection, so a peer that vanishes here has it aborted by ShmState.close.
     flags = bytes(wire.recv_exact(conn, h.count))
-    slots = st.reserved.get(h.req_id)
-    if slots is None or len(slots) != h.count:
+    o = st.open.get(h.req_id)
+    if o is None or o.reading is not None or len(o.slots) != h.count:
         raise ProtocolError(f"PUT_COMMIT for unknown or mismatched request {h.req_id}")
-    del st.reserved[h.req_id]
+    del st.open[h.req_id]
     blocks: list[Block] = []
     ok: list[bool] = []
     status = bytearray(h.count)
-    for i, (s, f) in enumerate(zip(slots, flags, strict=True)):
+    for i, (s, f) in enumerate(zip(o.slots, flags, strict=True)):
         if isinstance(s, Block):
             blocks.append(s)
             ok.append(bool(f))
             status[i] = wire.PUT_STORED if f else wire.PUT_CORRUPT
         else:
-            if isinstance(s, QuotaExceeded):
-                status[i] = wire.PUT_QUOTA
-            elif isinstance(s, ResourceExhausted):
-                status[i] = wire.PUT_FULL
-            else:
-                status[i] = wire.PUT_PRESENT
+            status[i] = put_status(s)
     store.finish_many(blocks, ok)
-    wire.send_buffers(conn, [wire.encode_answer_header(h.op, 0, h.count, h.req_id), status])
+    st.holder.give(o.nbytes, o.entries)
+    head = wire.encode_answer_header(h.op, 0, h.count, h.req_id, store.arena.tag)
+    wire.send_buffers(conn, [head, status])
     return sum(b.size for b, good in zip(blocks, ok, strict=True) if good)

@@ -16,6 +16,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import xxhash
 
@@ -23,15 +24,14 @@ from kvstore_client import wire
 from kvstore_client.errors import (
     InvalidArgument,
     KVStoreError,
-    PermissionDenied,
     ProtocolError,
-    QuotaExceeded,
     ResourceExhausted,
     Unauthenticated,
 )
-from kvstore_client.keys import HASH_LEN, check_namespace, to_bitmap
+from kvstore_client.keys import HASH_LEN, to_bitmap
 
 from ...auth import Tenant, Tenants
+from ..requests import Holder, Limits, RequestCore, put_status
 from ..store import BlockStore
 from ..tiers.dram import Block
 from . import shm
@@ -41,9 +41,17 @@ log = logging.getLogger(__name__)
 
 SOCK_BUF = 4 << 20
 SCRATCH = 1 << 20
-# A PUT reserves slots for the next blocks of its frame only, up to this many declared
-# bytes ahead of the payload actually received: a header alone reserves (and evicts) little.
-RESERVE_AHEAD = 8 << 20
+
+
+@dataclass(slots=True)
+class _Conn:
+    """One served connection: its socket, tenant, shm holdings and budget."""
+
+    conn: socket.socket
+    scratch: list[memoryview]  # allocated by the first PUT that must skip bytes
+    shm: shm.ShmState
+    tenant: Tenant | None
+    holder: Holder
 
 
 def tune_socket(sock: socket.socket) -> None:
@@ -72,16 +80,22 @@ class TcpTransferServer:
         on_request: Callable[[str, str, float], None] | None = None,
         tenants: Tenants | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        core: RequestCore | None = None,
     ) -> None:
         self.store = store
-        self.tenants = tenants
+        # Admission, limits and budgets: the worker passes the one core all its servers
+        # share; a server built alone (tests, benches) makes its own.
+        self.core = core or RequestCore(
+            Limits.for_arena(store.tier.capacity, store.max_value_size, max_batch=max_batch),
+            tenants,
+        )
+        self.tenants = self.core.tenants
         self.ssl_context = ssl_context
         self.max_per_client = max_per_client
         self._per_client: dict[str, int] = {}
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
         self.frame_timeout = frame_timeout
-        self.max_batch = max_batch
         self.on_bytes = on_bytes  # (transport, direction, payload bytes)
         self.on_request = on_request  # (op, status code name, seconds) per served frame
         self._sock = socket.create_server((host, port), backlog=1024, reuse_port=False)
@@ -102,6 +116,11 @@ class TcpTransferServer:
         self._thread.start()
         self._reaper.start()
 
+    def healthy(self) -> bool:
+        """True while the accept loop runs: a worker whose data plane stopped serving
+        must stop heartbeating, so that it leaves the map instead of timing out clients."""
+        return self._thread.is_alive() and not self._stopping.is_set()
+
     def stop(self, grace: float = 5.0) -> None:
         """Stop accepting, let frames in flight finish for ``grace`` seconds, then close."""
         self._stopping.set()
@@ -118,42 +137,70 @@ class TcpTransferServer:
     # ---- connections ---------------------------------------------------------
 
     def _accept_loop(self) -> None:
+        """Accept connections until stopped; no exception ends this loop (a peer that
+        resets before it is accepted, fd exhaustion, a thread that cannot start)."""
         while not self._stopping.is_set():
             try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            peer = conn.getpeername()[0]
-            with self._conns_lock:
-                full = len(self._conns) >= self.max_connections
-                victim = self._longest_idle() if full else None
-                if (full and victim is None) or self._per_client.get(
-                    peer, 0
-                ) >= self.max_per_client:
-                    self.rejected_connections += 1
+                conn, addr = self._sock.accept()
+            except OSError as e:
+                if self._stopping.is_set():
+                    return
+                # EMFILE/ENFILE/ENOBUFS/ECONNABORTED...: back off a moment, keep serving.
+                log.warning("accept failed: %s", e)
+                self._stopping.wait(0.05)
+                continue
+            try:
+                self._admit(conn, str(addr[0]) if addr else "")
+            except Exception:
+                log.exception("could not admit a transfer connection")
+                with contextlib.suppress(OSError):
                     conn.close()
-                    continue
-                if victim is not None:  # its thread sees EOF, cleans up and leaves
-                    self._since.pop(victim, None)
-                    with contextlib.suppress(OSError):
-                        victim.shutdown(socket.SHUT_RDWR)
-                self._conns.add(conn)
-                self._since[conn] = (True, time.monotonic())
-                self._per_client[peer] = self._per_client.get(peer, 0) + 1
+
+    def _admit(self, conn: socket.socket, peer: str) -> None:
+        with self._conns_lock:
+            full = len(self._conns) >= self.max_connections
+            victim = self._longest_idle() if full else None
+            if (full and victim is None) or self._per_client.get(peer, 0) >= self.max_per_client:
+                self.rejected_connections += 1
+                conn.close()
+                return
+            if victim is not None:  # its thread sees EOF, cleans up and leaves
+                self._since.pop(victim, None)
+                with contextlib.suppress(OSError):
+                    victim.shutdown(socket.SHUT_RDWR)
+            self._conns.add(conn)
+            self._since[conn] = (True, time.monotonic())
+            self._per_client[peer] = self._per_client.get(peer, 0) + 1
+        try:
             threading.Thread(
                 target=self._serve, args=(conn, peer), name="tcp-conn", daemon=True
             ).start()
+        except BaseException:
+            self._forget(conn, peer)
+            raise
+
+    def _forget(self, raw: socket.socket, peer: str) -> None:
+        with self._conns_lock:
+            self._conns.discard(raw)
+            self._since.pop(raw, None)
+            left = self._per_client.get(peer, 1) - 1
+            if left:
+                self._per_client[peer] = left
+            else:
+                self._per_client.pop(peer, None)
 
     def _serve(self, raw: socket.socket, peer: str) -> None:
-        tune_socket(raw)
         scratch: list[memoryview] = []  # allocated by the first PUT that must skip bytes
-        shm_state = shm.ShmState()
+        holder = self.core.budget.holder(peer)
+        shm_state = shm.ShmState(holder)
         conn = raw
         try:
+            tune_socket(raw)
             if self.ssl_context is not None:
                 raw.settimeout(self.frame_timeout)
                 conn = self.ssl_context.wrap_socket(raw, server_side=True)
             tenant = self._authenticate(conn) if self.tenants is not None else None
+            st = _Conn(conn, scratch, shm_state, tenant, holder)
             while not self._stopping.is_set():
                 self._mark(raw, busy=False)
                 conn.settimeout(self.idle_timeout)
@@ -165,7 +212,7 @@ class TcpTransferServer:
                 head = bytearray(first)
                 if len(head) < wire.HEADER_LEN:
                     head += wire.recv_exact(conn, wire.HEADER_LEN - len(head))
-                self._frame(conn, head, scratch, shm_state, tenant)
+                self._frame(st, head)
         except ProtocolError as e:
             self.store.counters.bad_frames += 1
             log.info("closing connection after a bad frame: %s", e)
@@ -175,15 +222,10 @@ class TcpTransferServer:
             log.exception("transfer connection failed")
         finally:
             shm_state.close(self.store)
-            with self._conns_lock:
-                self._conns.discard(raw)
-                self._since.pop(raw, None)
-                left = self._per_client.get(peer, 1) - 1
-                if left:
-                    self._per_client[peer] = left
-                else:
-                    self._per_client.pop(peer, None)
-            conn.close()
+            holder.close()
+            self._forget(raw, peer)
+            with contextlib.suppress(OSError):
+                conn.close()
 
     def _mark(self, conn: socket.socket, *, busy: bool) -> None:
         with self._conns_lock:
@@ -232,17 +274,11 @@ class TcpTransferServer:
         conn.sendall(wire.encode_answer_header(h.op, 0, 0, h.req_id))
         return tenant
 
-    def _frame(
-        self,
-        conn: socket.socket,
-        head: bytearray,
-        scratch: list[memoryview],
-        st: shm.ShmState,
-        tenant: Tenant | None,
-    ) -> None:
+    def _frame(self, st: _Conn, head: bytearray) -> None:
+        conn = st.conn
         h = wire.decode_header(head, wire.REQ_MAGIC)
         if h.op == wire.OP_AUTH:
-            if tenant is not None or h.count > wire.MAX_TOKEN:
+            if st.tenant is not None or h.count > wire.MAX_TOKEN:
                 raise ProtocolError("AUTH is only valid as the first frame")
             wire.recv_exact(conn, h.count)  # no tenants configured: any token will do
             conn.sendall(wire.encode_answer_header(h.op, 0, 0, h.req_id))
@@ -251,35 +287,22 @@ class TcpTransferServer:
             raise ProtocolError(f"namespace length {h.ns_len} out of range")
         ns_raw = wire.recv_exact(conn, h.ns_len)
         try:
-            ns = check_namespace(ns_raw.decode())
-        except (UnicodeDecodeError, InvalidArgument) as e:
-            self._fail(conn, h, InvalidArgument(f"bad namespace: {e}"))
-            raise ProtocolError("bad namespace") from e
-        if tenant is not None and not tenant.owns(ns):
-            denied = PermissionDenied(f"tenant {tenant.name!r} does not own namespace {ns!r}")
-            self._fail(conn, h, denied)
-            raise ProtocolError(str(denied))
-        if h.count > self.max_batch:
-            err = InvalidArgument(f"batch of {h.count} exceeds the limit of {self.max_batch}")
-            self._fail(conn, h, err)
-            raise ProtocolError(str(err))
+            ns = self.core.admit(st.tenant, ns_raw)
+            self.core.check_batch(h.count)
+        except KVStoreError as e:
+            self._fail(conn, h, e)
+            raise ProtocolError(str(e)) from e
         with observe_frame(self.on_request, h.op):
-            self._dispatch(conn, h, ns, scratch, st)
+            self._dispatch(st, h, ns)
 
-    def _dispatch(
-        self,
-        conn: socket.socket,
-        h: wire.Header,
-        ns: str,
-        scratch: list[memoryview],
-        st: shm.ShmState,
-    ) -> None:
+    def _dispatch(self, st: _Conn, h: wire.Header, ns: str) -> None:
+        conn = st.conn
         if h.op == wire.OP_PUT:
-            self._put(conn, h, ns, scratch)
+            self._put(st, h, ns)
         elif h.op == wire.OP_GET:
             self._get(conn, h, ns)
         elif h.op >= wire.OP_GET_LOC:
-            self._shm(conn, h, ns, st)
+            self._shm(conn, h, ns, st.shm)
         elif h.op == wire.OP_EXISTS:
             keys = self._hashes(conn, h.count)
             bitmap = to_bitmap(self.store.exists(ns, keys))
@@ -294,15 +317,15 @@ class TcpTransferServer:
             return
         try:
             if h.op == wire.OP_GET_LOC:
-                n = shm.get_loc(self.store, st, conn, h, ns)
+                n = shm.get_loc(self.store, self.core, st, conn, h, ns)
                 direction = "tx"
             elif h.op == wire.OP_PUT_LOC:
-                shm.put_loc(self.store, st, conn, h, ns)
+                shm.put_loc(self.store, self.core, st, conn, h, ns)
                 return
             else:
                 n = shm.put_commit(self.store, st, conn, h, ns)
                 direction = "rx"
-        except InvalidArgument as e:
+        except (InvalidArgument, ResourceExhausted) as e:
             self._fail(conn, h, e)
             raise ProtocolError(str(e)) from e
         if self.on_bytes is not None and n:
@@ -318,31 +341,39 @@ class TcpTransferServer:
         raw = bytes(wire.recv_exact(conn, count * HASH_LEN))
         return [raw[i : i + HASH_LEN] for i in range(0, len(raw), HASH_LEN)]
 
-    def _put(self, conn: socket.socket, h: wire.Header, ns: str, scratch: list[memoryview]) -> None:
+    def _put(self, st: _Conn, h: wire.Header, ns: str) -> None:
+        conn = st.conn
         raw = wire.recv_exact(conn, h.count * wire.PUT_ENTRY.size)
         entries = list(wire.PUT_ENTRY.iter_unpack(raw))
-        limit = self.store.max_value_size
-        for i, (_, size, _) in enumerate(entries):
-            if size > limit:
-                err = InvalidArgument(f"value {i} of {size} bytes exceeds the limit of {limit}")
-                self._fail(conn, h, err)
-                raise ProtocolError(str(err))
+        try:
+            self.core.check_sizes([e[1] for e in entries])
+        except InvalidArgument as e:
+            self._fail(conn, h, e)
+            raise ProtocolError(str(e)) from e
         status = bytearray(h.count)
         total = 0
         reserved: list[Block] = []  # reserved and not yet finished
+        held = 0  # budget held for the part being received
+        ahead_limit = self.core.limits.reserve_ahead
         start = 0
         try:
             while start < len(entries):
-                # Reserve only the next RESERVE_AHEAD declared bytes (at least one block):
+                # Reserve only the next reserve_ahead declared bytes (at least one block),
+                # within the connection's, the client address's and the worker's budget:
                 # a sender has to deliver bytes before it can hold (or evict) more.
                 end, ahead = start + 1, entries[start][1]
-                while end < len(entries) and ahead + entries[end][1] <= RESERVE_AHEAD:
+                while end < len(entries) and ahead + entries[end][1] <= ahead_limit:
                     ahead += entries[end][1]
                     end += 1
                 part = entries[start:end]
-                slots = self.store.reserve_many(
-                    ns, [e[0] for e in part], [e[1] for e in part], [e[2] for e in part]
-                )
+                wait = max(0.0, min(1.0, self.frame_timeout / 4))
+                if st.holder.take(ahead, wait=wait):
+                    held = ahead
+                    slots = self.store.reserve_many(
+                        ns, [e[0] for e in part], [e[1] for e in part], [e[2] for e in part]
+                    )
+                else:  # over budget: refuse this part as full, read and drop its bytes
+                    slots = [ResourceExhausted("transfer budget exhausted")] * len(part)
                 reserved = [s for s in slots if isinstance(s, Block)]
                 ok: list[bool] = []
                 for i, ((_, size, checksum), slot) in enumerate(zip(part, slots, strict=True)):
@@ -356,22 +387,20 @@ class TcpTransferServer:
                         if not good:
                             self.store.counters.checksum_errors += 1
                     else:
-                        if not scratch:
-                            scratch.append(memoryview(bytearray(SCRATCH)))
-                        wire.discard(conn, size, scratch[0])
-                        full = isinstance(slot, ResourceExhausted)
-                        status[start + i] = (
-                            (wire.PUT_QUOTA if isinstance(slot, QuotaExceeded) else wire.PUT_FULL)
-                            if full
-                            else wire.PUT_PRESENT
-                        )
+                        if not st.scratch:
+                            st.scratch.append(memoryview(bytearray(SCRATCH)))
+                        wire.discard(conn, size, st.scratch[0])
+                        status[start + i] = put_status(slot)
                 # Every block of this part is in: each becomes visible on its own.
                 self.store.finish_many(reserved, ok)
                 reserved = []
+                st.holder.give(held)
+                held = 0
                 start = end
         except BaseException:
             # The sender vanished mid-frame: blocks whose bytes did not all arrive are dropped.
             self.store.finish_many(reserved, [False] * len(reserved))
+            st.holder.give(held)
             raise
         if self.on_bytes is not None:
             self.on_bytes("tcp", "rx", total)
@@ -382,6 +411,11 @@ class TcpTransferServer:
         reading = self.store.read(ns, keys, verify_dram=False)
         total = 0
         try:
+            try:
+                self.core.check_answer(reading.payload_bytes, inline=False)
+            except InvalidArgument as e:
+                self._fail(conn, h, e)
+                raise ProtocolError(str(e)) from e
             meta, views, total = wire.encode_get_entries(
                 [(x.view, x.checksum) if x is not None else None for x in reading.held]
             )

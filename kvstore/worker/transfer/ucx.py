@@ -31,14 +31,12 @@ from kvstore_client import wire
 from kvstore_client.errors import (
     InvalidArgument,
     KVStoreError,
-    PermissionDenied,
     ProtocolError,
-    QuotaExceeded,
     ResourceExhausted,
     Unauthenticated,
     Unavailable,
 )
-from kvstore_client.keys import HASH_LEN, check_namespace, to_bitmap
+from kvstore_client.keys import HASH_LEN, to_bitmap
 from kvstore_client.transport.ucx import (
     ERROR_MAX,
     SERVED_OPS,
@@ -50,6 +48,7 @@ from kvstore_client.transport.ucx import (
 )
 
 from ...auth import Tenant, Tenants
+from ..requests import Holder, Limits, RequestCore, put_status
 from ..store import BlockStore
 from ..tiers.dram import Block
 from .observe import observe_frame
@@ -82,14 +81,18 @@ class UcxTransferServer:
         on_bytes: Callable[[str, str, int], None] | None = None,
         on_request: Callable[[str, str, float], None] | None = None,
         tenants: Tenants | None = None,
+        core: RequestCore | None = None,
     ) -> None:
         self.store = store
-        self.tenants = tenants
+        self.core = core or RequestCore(
+            Limits.for_arena(store.tier.capacity, store.max_value_size, max_batch=max_batch),
+            tenants,
+        )
+        self.tenants = self.core.tenants
         self.host = host
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
         self.frame_timeout = frame_timeout
-        self.max_batch = max_batch
         self.on_bytes = on_bytes  # ("ucx", direction, payload bytes)
         self.on_request = on_request  # (op, status code name, seconds) per served frame
         self.rejected_connections = 0
@@ -106,6 +109,9 @@ class UcxTransferServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._scratch = memoryview(bytearray(0))
+        # Budget per endpoint; ucxx does not tell the peer's address, so all ucx://
+        # endpoints share one client account.
+        self._holders: dict[Any, Holder] = {}
         self._started: asyncio.Event | None = None
         self._listener: Any = None
         try:
@@ -182,6 +188,7 @@ class UcxTransferServer:
             abort(ep)
             return
         self._eps[ep] = False
+        self._holders[ep] = self.core.budget.holder("ucx://")
         try:
             assert self._started is not None
             await self._started.wait()
@@ -210,6 +217,9 @@ class UcxTransferServer:
             log.exception("ucx transfer endpoint failed")
         finally:
             self._eps.pop(ep, None)
+            held = self._holders.pop(ep, None)
+            if held is not None:
+                held.close()
             abort(ep)
 
     async def _authenticate(self, ep: Any) -> Tenant:
@@ -245,21 +255,18 @@ class UcxTransferServer:
         if h.op not in SERVED_OPS:
             await self._fail(ep, h, InvalidArgument(f"op {h.op} is not served over ucx://"))
             raise ProtocolError(f"op {h.op} is not served over ucx://")
-        if h.count > self.max_batch:
-            err = InvalidArgument(f"batch of {h.count} exceeds the limit of {self.max_batch}")
-            await self._fail(ep, h, err)
-            raise ProtocolError(str(err))
+        try:
+            self.core.check_batch(h.count)
+        except InvalidArgument as e:
+            await self._fail(ep, h, e)
+            raise ProtocolError(str(e)) from e
         body = bytearray(h.ns_len + body_len(h.op, h.count))
         await ep.recv(body)
         try:
-            ns = check_namespace(body[: h.ns_len].decode())
-        except (UnicodeDecodeError, InvalidArgument) as e:
-            await self._fail(ep, h, InvalidArgument(f"bad namespace: {e}"))
-            raise ProtocolError("bad namespace") from e
-        if tenant is not None and not tenant.owns(ns):
-            denied = PermissionDenied(f"tenant {tenant.name!r} does not own namespace {ns!r}")
-            await self._fail(ep, h, denied)
-            raise ProtocolError(str(denied))
+            ns = self.core.admit(tenant, body[: h.ns_len])
+        except KVStoreError as e:
+            await self._fail(ep, h, e)
+            raise ProtocolError(str(e)) from e
         with observe_frame(self.on_request, h.op):
             await self._dispatch(ep, h, ns, memoryview(body)[h.ns_len :])
 
@@ -290,15 +297,23 @@ class UcxTransferServer:
 
     async def _put(self, ep: Any, h: wire.Header, ns: str, raw: memoryview) -> None:
         entries = list(wire.PUT_ENTRY.iter_unpack(raw))
-        limit = self.store.max_value_size
-        for i, (_, size, _) in enumerate(entries):
-            if size > limit:
-                err = InvalidArgument(f"value {i} of {size} bytes exceeds the limit of {limit}")
-                await self._fail(ep, h, err)
-                raise ProtocolError(str(err))
-        slots = self.store.reserve_many(
-            ns, [e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries]
-        )
+        try:
+            self.core.check_sizes([e[1] for e in entries])
+        except InvalidArgument as e:
+            await self._fail(ep, h, e)
+            raise ProtocolError(str(e)) from e
+        # The whole frame lands at once (UCX tag messages): it reserves within the
+        # worker's budget for ucx:// senders, or is refused as full.
+        declared = sum(e[1] for e in entries)
+        holder = self._holders[ep]
+        slots: list[Block | ResourceExhausted | None]
+        if holder.take(declared):
+            slots = self.store.reserve_many(
+                ns, [e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries]
+            )
+        else:
+            declared = 0
+            slots = [ResourceExhausted("transfer budget exhausted")] * len(entries)
         reserved = [s for s in slots if isinstance(s, Block)]
         status = bytearray(h.count)
         ok: list[bool] = []
@@ -320,19 +335,17 @@ class UcxTransferServer:
                     status[i] = wire.PUT_STORED if good else wire.PUT_CORRUPT
                     if not good:
                         self.store.counters.checksum_errors += 1
-                elif isinstance(slot, QuotaExceeded):
-                    status[i] = wire.PUT_QUOTA
-                elif isinstance(slot, ResourceExhausted):
-                    status[i] = wire.PUT_FULL
                 else:
-                    status[i] = wire.PUT_PRESENT
+                    status[i] = put_status(slot)
         except BaseException:
             # The sender vanished or stalled mid-frame: cancel what UCX still has
             # posted into the slots, and none of its blocks become visible.
             abort(ep)
             self.store.finish_many(reserved, [False] * len(reserved))
+            holder.give(declared)
             raise
         self.store.finish_many(reserved, ok)
+        holder.give(declared)
         if self.on_bytes is not None:
             self.on_bytes("ucx", "rx", total)
         await send_all(ep, [wire.encode_answer_header(h.op, 0, h.count, h.req_id), status])
@@ -342,6 +355,11 @@ class UcxTransferServer:
         reading = self.store.read(ns, keys, verify_dram=False)
         total = 0
         try:
+            try:
+                self.core.check_answer(reading.payload_bytes, inline=False)
+            except InvalidArgument as e:
+                await self._fail(ep, h, e)
+                raise ProtocolError(str(e)) from e
             meta, views, total = wire.encode_get_entries(
                 [(x.view, x.checksum) if x is not None else None for x in reading.held]
             )
