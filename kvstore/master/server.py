@@ -445,11 +445,14 @@ async def serve(cfg: MasterConfig) -> int:
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     ha: HaCoordinator | None = None
     if cfg.etcd:
-        from .etcd import EtcdClient
+        from .etcd import EtcdClient, EtcdTls
         from .ha import DEFAULT_LEASE_TTL, HaCoordinator
 
+        etcd_tls = None
+        if cfg.etcd_ca or cfg.etcd_cert or cfg.etcd_key:
+            etcd_tls = EtcdTls.from_files(cfg.etcd_ca, cfg.etcd_cert, cfg.etcd_key)
         ha = HaCoordinator(
-            EtcdClient(cfg.etcd),
+            EtcdClient(cfg.etcd, tls=etcd_tls),
             Layout(cfg.cluster_id),
             servicer.address,
             servicer,

@@ -33,7 +33,7 @@ from .arena import Arena
 from .masterlink import IdInUse, MasterLink
 from .servicer import StoreServicer
 from .store import BlockStore
-from .tiers.policy import Promoter, Watermarks, parse_pins
+from .tiers.policy import Promoter, QuotaBook, Watermarks, parse_pins
 from .tiers.ssd import SsdStore
 from .transfer.tcp import TcpTransferServer
 from .transfer.ucx import UcxTransferServer
@@ -76,7 +76,11 @@ class Worker:
             ssd_marks=Watermarks(cfg.ssd_high, cfg.ssd_low),
             promoter=Promoter(cfg.promote, cfg.promote_window),
             pins=pins,
-            tenant_quota=self.tenants.quota_book() if self.tenants else None,
+            tenant_quota=(
+                QuotaBook(self.tenants.quotas, key_of=self.tenants.quota_account)
+                if self.tenants
+                else None
+            ),
         )
         self.advertise = cfg.advertise_host or (
             socket.gethostname() if cfg.host in ("0.0.0.0", "::", "") else cfg.host

@@ -151,6 +151,12 @@ class BlockStore:
             keys.update(self.ssd_index.keys_of(ns))
         return self.remove(ns, sorted(keys))
 
+    def namespaces_under(self, ns: str) -> list[str]:
+        """``ns`` and every namespace below ``ns + "/"`` that holds blocks (DRAM or SSD)."""
+        with self.lock:
+            names = set(self.tier.index) | {n for n, _ in self.ssd_index.entries}
+        return sorted(n for n in names if n == ns or n.startswith(ns + "/"))
+
     # ---- writes (two-phase) --------------------------------------------------
 
     def reserve_many(

@@ -118,8 +118,9 @@ def test_etcd_endpoints_are_checked() -> None:
     from kvstore.errors import InvalidArgument
     from kvstore.master.etcd import parse_endpoints
 
-    assert parse_endpoints("http://a:1, b:2") == ["a:1", "b:2"]
-    for bad in ("", "https://a:1", "a", "http://a:b", "http://a:1/x"):
+    assert parse_endpoints("http://a:1, b:2") == (["a:1", "b:2"], False)
+    assert parse_endpoints("https://a:1,https://b:2/") == (["a:1", "b:2"], True)
+    for bad in ("", "a", "http://a:b", "http://a:1/x", "http://a:1,https://b:2", "unixs://x"):
         with pytest.raises(InvalidArgument):
             parse_endpoints(bad)
 
