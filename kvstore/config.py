@@ -74,6 +74,9 @@ class MasterConfig:
     worker_ttl: float = _dur("10s")
     metrics_port: int = 0  # 0: no metrics endpoint
     etcd: str = ""  # comma-separated etcd endpoints; empty: in-memory state
+    etcd_ca: str = ""  # PEM CA bundle for https:// etcd endpoints (default: system roots)
+    etcd_cert: str = ""  # PEM client certificate for etcd (with etcd_key; --client-cert-auth)
+    etcd_key: str = ""
     lease_ttl: float = _dur("5s")  # etcd lease of the leader: a dead leader's key lives this long
     advertise_host: str = ""  # address other masters forward to; default: host, $POD_IP, hostname
     cluster_id: str = "kvstore"

@@ -37,7 +37,7 @@ from .errors import (
     from_rpc_error,
 )
 from .keys import HASH_LEN, check_hashes, check_namespace, leading_run
-from .proto import master_pb2, master_pb2_grpc
+from .proto import master_pb2, master_pb2_grpc, store_pb2, store_pb2_grpc
 from .security import Tls, metadata, open_channel
 from .sharding import Ring, build_ring
 from .transport import shm
@@ -544,6 +544,29 @@ class Client:
         return sum(n for n in self._fan_out(tasks, _misses_only) if n is not None)
 
     # ---- admin ---------------------------------------------------------------
+
+    def remove_namespace(self, ns: str) -> int:
+        """Remove ``ns`` and every namespace below ``ns/`` on every worker of the map;
+        returns how many blocks were removed. Asks all workers, then raises the first
+        error (e.g. PermissionDenied, Unavailable) if any failed."""
+        check_namespace(ns)
+        view = self._view
+        removed = 0
+        errors: list[KVStoreError] = []
+        for w in view.workers if view else []:
+            try:
+                with open_channel(w.info.grpc, self.tls) as ch:
+                    r = store_pb2_grpc.StoreStub(ch).RemoveNamespace(
+                        store_pb2.RemoveNamespaceRequest(namespace=ns),
+                        timeout=self.timeout,
+                        metadata=self._md,
+                    )
+                removed += r.removed
+            except grpc.RpcError as e:
+                errors.append(from_rpc_error(e))
+        if errors:
+            raise errors[0]
+        return removed
 
     def cluster_status(self) -> master_pb2.ClusterStatusResponse:
         """The master's view of the cluster (workers, capacities, stats)."""

@@ -8,7 +8,12 @@ the asyncio master badly, so only its generated code is used here.
 
 Every call has a deadline. Any failure to reach etcd raises
 :class:`EtcdUnavailable` (a :class:`~kvstore.errors.Unavailable`) and moves on to
-the next endpoint of a comma-separated list. TLS is not supported yet.
+the next endpoint of a comma-separated list.
+
+TLS: ``https://`` endpoints (all of them, or none) are dialled over TLS with an
+:class:`EtcdTls` (CA bundle, optional client certificate and key, read from PEM
+files at start; without a CA file the system's roots are used). The endpoint's
+host must be named in the etcd server certificate's subjectAltName.
 """
 
 from __future__ import annotations
@@ -82,23 +87,72 @@ class WatchEvent:
     deleted: bool
 
 
-def parse_endpoints(text: str) -> list[str]:
-    """ "http://h1:2379,h2:2379" -> ["h1:2379", "h2:2379"]; InvalidArgument if malformed."""
+def parse_endpoints(text: str) -> tuple[list[str], bool]:
+    """ "https://h1:2379,https://h2:2379" -> (["h1:2379", "h2:2379"], True).
+
+    The second item says whether the endpoints use TLS (``https://``); a bare
+    ``host:port`` is plain. InvalidArgument when malformed or when plain and TLS
+    endpoints are mixed.
+    """
     out: list[str] = []
+    schemes: set[bool] = set()
     for raw in text.split(","):
         ep = raw.strip()
         if not ep:
             continue
-        if ep.startswith("https://") or ep.startswith("unixs://"):
-            raise InvalidArgument(f"etcd endpoint {ep!r}: TLS is not supported yet")
-        ep = ep.removeprefix("http://").rstrip("/")
+        secure = ep.startswith("https://")
+        if ep.startswith("unix://") or ep.startswith("unixs://"):
+            raise InvalidArgument(f"etcd endpoint {ep!r}: unix sockets are not supported")
+        ep = ep.removeprefix("https://").removeprefix("http://").rstrip("/")
         host, sep, port = ep.rpartition(":")
         if not sep or not host or not port.isdigit() or "/" in ep:
-            raise InvalidArgument(f"bad etcd endpoint {raw.strip()!r}: want http://host:port")
+            raise InvalidArgument(
+                f"bad etcd endpoint {raw.strip()!r}: want http://host:port or https://host:port"
+            )
         out.append(ep)
+        schemes.add(secure)
     if not out:
         raise InvalidArgument("no etcd endpoint given")
-    return out
+    if len(schemes) > 1:
+        raise InvalidArgument(f"etcd endpoints mix http:// and https://: {text!r}")
+    return out, schemes == {True}
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdTls:
+    """PEM bytes for TLS to etcd: the CA bundle (None: system roots) and an optional
+    client certificate and key (for etcd's --client-cert-auth)."""
+
+    ca: bytes | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+
+    @staticmethod
+    def from_files(ca: str = "", cert: str = "", key: str = "") -> EtcdTls:
+        """Read the files; InvalidArgument naming the file or the missing half."""
+        if bool(cert) != bool(key):
+            raise InvalidArgument(
+                "a client certificate for etcd needs both --etcd-cert and --etcd-key"
+            )
+
+        def read(path: str, flag: str) -> bytes | None:
+            if not path:
+                return None
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError as e:
+                raise InvalidArgument(f"{flag} {path}: {e.strerror or e}") from e
+            if b"-----BEGIN" not in data:
+                raise InvalidArgument(f"{flag} {path}: not a PEM file")
+            return data
+
+        return EtcdTls(read(ca, "--etcd-ca"), read(cert, "--etcd-cert"), read(key, "--etcd-key"))
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
 
 
 def _kv_of(pb: Any) -> KeyValue:
@@ -115,13 +169,21 @@ class EtcdClient:
     """Connection to an etcd cluster; see the module docstring. Not thread-safe:
     use it from one event loop."""
 
-    def __init__(self, endpoints: str, *, timeout: float = 3.0) -> None:
+    def __init__(self, endpoints: str, *, timeout: float = 3.0, tls: EtcdTls | None = None) -> None:
         if _IMPORT_ERROR is not None:
             raise InvalidArgument(
                 "--etcd needs the package etcd-sdk-python (pip install etcd-sdk-python): "
                 f"{_IMPORT_ERROR}"
             )
-        self.endpoints = parse_endpoints(endpoints)
+        self.endpoints, secure = parse_endpoints(endpoints)
+        if secure and tls is None:
+            tls = EtcdTls()  # https:// with the system's roots
+        if tls is not None and not secure:
+            raise InvalidArgument(
+                "etcd TLS files were given but the etcd endpoints are http://: use https://"
+            )
+        self.tls = tls
+        self._creds = tls.credentials() if tls is not None else None
         self.timeout = timeout
         self._idx = 0
         self._channel: grpc.aio.Channel = self._open(0)
@@ -133,6 +195,10 @@ class EtcdClient:
         return self.endpoints[self._idx]
 
     def _open(self, idx: int) -> grpc.aio.Channel:
+        if self._creds is not None:
+            return grpc.aio.secure_channel(
+                self.endpoints[idx], self._creds, options=_CHANNEL_OPTIONS
+            )
         return grpc.aio.insecure_channel(self.endpoints[idx], options=_CHANNEL_OPTIONS)
 
     def _rotate(self, failed_idx: int) -> None:

@@ -1,9 +1,11 @@
 """Tenant checks for the Master service, as one gRPC server interceptor.
 
 With a tenants file, every Master call needs a known bearer token
-(UNAUTHENTICATED otherwise); membership writes (Register, Heartbeat, Leave) need
-an admin tenant's (PERMISSION_DENIED otherwise). Health checks stay open for
-probes.
+(UNAUTHENTICATED otherwise); membership writes (Register, Heartbeat, Leave) and
+ClusterStatus (every worker's endpoints and stats, which tell one tenant about
+the others' use) need an admin tenant's (PERMISSION_DENIED otherwise). The shard
+map stays readable by every tenant: clients route with it. Health checks stay
+open for probes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ else:  # the stubs are generic, the runtime class is not
     Handler = grpc.RpcMethodHandler
 SERVICE = "/kvstore.v1.Master/"
 ADMIN_ONLY = frozenset({"Register", "Heartbeat", "Leave"})
+ADMIN_READS = frozenset({"ClusterStatus"})
 STREAMING = frozenset({"WatchShardMap"})
 
 
@@ -58,5 +61,8 @@ class TenantGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             return _denied(to_grpc_code(e), str(e), name in STREAMING)
         if name in ADMIN_ONLY and not tenant.admin:
             msg = f"tenant {tenant.name!r} may not change cluster membership"
+            return _denied(grpc.StatusCode.PERMISSION_DENIED, msg, name in STREAMING)
+        if name in ADMIN_READS and not tenant.admin:
+            msg = f"{name} needs an admin tenant's token; tenant {tenant.name!r} is not admin"
             return _denied(grpc.StatusCode.PERMISSION_DENIED, msg, name in STREAMING)
         return await continuation(details)

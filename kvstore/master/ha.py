@@ -37,6 +37,7 @@ from typing import Protocol
 from .. import metrics
 from ..errors import InvalidArgument, Unavailable
 from .etcd import MAX_TXN_OPS, EtcdClient, EtcdUnavailable, KeyValue
+from .probe import address_refuses
 from .snapshot import Layout, Snapshot, decode, decode_leader, diff, encode_leader
 
 log = logging.getLogger(__name__)
@@ -232,9 +233,7 @@ class HaCoordinator:
                 return
 
     async def _leader_dead(self, holder: KeyValue) -> bool:
-        addr = decode_leader(holder.value)
-        host, _, port = addr.rpartition(":")
-        if not host or not port.isdigit() or not await _refuses(host.strip("[]"), int(port)):
+        if not await address_refuses(decode_leader(holder.value)):
             return False
         left = await self.etcd.time_to_live(holder.lease)
         # A live leader refreshes every TTL/3, so it always has more than TTL/3 left.
@@ -318,20 +317,6 @@ class HaCoordinator:
     def mirror_snapshot(self) -> Snapshot:
         """The state as last read from etcd."""
         return decode(self.layout, self._mirror)
-
-
-async def _refuses(host: str, port: int) -> bool:
-    """True when ``host:port`` actively refuses a TCP connection (nothing listens)."""
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
-    except ConnectionRefusedError:
-        return True
-    except (OSError, TimeoutError):
-        return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return False
 
 
 async def _first(

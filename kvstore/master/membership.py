@@ -3,14 +3,82 @@
 Events in (register, heartbeat, leave, tick with the current time), state out
 (the map and its version). Every change that clients must see bumps
 ``version``; the servicer pushes the new map to watchers.
+
+A registration is bound to the worker's *instance token* (random, made by each
+worker process at start). While a registration lives, a register, heartbeat or
+leave for its id with another token raises :class:`IdConflict` and changes
+nothing: a second process started with the same ``--id``, or anyone on the
+network with tokens off, can neither take over a live worker's id (and so its
+traffic) nor drop it from the map. Once the id expired or left, any instance
+may register it again (a restarted worker waits at most one TTL). The servicer
+also lets a new instance in at once when it proves the old one gone (the old
+registration's gRPC port refuses connections; :meth:`evict`).
+
+Registrations are checked against size limits (:func:`check_worker`), and the
+number of members is capped, so the map every client downloads stays small.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvstore_client.errors import Code, InvalidArgument, KVStoreError, ResourceExhausted
 from kvstore_client.proto import master_pb2
 from kvstore_client.sharding import DEFAULT_VNODES_PER_GIB
+
+# Size limits of one registration (bytes of UTF-8); see master.proto.
+MAX_ID = 128
+MAX_GRPC = 256
+MAX_ENDPOINTS = 8
+MAX_ENDPOINT = 256
+MAX_HOST_ID = 128
+MAX_VERSION = 64
+MIN_INSTANCE = 16
+MAX_INSTANCE = 128
+MAX_WORKERS = 1024  # at <= 2.7 KiB per worker, the map stays under gRPC's 4 MiB default
+
+
+class IdConflict(KVStoreError):
+    """A worker id is live and bound to another instance token (FAILED_PRECONDITION)."""
+
+    code = Code.FAILED_PRECONDITION
+
+
+def _printable(text: str) -> bool:
+    return text.isascii() and text.isprintable()
+
+
+def _check_len(what: str, text: str, limit: int) -> None:
+    n = len(text.encode())
+    if n > limit:
+        raise InvalidArgument(f"worker {what} of {n} bytes exceeds the limit of {limit}")
+
+
+def check_instance(token: str) -> None:
+    """InvalidArgument unless ``token`` is a plausible instance token."""
+    if not MIN_INSTANCE <= len(token) <= MAX_INSTANCE or not _printable(token):
+        raise InvalidArgument(
+            f"the instance token must be {MIN_INSTANCE}..{MAX_INSTANCE} printable ASCII "
+            "characters (workers of this version send one)"
+        )
+
+
+def check_worker(info: master_pb2.WorkerInfo) -> None:
+    """InvalidArgument unless ``info`` is complete and within the size limits."""
+    if not info.id or not info.grpc or not info.endpoints or not info.capacity_bytes:
+        raise InvalidArgument("worker registration needs id, grpc, endpoints and capacity")
+    _check_len("id", info.id, MAX_ID)
+    if not _printable(info.id):
+        raise InvalidArgument("worker id must be printable ASCII")
+    _check_len("grpc address", info.grpc, MAX_GRPC)
+    if len(info.endpoints) > MAX_ENDPOINTS:
+        raise InvalidArgument(
+            f"{len(info.endpoints)} endpoints exceed the limit of {MAX_ENDPOINTS}"
+        )
+    for ep in info.endpoints:
+        _check_len("endpoint URL", ep, MAX_ENDPOINT)
+    _check_len("host_id", info.host_id, MAX_HOST_ID)
+    _check_len("version", info.version, MAX_VERSION)
 
 
 @dataclass(slots=True)
@@ -19,17 +87,26 @@ class Member:
     last_seen: float
     stats: master_pb2.WorkerStats = field(default_factory=master_pb2.WorkerStats)
     draining: bool = False
+    instance: str = ""  # "" only for state persisted by an older master: bound on next contact
 
 
 class Membership:
     """Workers that joined and still heartbeat within ``ttl`` seconds."""
 
-    def __init__(self, ttl: float, *, replicas: int = 1, cluster_id: str = "kvstore") -> None:
+    def __init__(
+        self,
+        ttl: float,
+        *,
+        replicas: int = 1,
+        cluster_id: str = "kvstore",
+        max_workers: int = MAX_WORKERS,
+    ) -> None:
         if ttl <= 0:
             raise ValueError("ttl must be positive")
         self.ttl = ttl
         self.replicas = replicas
         self.cluster_id = cluster_id
+        self.max_workers = max_workers
         self.members: dict[str, Member] = {}
         self.version = 1
 
@@ -37,25 +114,61 @@ class Membership:
     def heartbeat_interval(self) -> float:
         return self.ttl / 4
 
-    def register(self, info: master_pb2.WorkerInfo, now: float) -> bool:
-        """Add or refresh a worker; True if the map changed."""
-        if not info.id:
-            raise ValueError("worker id is empty")
-        old = self.members.get(info.id)
-        self.members[info.id] = Member(info, now)
+    def _bound(self, worker_id: str, instance: str, now: float) -> Member | None:
+        """The live member ``worker_id`` if ``instance`` may act for it, None if unknown.
+
+        Raises IdConflict when it is live and bound to another instance. Another
+        instance finds a member whose TTL ran out (not yet swept by
+        :meth:`expire`) gone; its own instance may still refresh it.
+        """
+        m = self.members.get(worker_id)
+        if m is None:
+            return None
+        if m.instance and m.instance != instance:
+            if now - m.last_seen > self.ttl:
+                del self.members[worker_id]
+                self.version += 1
+                return None
+            raise IdConflict(
+                f"worker id {worker_id!r} is registered by another live instance "
+                f"(last heartbeat {max(0.0, now - m.last_seen):.1f}s ago); it can be taken "
+                f"once it leaves or misses heartbeats for {self.ttl:g}s"
+            )
+        m.instance = instance  # binds a member restored from an older master's state
+        return m
+
+    def register(self, info: master_pb2.WorkerInfo, instance: str, now: float) -> bool:
+        """Add or refresh a worker; True if the map changed.
+
+        Raises InvalidArgument for an incomplete or oversized registration or a bad
+        token, IdConflict when the id is live under another instance token, and
+        ResourceExhausted when ``max_workers`` are already registered.
+        """
+        check_worker(info)
+        check_instance(instance)
+        old = self._bound(info.id, instance, now)
+        if old is None and len(self.members) >= self.max_workers:
+            raise ResourceExhausted(f"the cluster already has {self.max_workers} workers")
+        self.members[info.id] = Member(info, now, instance=instance)
         if old is None or old.info != info or old.draining:
             self.version += 1
             return True
         return False
 
     def heartbeat(
-        self, worker_id: str, stats: master_pb2.WorkerStats, now: float, draining: bool = False
+        self,
+        worker_id: str,
+        instance: str,
+        stats: master_pb2.WorkerStats,
+        now: float,
+        draining: bool = False,
     ) -> bool:
         """Refresh a worker; False if it is unknown (it must register again).
 
+        Raises IdConflict when the id is live under another instance token.
         A draining worker leaves the map at once, so clients stop routing to it.
         """
-        m = self.members.get(worker_id)
+        m = self._bound(worker_id, instance, now)
         if m is None:
             return False
         m.last_seen = now
@@ -65,9 +178,26 @@ class Membership:
             self.version += 1
         return True
 
-    def leave(self, worker_id: str) -> bool:
-        if self.members.pop(worker_id, None) is None:
+    def leave(self, worker_id: str, instance: str, now: float) -> bool:
+        """Remove a worker; False if unknown. IdConflict for another instance's id."""
+        if self._bound(worker_id, instance, now) is None:
             return False
+        del self.members[worker_id]
+        self.version += 1
+        return True
+
+    def live_grpc(self, worker_id: str) -> str:
+        """The gRPC address ``worker_id`` registered with, "" if unknown."""
+        m = self.members.get(worker_id)
+        return m.info.grpc if m is not None else ""
+
+    def evict(self, worker_id: str, grpc_addr: str) -> bool:
+        """Drop ``worker_id`` if it is still registered at ``grpc_addr``: the caller
+        proved the process there gone (its port refuses connections)."""
+        m = self.members.get(worker_id)
+        if m is None or m.info.grpc != grpc_addr:
+            return False
+        del self.members[worker_id]
         self.version += 1
         return True
 

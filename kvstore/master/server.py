@@ -27,7 +27,7 @@ import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -41,7 +41,8 @@ from ..auth import Tenants
 from ..config import MasterConfig
 from ..errors import InvalidArgument, KVStoreError, to_grpc_code
 from .guard import TenantGuard
-from .membership import Membership
+from .membership import MAX_ID, IdConflict, Membership
+from .probe import address_refuses
 from .snapshot import Layout, Snapshot, encode, restore
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ R = TypeVar("R")
 
 FORWARDED = "kvstore-forwarded"  # metadata on a call a standby forwarded (never forwarded twice)
 LEADER_TRAILER = "kvstore-leader"
+TTL_TRAILER = "kvstore-ttl"  # on an IdConflict: the TTL after which a silent id is free
 FORWARD_TIMEOUT = 3.0
 STATUS_FORWARD_TIMEOUT = 1.5
 
@@ -206,6 +208,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 await self._not_leader(context, f"leader unreachable: {e.code().name}")
+            trailer: Any = e.trailing_metadata() or ()
+            ttl = tuple((str(k), str(v)) for k, v in trailer if k == TTL_TRAILER)
+            if ttl:
+                context.set_trailing_metadata(ttl)
             await context.abort(e.code(), e.details() or e.code().name)
         raise AssertionError("unreachable")  # abort raises
 
@@ -217,6 +223,17 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         except KVStoreError as e:
             await context.abort(to_grpc_code(e), str(e))
 
+    async def _refuse(self, context: Ctx, op: str, worker_id: str, e: KVStoreError) -> NoReturn:
+        """Log a refused membership write (with the caller's address) and abort the call
+        with the error's code; the state is unchanged."""
+        if isinstance(e, IdConflict):
+            context.set_trailing_metadata(((TTL_TRAILER, f"{self.m.ttl:g}"),))
+        log.warning(
+            "refused %s for worker %r from %s: %s", op, worker_id[:MAX_ID], context.peer(), e
+        )
+        await context.abort(to_grpc_code(e), str(e))
+        raise AssertionError("unreachable")  # abort raises
+
     @observed("register")
     async def Register(
         self, request: master_pb2.RegisterRequest, context: Ctx
@@ -226,10 +243,27 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                 context, lambda s, md: s.Register(request, timeout=FORWARD_TIMEOUT, metadata=md)
             )
         w = request.worker
-        if not w.id or not w.grpc or not w.endpoints or not w.capacity_bytes:
-            msg = "worker registration needs id, grpc, endpoints and capacity"
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
-        if self.m.register(w, time.monotonic()):
+        try:
+            try:
+                joined = self.m.register(w, request.instance, time.monotonic())
+            except IdConflict:
+                # A restarted worker may take its id at once if the old instance is
+                # provably gone: nothing listens on its registered gRPC port any more.
+                old = self.m.live_grpc(w.id)
+                if not old or not await address_refuses(old):
+                    raise
+                if self.m.evict(w.id, old):
+                    log.warning(
+                        "worker %s: the instance registered at %s is gone (connection "
+                        "refused); a new instance from %s takes the id",
+                        w.id,
+                        old,
+                        context.peer(),
+                    )
+                joined = self.m.register(w, request.instance, time.monotonic())
+        except KVStoreError as e:
+            await self._refuse(context, "Register", w.id, e)
+        if joined:
             log.info("worker %s joined (%s)", w.id, ", ".join(w.endpoints))
         if self.m.version != self.published.version:
             await self._commit(context)
@@ -247,9 +281,16 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             return await self._forward(
                 context, lambda s, md: s.Heartbeat(request, timeout=FORWARD_TIMEOUT, metadata=md)
             )
-        known = self.m.heartbeat(
-            request.worker_id, request.stats, time.monotonic(), request.draining
-        )
+        try:
+            known = self.m.heartbeat(
+                request.worker_id,
+                request.instance,
+                request.stats,
+                time.monotonic(),
+                request.draining,
+            )
+        except KVStoreError as e:
+            await self._refuse(context, "Heartbeat", request.worker_id, e)
         if self.m.version != self.published.version:
             await self._commit(context)
         return master_pb2.HeartbeatResponse(known=known, map_version=self.m.version)
@@ -262,7 +303,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             return await self._forward(
                 context, lambda s, md: s.Leave(request, timeout=FORWARD_TIMEOUT, metadata=md)
             )
-        removed = self.m.leave(request.worker_id)
+        try:
+            removed = self.m.leave(request.worker_id, request.instance, time.monotonic())
+        except KVStoreError as e:
+            await self._refuse(context, "Leave", request.worker_id, e)
         if removed:
             log.info("worker %s left", request.worker_id)
         if self.m.version != self.published.version:
@@ -302,9 +346,13 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         forwarded = any(k == FORWARDED for k, _ in context.invocation_metadata() or ())
         leader = self._leader_hint()
         if not self.is_leader and leader and not forwarded:
+            md: tuple[tuple[str, str], ...] = ((FORWARDED, self.address),)
+            for k, v in context.invocation_metadata() or ():
+                if k == AUTH_HEADER:  # the leader checks the caller's token too
+                    md += ((k, v if isinstance(v, str) else v.decode()),)
             try:
                 resp = await self._leader_stub(leader).ClusterStatus(
-                    request, timeout=STATUS_FORWARD_TIMEOUT, metadata=((FORWARDED, self.address),)
+                    request, timeout=STATUS_FORWARD_TIMEOUT, metadata=md
                 )
                 resp.leader = False  # answered by a standby
                 return resp
@@ -397,11 +445,14 @@ async def serve(cfg: MasterConfig) -> int:
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     ha: HaCoordinator | None = None
     if cfg.etcd:
-        from .etcd import EtcdClient
+        from .etcd import EtcdClient, EtcdTls
         from .ha import DEFAULT_LEASE_TTL, HaCoordinator
 
+        etcd_tls = None
+        if cfg.etcd_ca or cfg.etcd_cert or cfg.etcd_key:
+            etcd_tls = EtcdTls.from_files(cfg.etcd_ca, cfg.etcd_cert, cfg.etcd_key)
         ha = HaCoordinator(
-            EtcdClient(cfg.etcd),
+            EtcdClient(cfg.etcd, tls=etcd_tls),
             Layout(cfg.cluster_id),
             servicer.address,
             servicer,

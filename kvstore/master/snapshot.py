@@ -5,8 +5,11 @@ Keys live under ``/kvstore/<cluster>/``:
 - ``leader``: the address of the leading master, on its etcd lease (JSON
   ``{"grpc": "host:port"}``); it vanishes with the lease when the leader dies.
 - ``map_version``: the shard map's version, a decimal number.
-- ``workers/<id>``: one serialized ``master_pb2.WorkerStatus`` per known worker
-  (its ``WorkerInfo`` and, in ``stats.draining``, whether it drains).
+- ``workers/<id>``: one serialized ``master_pb2.StoredWorker`` per known worker
+  (its ``WorkerInfo``, in ``stats.draining`` whether it drains, and the instance
+  token its registration is bound to, so a new leader keeps refusing takeovers).
+  It is wire-compatible with the ``WorkerStatus`` older masters wrote; such an
+  entry has no token and is bound by the worker's next heartbeat.
 
 Heartbeat times and worker stats are not stored: they change every few seconds
 and a new leader gives every worker a fresh TTL instead. The leader computes
@@ -72,18 +75,21 @@ def prefix_end(prefix: bytes) -> bytes:
 
 @dataclass(slots=True)
 class Snapshot:
-    """Persisted membership: the map version and, per worker id, (info, draining)."""
+    """Persisted membership: the map version and, per worker id, (info, draining,
+    instance token)."""
 
     version: int = 0
-    workers: dict[str, tuple[master_pb2.WorkerInfo, bool]] = field(default_factory=dict)
+    workers: dict[str, tuple[master_pb2.WorkerInfo, bool, str]] = field(default_factory=dict)
 
 
 def encode(layout: Layout, m: Membership) -> dict[bytes, bytes]:
     """The keys and values that represent ``m`` in etcd."""
     out: dict[bytes, bytes] = {}
     for wid, mem in m.members.items():
-        st = master_pb2.WorkerStatus(
-            info=mem.info, stats=master_pb2.WorkerStats(draining=mem.draining)
+        st = master_pb2.StoredWorker(
+            info=mem.info,
+            stats=master_pb2.WorkerStats(draining=mem.draining),
+            instance=mem.instance,
         )
         out[layout.worker_key(wid)] = st.SerializeToString(deterministic=True)
     out[layout.version_key] = str(m.version).encode()
@@ -101,14 +107,14 @@ def decode(layout: Layout, kvs: Mapping[bytes, bytes] | Iterable[tuple[bytes, by
             except (UnicodeDecodeError, ValueError):
                 continue
         elif key.startswith(layout.workers_prefix):
-            st = master_pb2.WorkerStatus()
+            st = master_pb2.StoredWorker()
             try:
                 st.ParseFromString(value)
             except DecodeError:
                 continue
             wid = key[len(layout.workers_prefix) :].decode(errors="replace")
             if st.info.id == wid:
-                snap.workers[wid] = (st.info, st.stats.draining)
+                snap.workers[wid] = (st.info, st.stats.draining, st.instance)
     return snap
 
 
@@ -133,8 +139,8 @@ def restore(
 ) -> Membership:
     """A Membership holding the snapshot's workers, each seen at ``now`` (a fresh TTL)."""
     m = Membership(ttl, replicas=replicas, cluster_id=cluster_id)
-    for wid, (info, draining) in snap.workers.items():
-        m.members[wid] = Member(info, now, draining=draining)
+    for wid, (info, draining, instance) in snap.workers.items():
+        m.members[wid] = Member(info, now, draining=draining, instance=instance)
     m.version = max(1, snap.version)
     return m
 

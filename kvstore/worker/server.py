@@ -4,7 +4,6 @@ registration and heartbeats with the master, and a graceful drain on SIGTERM.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -21,8 +20,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore_client import __version__
 from kvstore_client.client import parse_masters
-from kvstore_client.proto import master_pb2, master_pb2_grpc, store_pb2_grpc
-from kvstore_client.security import Tls, metadata, open_channel
+from kvstore_client.proto import master_pb2, store_pb2_grpc
+from kvstore_client.security import Tls
 from kvstore_client.transport.shm import host_id, shm_url
 from kvstore_client.transport.ucx import ucx_url
 
@@ -31,10 +30,11 @@ from ..auth import Tenants
 from ..config import WorkerConfig
 from ..errors import InvalidArgument, RejectUndecodable
 from .arena import Arena
+from .masterlink import IdInUse, MasterLink
 from .requests import Limits, RequestCore
 from .servicer import StoreServicer
 from .store import BlockStore, StoreStats
-from .tiers.policy import Promoter, Watermarks, parse_pins
+from .tiers.policy import Promoter, QuotaBook, Watermarks, parse_pins
 from .tiers.ssd import SsdStore
 from .transfer.shm import ArenaShare
 from .transfer.tcp import TcpTransferServer
@@ -83,7 +83,11 @@ class Worker:
             ssd_marks=Watermarks(cfg.ssd_high, cfg.ssd_low),
             promoter=Promoter(cfg.promote, cfg.promote_window),
             pins=pins,
-            tenant_quota=self.tenants.quota_book() if self.tenants else None,
+            tenant_quota=(
+                QuotaBook(self.tenants.quotas, key_of=self.tenants.quota_account)
+                if self.tenants
+                else None
+            ),
         )
         n = cfg.shm_entries_per_connection
         self.core = RequestCore(
@@ -162,8 +166,19 @@ class Worker:
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         self._stop = threading.Event()
-        self._masters = parse_masters(cfg.master)
-        self._hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        self.fatal = ""  # why the worker must exit (its id is taken), set by the link
+        self.failed = threading.Event()
+        self.link = MasterLink(
+            parse_masters(cfg.master),
+            tls=self.tls,
+            token=cfg.token,
+            worker_id=self.id,
+            info=self.info,
+            stats=self._pb_stats,
+            on_registered=self._registered,
+            on_fatal=self._fatal,
+            serving=self._data_plane_serving,
+        )
         metrics.register_collector(self.stats)
 
     @property
@@ -191,6 +206,9 @@ class Worker:
             version=__version__,
         )
 
+    def _data_plane_serving(self) -> bool:
+        return self.tcp.healthy() and (self.ucx is None or self.ucx.healthy())
+
     def stats(self) -> StoreStats:
         return self.store.stats()
 
@@ -200,47 +218,22 @@ class Worker:
             self.ucx.start()
         self.grpc_server.start()
         metrics.serve(self.cfg.metrics_port, self.cfg.host)
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        self.health.set("kvstore.v1.Store", health_pb2.HealthCheckResponse.SERVING)
-        self._hb.start()
+        # NOT_SERVING until the master lists this worker (then _registered): a
+        # readiness probe passes only once clients can route to it.
+        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.health.set("kvstore.v1.Store", health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.link.start()
 
     # ---- master link ---------------------------------------------------------
 
-    def _heartbeat_loop(self) -> None:
-        md = metadata(self.cfg.token)
-        idx = 0
-        registered = False
-        interval = 1.0
-        channel = open_channel(self._masters[idx], self.tls)
-        while not self._stop.is_set():
-            stub = master_pb2_grpc.MasterStub(channel)
-            try:
-                if not registered:
-                    r = stub.Register(
-                        master_pb2.RegisterRequest(worker=self.info()), timeout=5, metadata=md
-                    )
-                    interval = r.heartbeat_interval_s or 1.0
-                    registered = True
-                    log.info("registered with master %s as %s", self._masters[idx], self.id)
-                hb = stub.Heartbeat(
-                    master_pb2.HeartbeatRequest(worker_id=self.id, stats=self._pb_stats()),
-                    timeout=5,
-                    metadata=md,
-                )
-                registered = hb.known
-            except grpc.RpcError as e:
-                log.warning("master %s unreachable: %s", self._masters[idx], e.code())
-                registered = False
-                channel.close()
-                idx = (idx + 1) % len(self._masters)
-                channel = open_channel(self._masters[idx], self.tls)
-                interval = 1.0
-            self._stop.wait(interval if registered else min(interval, 1.0))
-        with contextlib.suppress(grpc.RpcError):
-            master_pb2_grpc.MasterStub(channel).Leave(
-                master_pb2.LeaveRequest(worker_id=self.id), timeout=2, metadata=md
-            )
-        channel.close()
+    def _registered(self) -> None:
+        """First registration: from now on the worker is in the map, so report SERVING."""
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set("kvstore.v1.Store", health_pb2.HealthCheckResponse.SERVING)
+
+    def _fatal(self, message: str) -> None:
+        self.fatal = message
+        self.failed.set()
 
     def _pb_stats(self) -> master_pb2.WorkerStats:
         s = self.stats()
@@ -270,7 +263,7 @@ class Worker:
         self.health.enter_graceful_shutdown()
         self.servicer.draining = True
         self._stop.set()
-        self._hb.join(timeout=5)
+        self.link.stop(timeout=5)
         grace = min(self.cfg.drain_timeout, 10.0)
         self.tcp.stop(grace)
         if self.ucx is not None:
@@ -312,9 +305,12 @@ def run(cfg: WorkerConfig) -> int:
         flush=True,
     )
     while not done.wait(0.5):
-        pass
+        if w.failed.is_set():
+            break
     t0 = time.monotonic()
     w.stop()
     log.info("worker %s stopped in %.2fs", w.id, time.monotonic() - t0)
     sys.stdout.flush()
+    if w.fatal:
+        raise IdInUse(w.fatal)
     return 0

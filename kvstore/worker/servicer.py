@@ -127,9 +127,13 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def RemoveNamespace(
         self, request: store_pb2.RemoveNamespaceRequest, context: grpc.ServicerContext
     ) -> store_pb2.RemoveNamespaceResponse:
+        # Prefix semantics, like tenant ownership: "t" removes "t" and every "t/...",
+        # never "tx". A tenant that owns "t" owns all of these (tenants' namespaces
+        # never overlap), so the one ownership check covers them.
         def go(tenant: Tenant | None) -> store_pb2.RemoveNamespaceResponse:
             ns = self._ns(tenant, request.namespace)
-            return store_pb2.RemoveNamespaceResponse(removed=self.store.remove_namespace(ns))
+            removed = sum(self.store.remove_namespace(n) for n in self.store.namespaces_under(ns))
+            return store_pb2.RemoveNamespaceResponse(removed=removed)
 
         return self._run("remove_namespace", context, go)
 

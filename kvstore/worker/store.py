@@ -267,6 +267,12 @@ class BlockStore:
             keys.update(k for n, k in self._staged if n == ns)
         return self.remove(ns, sorted(keys))
 
+    def namespaces_under(self, ns: str) -> list[str]:
+        """``ns`` and every namespace below ``ns + "/"`` that holds blocks (DRAM or SSD)."""
+        with self.lock:
+            names = set(self.tier.index) | {n for n, _ in self.ssd_index.entries}
+        return sorted(n for n in names if n == ns or n.startswith(ns + "/"))
+
     # ---- writes (two-phase) --------------------------------------------------
 
     def reserve_many(

@@ -28,7 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.cluster import Daemon, spawn
-from kvstore.master.membership import Membership
+from kvstore.master.membership import IdConflict, Membership
 from kvstore.master.snapshot import (
     Layout,
     decode,
@@ -55,12 +55,15 @@ def _info(i: str) -> master_pb2.WorkerInfo:
     return master_pb2.WorkerInfo(id=i, grpc=f"h:{i}", endpoints=[f"tcp://h:{i}"], capacity_bytes=1)
 
 
+TOKEN_A, TOKEN_B = "a" * 32, "b" * 32  # instance tokens
+
+
 def test_layout_round_trip_and_diff() -> None:
     lay = Layout("c1")
     m = Membership(ttl=10, cluster_id="c1")
-    m.register(_info("a"), now=0)
-    m.register(_info("b"), now=0)
-    m.heartbeat("b", master_pb2.WorkerStats(), now=1, draining=True)
+    m.register(_info("a"), TOKEN_A, now=0)
+    m.register(_info("b"), TOKEN_B, now=0)
+    m.heartbeat("b", TOKEN_B, master_pb2.WorkerStats(), now=1, draining=True)
     kv = encode(lay, m)
     assert set(kv) == {
         b"/kvstore/c1/map_version",
@@ -69,14 +72,17 @@ def test_layout_round_trip_and_diff() -> None:
     }
     snap = decode(lay, kv)
     assert snap.version == m.version
-    assert snap.workers["a"] == (_info("a"), False)
+    assert snap.workers["a"] == (_info("a"), False, TOKEN_A), "the instance token is persisted"
     assert snap.workers["b"][1] is True, "draining survives a takeover"
     back = restore(snap, ttl=10, replicas=1, cluster_id="c1", now=100.0)
     assert back.shard_map() == m.shard_map()
     assert all(mem.last_seen == 100.0 for mem in back.members.values()), "a fresh TTL for all"
+    assert back.members["a"].instance == TOKEN_A
+    with pytest.raises(IdConflict):  # a new leader still refuses a takeover of a live id
+        back.register(_info("a"), TOKEN_B, now=101.0)
 
-    m.leave("a")
-    m.register(_info("c"), now=2)
+    m.leave("a", TOKEN_A, now=2)
+    m.register(_info("c"), TOKEN_A, now=2)
     puts, deletes = diff(kv, encode(lay, m), lay.version_key)
     assert deletes == [b"/kvstore/c1/workers/a"]
     assert [k for k, _ in puts] == [b"/kvstore/c1/workers/c", lay.version_key], "version last"
@@ -102,14 +108,19 @@ def test_layout_ignores_foreign_and_corrupt_keys() -> None:
     assert decode_leader(b"{") == "" and decode_leader(b"[1]") == ""
     assert prefix_end(b"/a/") == b"/a0" and prefix_end(b"a\xff") == b"b"
     assert restore(snap, ttl=1, replicas=1, cluster_id="c1", now=0).version == 1
+    # An entry written by an older master (a WorkerStatus, no token) still decodes.
+    old = master_pb2.WorkerStatus(info=_info("o"), stats=master_pb2.WorkerStats(draining=True))
+    snap = decode(lay, [(b"/kvstore/c1/workers/o", old.SerializeToString())])
+    assert snap.workers == {"o": (_info("o"), True, "")}
 
 
 def test_etcd_endpoints_are_checked() -> None:
     from kvstore.errors import InvalidArgument
     from kvstore.master.etcd import parse_endpoints
 
-    assert parse_endpoints("http://a:1, b:2") == ["a:1", "b:2"]
-    for bad in ("", "https://a:1", "a", "http://a:b", "http://a:1/x"):
+    assert parse_endpoints("http://a:1, b:2") == (["a:1", "b:2"], False)
+    assert parse_endpoints("https://a:1,https://b:2/") == (["a:1", "b:2"], True)
+    for bad in ("", "a", "http://a:b", "http://a:1/x", "http://a:1,https://b:2", "unixs://x"):
         with pytest.raises(InvalidArgument):
             parse_endpoints(bad)
 
@@ -322,7 +333,7 @@ def test_standbys_mirror_forward_and_take_over_on_sigterm(ha: HaCluster) -> None
         w = master_pb2.WorkerInfo(
             id="fake", grpc="127.0.0.1:9", endpoints=["tcp://127.0.0.1:9"], capacity_bytes=1 << 30
         )
-        stub.Register(master_pb2.RegisterRequest(worker=w), timeout=10)
+        stub.Register(master_pb2.RegisterRequest(worker=w, instance=TOKEN_A), timeout=10)
         wait_for(
             "the mirror",
             lambda: [x.id for x in shard_map(ha.addresses[standby]).workers] == ["fake"],
@@ -441,6 +452,21 @@ def test_sigkill_leader_fails_over_within_the_lease_ttl(
                 )
 
             wait_for("both workers to heartbeat to the new leader", heartbeating, 30)
+            # The new leader took the instance tokens over from etcd: a registration
+            # of a live worker's id by another instance is still refused (through a
+            # standby too), and the map keeps the worker where it was.
+            victim = next(w for w in m.workers if w.id == ids[0])
+            thief = master_pb2.WorkerInfo()
+            thief.CopyFrom(victim)
+            thief.endpoints[:] = ["tcp://127.0.0.1:9"]
+            for i in others:
+                with grpc.insecure_channel(ha.addresses[i]) as ch:
+                    with pytest.raises(grpc.RpcError) as e:
+                        master_pb2_grpc.MasterStub(ch).Register(
+                            master_pb2.RegisterRequest(worker=thief, instance=TOKEN_B), timeout=10
+                        )
+                    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert victim in shard_map(ha.addresses[new]).workers
             r = load.rounds
             wait_for("more load", lambda: load.rounds >= r + 20)
         finally:

@@ -130,19 +130,35 @@ Global___WorkerStats: _TypeAlias = WorkerStats  # noqa: Y015
 
 @_typing.final
 class RegisterRequest(_message.Message):
+    """Membership writes carry the worker's instance token: a random string that a
+    worker process makes at start and never shows anyone but the master. It binds
+    a worker id to the process that registered it: while that registration lives
+    (heartbeats within the TTL), a Register, Heartbeat or Leave for the id with
+    another token is refused with FAILED_PRECONDITION and changes nothing. Once
+    the id expired (or left), any instance may register it again. The token never
+    appears in the shard map or in ClusterStatus.
+
+    Size limits (INVALID_ARGUMENT beyond them): id <= 128 bytes, grpc <= 256,
+    at most 8 endpoints of <= 256 bytes each, host_id <= 128, version <= 64,
+    instance token 16..128 bytes; ids and tokens are printable ASCII.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     WORKER_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    instance: _builtins.str
     @_builtins.property
     def worker(self) -> Global___WorkerInfo: ...
     def __init__(
         self,
         *,
         worker: Global___WorkerInfo | None = ...,
+        instance: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -180,8 +196,11 @@ class HeartbeatRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     draining: _builtins.bool
+    instance: _builtins.str
+    """the token the worker registered with"""
     @_builtins.property
     def stats(self) -> Global___WorkerStats: ...
     def __init__(
@@ -190,10 +209,11 @@ class HeartbeatRequest(_message.Message):
         worker_id: _builtins.str = ...,
         stats: Global___WorkerStats | None = ...,
         draining: _builtins.bool = ...,
+        instance: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "stats", b"stats", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "instance", b"instance", "stats", b"stats", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -227,15 +247,19 @@ class LeaveRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WORKER_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
+    instance: _builtins.str
+    """the token the worker registered with"""
     def __init__(
         self,
         *,
         worker_id: _builtins.str = ...,
+        instance: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -332,7 +356,45 @@ class WatchShardMapRequest(_message.Message):
 Global___WatchShardMapRequest: _TypeAlias = WatchShardMapRequest  # noqa: Y015
 
 @_typing.final
+class StoredWorker(_message.Message):
+    """A worker as the HA master persists it in etcd (wire-compatible with
+    WorkerStatus, whose field 3 it leaves out). Never sent to clients.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INFO_FIELD_NUMBER: _builtins.int
+    STATS_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    instance: _builtins.str
+    """the instance token its registration is bound to"""
+    @_builtins.property
+    def info(self) -> Global___WorkerInfo: ...
+    @_builtins.property
+    def stats(self) -> Global___WorkerStats:
+        """only `draining` is kept"""
+
+    def __init__(
+        self,
+        *,
+        info: Global___WorkerInfo | None = ...,
+        stats: Global___WorkerStats | None = ...,
+        instance: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["info", b"info", "stats", b"stats"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["info", b"info", "instance", b"instance", "stats", b"stats"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoredWorker: _TypeAlias = StoredWorker  # noqa: Y015
+
+@_typing.final
 class ClusterStatusRequest(_message.Message):
+    """With a tenants file, only admin tenants get ClusterStatus (PERMISSION_DENIED
+    otherwise): it names every worker's endpoints and stats.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(

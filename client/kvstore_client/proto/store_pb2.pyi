@@ -251,6 +251,11 @@ Global___RemoveResponse: _TypeAlias = RemoveResponse  # noqa: Y015
 
 @_typing.final
 class RemoveNamespaceRequest(_message.Message):
+    """Removes every block of `namespace` AND of every namespace below it
+    ("t" removes "t" and "t/x/y", never "tx"), on this worker; the same prefix
+    rule as tenant ownership, so a tenant may remove exactly what it owns.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     NAMESPACE_FIELD_NUMBER: _builtins.int

@@ -126,6 +126,10 @@ class UcxTransferServer:
         self._listener = self._rt.ucxx.create_listener(self._accept, port)
         return int(self._listener.port)
 
+    def healthy(self) -> bool:
+        """True while the listener is up (the worker stops heartbeating otherwise)."""
+        return self._listener is not None and not self._stopping
+
     def start(self) -> None:
         """Begin serving frames."""
 
