@@ -14,6 +14,7 @@ import click
 SUBCOMMANDS: dict[str, str] = {
     "synth": "kvstore_bench.synth_cli:synth_cmd",
     "replay": "kvstore_bench.replay:replay_cmd",
+    "scale": "kvstore_bench.scale:scale_cmd",
     "store": "kvstore_bench.storebench:store_cmd",
     "transfer": "kvstore_bench.transfer:transfer_cmd",
     "contention": "kvstore_bench.contention:contention_cmd",

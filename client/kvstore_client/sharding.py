@@ -1,18 +1,28 @@
 """Placement of block hashes on workers: a capacity-weighted consistent-hash ring.
 
-The master publishes membership (worker ids and capacities) and the ring's
+The master publishes membership (worker ids, capacities, hosts) and the ring's
 parameters; every client builds the same ring from them with this module, so
-placement is defined once. Each worker owns ``vnodes(capacity)`` points on a
+placement is defined once. Each worker owns ``vnode_count(capacity)`` points on a
 64-bit ring; a key belongs to the first point at or after its position, and
-with ``replicas=R`` also to the next R-1 distinct workers along the ring.
-Adding a worker therefore moves only the keys that land on its new points.
+with ``replicas=R`` also to the next R-1 distinct workers along the ring (on
+distinct hosts first, when the hosts are known and there are at least R).
+Adding or removing a worker therefore moves only the keys of its own points.
 
-Lookups are vectorised with numpy, so routing 1,000 hashes costs microseconds.
+Balance: a worker with V points owns a share whose spread is about 1/sqrt(V) of
+its mean, so the busiest of N workers holds about ``1 + sqrt(2 ln N)/sqrt(V)``
+times the mean. ``vnodes_per_gib`` (published by the master, default 16: one
+point per 64 MiB) gives a 64 GiB worker 1,024 points: max/mean about 1.1 at
+1,000 workers (``kvstore bench scale`` measures it; docs/SCALE.md).
+
+The ring is built with numpy (points from a splitmix64 sequence seeded by the
+worker id, no per-point Python work) and looked up with ``searchsorted``, so
+routing 1,000 hashes costs tens of microseconds and a 1,000-worker ring builds
+in a fraction of a second.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,12 +31,13 @@ import xxhash
 from .keys import HASH_LEN
 
 MIN_VNODES = 160
-MAX_VNODES = 8192
-DEFAULT_VNODES_PER_GIB = 64
+MAX_VNODES = 65536
+DEFAULT_VNODES_PER_GIB = 16
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 def vnode_count(capacity_bytes: int, vnodes_per_gib: int = DEFAULT_VNODES_PER_GIB) -> int:
-    """Virtual nodes for a worker of this capacity (clamped to [160, 8192])."""
+    """Virtual nodes for a worker of this capacity (clamped to [160, 65536])."""
     n = int(capacity_bytes * vnodes_per_gib / (1 << 30))
     return max(MIN_VNODES, min(MAX_VNODES, n))
 
@@ -48,6 +59,19 @@ def key_positions(hashes: Sequence[bytes]) -> np.ndarray:
         return np.empty(0, dtype=np.uint64)
     words = np.frombuffer(b"".join(hashes), dtype="<u8").reshape(-1, HASH_LEN // 8)
     return _mix(words[:, 0] ^ _mix(words[:, 1]))
+
+
+def worker_points(worker_id: str, count: int) -> np.ndarray:
+    """The ring positions of a worker's ``count`` virtual nodes (uint64, unsorted).
+
+    Point j is splitmix64(seed + j * golden) with seed = xxh3_64(worker id): the
+    first k points of a worker do not depend on its total, so a capacity change
+    moves only the points added or removed.
+    """
+    seed = np.uint64(xxhash.xxh3_64_intdigest(worker_id.encode()))
+    with np.errstate(over="ignore"):
+        seq = seed + np.arange(count, dtype=np.uint64) * _GOLDEN
+    return _mix(seq)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,32 +105,65 @@ def build_ring(
     *,
     vnodes_per_gib: int = DEFAULT_VNODES_PER_GIB,
     replicas: int = 1,
+    hosts: Mapping[str, str] | None = None,
 ) -> Ring:
-    """Build the ring for (worker_id, capacity_bytes) pairs; order does not matter."""
+    """Build the ring for (worker_id, capacity_bytes) pairs; order does not matter.
+
+    ``replicas`` is clamped to [1, number of workers]. With ``hosts`` (worker id ->
+    host id) and at least ``replicas`` distinct hosts, the owners of a point are on
+    distinct hosts; otherwise they are distinct workers.
+    """
     ids = tuple(sorted({w for w, _ in workers}))
     cap = dict(workers)
     if not ids:
         return Ring(ids, np.empty(0, dtype=np.uint64), np.empty((0, 0), dtype=np.int32))
-    pts: list[int] = []
-    who: list[int] = []
-    for wi, wid in enumerate(ids):
-        for j in range(vnode_count(cap[wid], vnodes_per_gib)):
-            pts.append(xxhash.xxh3_64_intdigest(f"{wid}#{j}".encode()))
-            who.append(wi)
-    points = np.array(pts, dtype=np.uint64)
-    order = np.argsort(points, kind="stable")
-    points = points[order]
-    point_owner = np.array(who, dtype=np.int32)[order]
+    counts = [vnode_count(cap[wid], vnodes_per_gib) for wid in ids]
+    raw = np.concatenate([worker_points(wid, c) for wid, c in zip(ids, counts, strict=True)])
+    who = np.repeat(np.arange(len(ids), dtype=np.int32), counts)
+    order = np.argsort(raw)  # 64-bit positions: ties do not happen in practice
+    points = raw[order]
+    point_owner = who[order]
     r = max(1, min(replicas, len(ids)))
-    owners = np.empty((len(points), r), dtype=np.int32)
-    n = len(points)
-    for p in range(n):
-        seen: list[int] = []
-        q = p
-        while len(seen) < r:
-            w = int(point_owner[q])
-            if w not in seen:
-                seen.append(w)
-            q = (q + 1) % n
-        owners[p] = seen
+    owners = np.full((len(points), r), -1, dtype=np.int32)
+    owners[:, 0] = point_owner
+    if r > 1:
+        filled = np.ones(len(points), dtype=np.int64)
+        host_of = _host_index(ids, hosts)
+        if host_of is not None and len(set(host_of.tolist())) >= r:
+            _fill(owners, filled, point_owner, host_of)
+        _fill(owners, filled, point_owner, None)
     return Ring(ids, points, owners)
+
+
+def _host_index(ids: Sequence[str], hosts: Mapping[str, str] | None) -> np.ndarray | None:
+    if not hosts:
+        return None
+    names: dict[str, int] = {}
+    # a worker without a host id is a host of its own
+    return np.array(
+        [names.setdefault(hosts.get(w) or f"\0{w}", len(names)) for w in ids], dtype=np.int32
+    )
+
+
+def _fill(
+    owners: np.ndarray, filled: np.ndarray, point_owner: np.ndarray, host_of: np.ndarray | None
+) -> None:
+    """Append to each row of ``owners`` the next workers along the ring that are not
+    in the row yet (with ``host_of``: whose host is not in the row yet), until each
+    row has ``owners.shape[1]`` entries or the ring was walked once."""
+    n, r = owners.shape
+    shift = 1
+    pending = np.flatnonzero(filled < r)
+    while len(pending) and shift < n:
+        cand = point_owner[(pending + shift) % n]
+        rows = owners[pending]
+        if host_of is None:
+            fresh = np.all(rows != cand[:, None], axis=1)
+        else:
+            row_hosts = np.where(rows >= 0, host_of[np.maximum(rows, 0)], -1)
+            fresh = np.all(row_hosts != host_of[cand][:, None], axis=1)
+        take = pending[fresh]
+        owners[take, filled[take]] = cand[fresh]
+        filled[take] += 1
+        pending = pending[filled[pending] < r]
+        shift += 1

@@ -106,6 +106,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self.ha: HaCoordinator | None = None
         self._expiry: asyncio.Task[None] | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._wire_of: master_pb2.ShardMap | None = None  # the map ``_wire`` serializes
+        self._wire = b""
 
     @property
     def is_leader(self) -> bool:
@@ -336,6 +338,13 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         except asyncio.CancelledError:
             return  # the client went away or the master is stopping: not an error
 
+    def map_wire(self, m: master_pb2.ShardMap) -> bytes:
+        """WatchShardMap's serializer: each published map is serialized once, not
+        once per watcher (about 0.16 ms per watcher at 1,000 workers)."""
+        if m is not self._wire_of:
+            self._wire, self._wire_of = m.SerializeToString(), m
+        return self._wire
+
     def _moved_on(self, known: int) -> bool:
         return self.published.version != known
 
@@ -402,6 +411,33 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self._channels.clear()
 
 
+class _Capture:
+    """Stands in for a server to capture the generated Master method handlers."""
+
+    name = ""
+    handlers: dict[str, Any] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(self, name: str, handlers: Any) -> None:
+        self.name, self.handlers = name, dict(handlers)
+
+
+def _add_servicer(servicer: MasterServicer, server: grpc.aio.Server) -> None:
+    """``add_MasterServicer_to_server`` with WatchShardMap's serializer replaced by
+    :meth:`MasterServicer.map_wire` (one serialization per map version)."""
+    cap = _Capture()
+    master_pb2_grpc.add_MasterServicer_to_server(servicer, cap)  # type: ignore[arg-type]
+    cap.handlers["WatchShardMap"] = grpc.unary_stream_rpc_method_handler(
+        servicer.WatchShardMap,
+        request_deserializer=master_pb2.WatchShardMapRequest.FromString,
+        response_serializer=servicer.map_wire,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(cap.name, cap.handlers),))
+    server.add_registered_method_handlers(cap.name, cap.handlers)  # type: ignore[attr-defined]
+
+
 def _advertised(cfg: MasterConfig, port: int) -> str:
     """The address other masters and workers reach this one at."""
     host = str(getattr(cfg, "advertise_host", "") or os.environ.get("POD_IP", "") or cfg.host)
@@ -440,7 +476,7 @@ async def serve(cfg: MasterConfig) -> int:
     else:
         port = server.add_insecure_port(bind)
     servicer = MasterServicer(members, address=_advertised(cfg, port), tls=tls)
-    master_pb2_grpc.add_MasterServicer_to_server(servicer, server)
+    _add_servicer(servicer, server)
     hs = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     ha: HaCoordinator | None = None

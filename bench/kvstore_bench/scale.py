@@ -1,0 +1,804 @@
+"""`kvstore bench scale`: the control plane at 1,000 workers.
+
+A real master process (``python -m kvstore master``; with ``--ha`` three masters on
+a real etcd) and, in this process on asyncio, simulated workers and map watchers:
+
+1. ``workers`` simulated workers register and heartbeat at the configured interval
+   (the master's ``--worker-ttl`` is four intervals);
+2. ``watchers`` clients open the Master's WatchShardMap stream (as
+   ``kvstore_client.Client`` does) and time every map version they receive;
+3. steady state: master CPU seconds per second and per heartbeat (from
+   ``/proc/PID/stat``), RSS, map size;
+4. map changes (a worker joins, then leaves): time until each watcher has the new
+   map (p50/p99 over watchers and changes, and the time until all have it);
+5. 1% of the workers stop heartbeating at once (expired after the TTL), then return.
+
+It also measures the client's ring at the same size (build time, per-key lookup,
+placement balance with mixed capacities, keys moved when 1% of workers leave).
+Results: a rich table, JSON and PNG plots under ``bench/results/``; docs/SCALE.md
+reads them against the goals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import grpc
+import numpy as np
+from rich.console import Console
+
+from kvstore.cluster import Daemon, spawn
+from kvstore_client.proto import master_pb2, master_pb2_grpc
+from kvstore_client.sharding import DEFAULT_VNODES_PER_GIB, build_ring
+
+from . import report
+
+__all__ = ["ScaleConfig", "ring_figures", "run_scale", "scale_cmd", "worker_rpc"]
+
+GIB = 1 << 30
+PER_CHANNEL = 10  # simulated workers (or watchers) per gRPC connection
+WATCH_METHOD = "/kvstore.v1.Master/WatchShardMap"
+
+
+@dataclass(slots=True)
+class ScaleConfig:
+    workers: int = 1000
+    watchers: int = 1000
+    heartbeat_s: float = 1.0
+    steady_s: float = 20.0
+    changes: int = 10
+    change_gap_s: float = 1.0
+    fail_fraction: float = 0.01
+    ring_keys: int = 2_000_000
+    ha: bool = True
+
+
+# ---------------------------------------------------------------- simulated workers
+
+
+@dataclass(slots=True)
+class SimWorker:
+    """One simulated worker: what it registers and whether it heartbeats."""
+
+    info: master_pb2.WorkerInfo
+    stub: master_pb2_grpc.MasterAsyncStub
+    paused: bool = False
+    heartbeats: int = 0
+    registers: int = 0
+
+
+def sim_info(i: int, tag: str = "sim") -> master_pb2.WorkerInfo:
+    """A plausible WorkerInfo for simulated worker ``i`` (mixed capacities)."""
+    port = 20000 + i
+    return master_pb2.WorkerInfo(
+        id=f"{tag}-{i:05d}",
+        grpc=f"10.0.{i // 250}.{i % 250}:{port}",
+        endpoints=[f"tcp://10.0.{i // 250}.{i % 250}:{port + 1}"],
+        capacity_bytes=[64, 128, 256][i % 3] * GIB,
+        max_value_bytes=16 << 20,
+        host_id=f"host-{i // 2:05d}",
+        version="sim",
+    )
+
+
+async def worker_rpc(w: SimWorker, *, register: bool) -> int:
+    """The one place a simulated worker talks to the master: Register when
+    ``register`` (or when a heartbeat finds the worker forgotten), else Heartbeat.
+    Returns the map version the master answered with."""
+    if not register:
+        hb = await w.stub.Heartbeat(
+            master_pb2.HeartbeatRequest(worker_id=w.info.id, stats=master_pb2.WorkerStats()),
+            timeout=10,
+        )
+        w.heartbeats += 1
+        if hb.known:
+            return int(hb.map_version)
+    reg = await w.stub.Register(master_pb2.RegisterRequest(worker=w.info), timeout=10)
+    w.registers += 1
+    return int(reg.map_version)
+
+
+async def _heartbeat_loop(w: SimWorker, interval: float) -> None:
+    await asyncio.sleep(random.random() * interval)  # spread the phases
+    nxt = time.monotonic()
+    while True:
+        nxt += interval
+        if not w.paused:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await worker_rpc(w, register=False)
+        await asyncio.sleep(max(0.0, nxt - time.monotonic()))
+
+
+# ---------------------------------------------------------------- watchers
+
+
+def map_version(raw: bytes) -> int:
+    """The version (field 1, the first one serialized) of a serialized ShardMap."""
+    if not raw or raw[0] != 0x08:
+        return 0
+    v, shift = 0, 0
+    for b in raw[1:11]:
+        v |= (b & 0x7F) << shift
+        if b < 0x80:
+            return v
+        shift += 7
+    return 0
+
+
+@dataclass(slots=True)
+class Watcher:
+    """A watch stream; records (version, arrival time) without parsing the map,
+    so that the simulator stays cheap (a real client also builds its ring)."""
+
+    seen: list[tuple[int, float]] = field(default_factory=list)
+    bytes: int = 0
+
+    @property
+    def version(self) -> int:
+        return self.seen[-1][0] if self.seen else 0
+
+    def first_at_least(self, v: int) -> float | None:
+        for ver, t in self.seen:
+            if ver >= v:
+                return t
+        return None
+
+    async def run(self, channel: grpc.aio.Channel) -> None:
+        call = channel.unary_stream(
+            WATCH_METHOD,
+            request_serializer=master_pb2.WatchShardMapRequest.SerializeToString,
+            response_deserializer=None,
+        )
+        while True:
+            try:
+                async for raw in call(master_pb2.WatchShardMapRequest(known_version=self.version)):
+                    self.seen.append((map_version(raw), time.monotonic()))
+                    self.bytes += len(raw)
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.2)
+
+
+# ---------------------------------------------------------------- processes
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, in seconds."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(slots=True)
+class Etcd:
+    proc: subprocess.Popen[bytes]
+    url: str
+
+    def metric(self, names: tuple[str, ...]) -> dict[str, float]:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out = dict.fromkeys(names, 0.0)
+        for line in text.splitlines():
+            name = line.split(" ", 1)[0]
+            if name in out:
+                out[name] = float(line.split()[-1])
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+ETCD_METRICS = (
+    "etcd_server_proposals_committed_total",
+    "etcd_mvcc_put_total",
+    "etcd_mvcc_delete_total",
+    "etcd_mvcc_txn_total",
+)
+
+
+def start_etcd(workdir: Path) -> Etcd:
+    """Debian's etcd-server on two free loopback ports (scripts/install_etcd.sh)."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        raise click.ClickException("etcd is not installed: run scripts/install_etcd.sh")
+    client, peer = f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
+    with open(workdir / "etcd.log", "ab") as log:
+        proc = subprocess.Popen(
+            [
+                binary,
+                *("--name", "kvscale", "--data-dir", str(workdir / "etcd")),
+                *("--listen-client-urls", client, "--advertise-client-urls", client),
+                *("--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer),
+                *("--initial-cluster", f"kvscale={peer}"),
+                *("--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn"),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
+    etcd = Etcd(proc, client)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and proc.poll() is None:
+        with (
+            contextlib.suppress(OSError, ValueError),
+            urllib.request.urlopen(f"{client}/health", timeout=1) as r,
+        ):
+            if json.loads(r.read()).get("health") == "true":
+                return etcd
+        time.sleep(0.1)
+    etcd.stop()
+    raise click.ClickException(f"etcd did not start; see {workdir / 'etcd.log'}")
+
+
+@contextlib.contextmanager
+def masters(
+    cfg: ScaleConfig, workdir: Path, ha: bool
+) -> Iterator[tuple[list[Daemon], Etcd | None]]:
+    """One in-memory master, or an etcd and three HA masters."""
+    ttl = f"{4 * cfg.heartbeat_s:g}s"
+    etcd = start_etcd(workdir) if ha else None
+    ds: list[Daemon] = []
+    try:
+        for i in range(3 if ha else 1):
+            args = ["--host", "127.0.0.1", "--port", "0", "--worker-ttl", ttl]
+            if etcd is not None:
+                args += ["--etcd", etcd.url]
+            ds.append(spawn("master", args, log_path=str(workdir / f"master{i}.log")))
+        yield ds, etcd
+    finally:
+        for d in ds:
+            d.stop()
+        if etcd is not None:
+            etcd.stop()
+
+
+# ---------------------------------------------------------------- one run
+
+
+def _channel(addr: str) -> grpc.aio.Channel:
+    # a connection of its own (no subchannel sharing between channels)
+    return grpc.aio.insecure_channel(
+        addr,
+        options=[("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", -1)],
+    )
+
+
+async def _leader(addrs: list[str]) -> int:
+    while True:
+        for i, a in enumerate(addrs):
+            async with _channel(a) as ch:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    st = await master_pb2_grpc.MasterStub(ch).ClusterStatus(
+                        master_pb2.ClusterStatusRequest(), timeout=2
+                    )
+                    if st.leader:
+                        return i
+        await asyncio.sleep(0.2)
+
+
+def _delivery(watchers: list[Watcher], t0: float, v: int) -> list[float]:
+    """Seconds from ``t0`` until each watcher had a map of version >= ``v``
+    (NaN for a watcher that never got it)."""
+    out = []
+    for w in watchers:
+        t = w.first_at_least(v)
+        out.append(max(0.0, t - t0) if t is not None else float("nan"))
+    return out
+
+
+async def _until(cond: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+class _Sampler:
+    """Samples CPU and RSS of the master processes every ``every`` seconds."""
+
+    def __init__(self, pids: list[int], every: float = 0.5) -> None:
+        self.pids = pids
+        self.every = every
+        self.samples: list[tuple[float, list[float], list[int]]] = []
+
+    def sample(self) -> tuple[float, list[float], list[int]]:
+        s = (
+            time.monotonic(),
+            [cpu_seconds(p) for p in self.pids],
+            [rss_bytes(p) for p in self.pids],
+        )
+        self.samples.append(s)
+        return s
+
+    async def run(self) -> None:
+        while True:
+            self.sample()
+            await asyncio.sleep(self.every)
+
+
+async def _run_mode(
+    cfg: ScaleConfig, addrs: list[str], pids: list[int], etcd: Etcd | None, say: Any
+) -> dict[str, Any]:
+    mode = "ha" if etcd is not None else "single"
+    lead = await _leader(addrs) if etcd is not None else 0
+    res: dict[str, Any] = {"mode": mode, "masters": len(addrs), "leader": lead}
+    sampler = _Sampler(pids)
+    tasks: list[asyncio.Task[Any]] = [asyncio.create_task(sampler.run())]
+    wchans = [_channel(addrs[lead]) for _ in range(max(1, -(-cfg.workers // PER_CHANNEL)))]
+    sims = [
+        SimWorker(sim_info(i), master_pb2_grpc.MasterStub(wchans[i % len(wchans)]))
+        for i in range(cfg.workers)
+    ]
+    etcd0 = etcd.metric(ETCD_METRICS) if etcd is not None else {}
+    t_start = time.monotonic()
+
+    # 1. registration storm
+    say(f"{mode}: {cfg.workers} workers register")
+    sem = asyncio.Semaphore(64)
+
+    async def reg(w: SimWorker) -> None:
+        async with sem:
+            await worker_rpc(w, register=True)
+
+    c0 = sampler.sample()
+    await asyncio.gather(*(reg(w) for w in sims))
+    c1 = sampler.sample()
+    res["register_s"] = c1[0] - c0[0]
+    res["register_cpu_s"] = sum(c1[1]) - sum(c0[1])
+    tasks += [asyncio.create_task(_heartbeat_loop(w, cfg.heartbeat_s)) for w in sims]
+
+    # 2. watchers, spread over the masters
+    say(f"{mode}: {cfg.watchers} watchers connect")
+    per = max(1, -(-cfg.watchers // PER_CHANNEL))
+    vchans = [_channel(addrs[i % len(addrs)]) for i in range(per)]
+    watchers = [Watcher() for _ in range(cfg.watchers)]
+    tasks += [asyncio.create_task(w.run(vchans[i % per])) for i, w in enumerate(watchers)]
+    async with _channel(addrs[lead]) as ch:
+        stub = master_pb2_grpc.MasterStub(ch)
+        first = await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=10)
+        res["map_bytes"] = first.ByteSize()
+        res["map_workers"] = len(first.workers)
+        res["watch_connect_s"] = float("nan")
+        t0 = time.monotonic()
+        if await _until(lambda: all(w.version >= first.version for w in watchers), 120):
+            res["watch_connect_s"] = time.monotonic() - t0
+
+        # 3. steady state
+        say(f"{mode}: steady state {cfg.steady_s:.0f}s")
+        await asyncio.sleep(min(2.0, cfg.steady_s / 4))
+        hb0 = sum(w.heartbeats for w in sims)
+        p0 = time.process_time()
+        s0 = sampler.sample()
+        e0 = etcd.metric(ETCD_METRICS) if etcd is not None else {}
+        await asyncio.sleep(cfg.steady_s)
+        s1 = sampler.sample()
+        e1 = etcd.metric(ETCD_METRICS) if etcd is not None else {}
+        hbs = sum(w.heartbeats for w in sims) - hb0
+        dt = s1[0] - s0[0]
+        cpu = [b - a for a, b in zip(s0[1], s1[1], strict=True)]
+        res["steady_s"] = dt
+        res["simulator_cpu_per_s"] = (time.process_time() - p0) / dt
+        res["heartbeats_per_s"] = hbs / dt
+        res["master_cpu_per_s"] = cpu[lead] / dt
+        res["master_cpu_per_heartbeat_s"] = cpu[lead] / hbs if hbs else float("nan")
+        res["standby_cpu_per_s"] = [c / dt for i, c in enumerate(cpu) if i != lead]
+        res["master_rss_bytes"] = s1[2][lead]
+        res["standby_rss_bytes"] = [r for i, r in enumerate(s1[2]) if i != lead]
+        if etcd is not None:
+            res["etcd_steady"] = {k: (e1[k] - e0[k]) / dt for k in ETCD_METRICS}
+
+        # 4. map changes: one worker joins, then leaves, and so on
+        say(f"{mode}: {cfg.changes} map changes")
+        extra = SimWorker(sim_info(cfg.workers, tag="extra"), stub)
+        events: list[dict[str, Any]] = []
+        for k in range(cfg.changes):
+            t0 = time.monotonic()
+            if k % 2 == 0:
+                v = await worker_rpc(extra, register=True)
+            else:
+                await stub.Leave(master_pb2.LeaveRequest(worker_id=extra.info.id), timeout=10)
+                v = (await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=10)).version
+            await _until(lambda v=v: all(w.version >= v for w in watchers), 10 * cfg.change_gap_s)
+            d = _delivery(watchers, t0, v)
+            events.append(
+                {"kind": "join" if k % 2 == 0 else "leave", "version": v, "delivery_s": d}
+            )
+            await asyncio.sleep(max(0.0, cfg.change_gap_s - (time.monotonic() - t0)))
+        if cfg.changes % 2:
+            await stub.Leave(master_pb2.LeaveRequest(worker_id=extra.info.id), timeout=10)
+        res["changes"] = events
+        all_d = [x for e in events for x in e["delivery_s"]]
+        finite = [x for x in all_d if x == x]
+        res["delivery_p50_s"], res["delivery_p99_s"] = report.percentiles(finite, (50, 99))
+        res["delivery_all_p50_s"], res["delivery_all_p99_s"] = report.percentiles(
+            [max(e["delivery_s"]) for e in events], (50, 99)
+        )
+        res["delivery_missed"] = len(all_d) - len(finite)
+
+        # 5. 1% of the workers fail at once, then return
+        n_fail = max(1, round(cfg.fail_fraction * cfg.workers))
+        say(f"{mode}: {n_fail} workers stop heartbeating")
+        await asyncio.sleep(1.0)
+        v_before = max(w.version for w in watchers)
+        failed = random.Random(7).sample(sims, n_fail)
+        tf = time.monotonic()
+        for w in failed:
+            w.paused = True
+        ok = await _until(
+            lambda: all(w.version > v_before for w in watchers), 8 * cfg.heartbeat_s + 10
+        )
+        res["fail_count"] = n_fail
+        res["fail_all_watchers_s"] = time.monotonic() - tf if ok else float("nan")
+        live = await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=10)
+        res["fail_map_workers"] = len(live.workers)
+        d = _delivery(watchers, tf, v_before + 1)
+        first_seen = min(x for x in d if x == x) if any(x == x for x in d) else float("nan")
+        res["fail_publish_spread_s"] = max(d) - first_seen
+        await asyncio.sleep(1.0)
+        say(f"{mode}: {n_fail} workers return")
+        tr = time.monotonic()
+        for w in failed:
+            w.paused = False
+
+        async def back() -> bool:
+            m = await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=10)
+            return len(m.workers) == cfg.workers
+
+        ok = False
+        while time.monotonic() - tr < 4 * cfg.heartbeat_s + 10:
+            if await back():
+                ok = True
+                break
+            await asyncio.sleep(0.05)
+        if ok:
+            final = (await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=10)).version
+            await _until(lambda: all(w.version >= final for w in watchers), 10)
+        res["return_all_watchers_s"] = time.monotonic() - tr if ok else float("nan")
+        await asyncio.sleep(1.0)
+
+    s_end = sampler.sample()
+    res["total_s"] = s_end[0] - t_start
+    res["total_cpu_s"] = [b - a for a, b in zip(c0[1], s_end[1], strict=True)]
+    if etcd is not None:
+        e_end = etcd.metric(ETCD_METRICS)
+        res["etcd_total"] = {k: e_end[k] - etcd0[k] for k in ETCD_METRICS}
+        res["etcd_writes_per_s_run"] = (
+            e_end["etcd_server_proposals_committed_total"]
+            - etcd0["etcd_server_proposals_committed_total"]
+        ) / res["total_s"]
+    res["watch_bytes"] = sum(w.bytes for w in watchers)
+    res["samples"] = [{"t": t - t_start, "cpu_s": c, "rss": r} for t, c, r in sampler.samples]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for ch in [*wchans, *vchans]:
+        await ch.close(None)
+    return res
+
+
+def run_scale(cfg: ScaleConfig, *, modes: tuple[str, ...], say: Any) -> list[dict[str, Any]]:
+    """Run the control-plane scenario once per mode ("single", "ha")."""
+    out = []
+    for mode in modes:
+        with (
+            tempfile.TemporaryDirectory(prefix="kvscale-") as tmp,
+            masters(cfg, Path(tmp), mode == "ha") as (ds, etcd),
+        ):
+            out.append(
+                asyncio.run(_run_mode(cfg, [d.address for d in ds], [d.pid for d in ds], etcd, say))
+            )
+    return out
+
+
+# ---------------------------------------------------------------- the client's ring
+
+
+def ring_figures(workers: int, keys: int, fail_fraction: float = 0.01) -> dict[str, Any]:
+    """Build time, lookup cost, balance and movement of the client's ring at
+    ``workers`` simulated workers with mixed capacities (64/128/256 GiB)."""
+    infos = [sim_info(i) for i in range(workers)]
+    pairs = [(w.id, int(w.capacity_bytes)) for w in infos]
+    hosts = {w.id: w.host_id for w in infos}
+    out: dict[str, Any] = {
+        "workers": workers,
+        "keys": keys,
+        "vnodes_per_gib": DEFAULT_VNODES_PER_GIB,
+    }
+    for r in (1, 3):
+        t0 = time.perf_counter()
+        ring = build_ring(pairs, replicas=r, hosts=hosts)
+        out[f"build_r{r}_s"] = time.perf_counter() - t0
+    ring = build_ring(pairs)
+    out["points"] = len(ring.points)
+    out["ring_bytes"] = int(ring.points.nbytes + ring.owners.nbytes)
+    rng = np.random.default_rng(1)
+    batch = [bytes(x) for x in rng.integers(0, 256, size=(1000, 16), dtype=np.uint8)]
+    ring.primary(batch)
+    t0 = time.perf_counter()
+    reps = 50
+    for _ in range(reps):
+        ring.primary(batch)
+    out["lookup_per_key_s"] = (time.perf_counter() - t0) / (reps * len(batch))
+    # exact shares: each point owns the arc that ends at it
+    pts = ring.points.astype(np.float64)
+    arcs = np.diff(np.concatenate([pts[-1:] - 2.0**64, pts]))
+    share = np.bincount(ring.owners[:, 0], weights=arcs, minlength=workers) / 2.0**64
+    cap = np.array([dict(pairs)[w] for w in ring.worker_ids], dtype=np.float64)
+    load = share / (cap / cap.sum())
+    out["balance_exact_max_over_mean"] = float(load.max() / load.mean())
+    out["balance_exact_min_over_mean"] = float(load.min() / load.mean())
+    hashes = [bytes(x) for x in rng.integers(0, 256, size=(keys, 16), dtype=np.uint8)]
+    own = ring.primary(hashes)
+    per = np.bincount(own, minlength=workers) / (cap / cap.sum() * keys)
+    out["balance_keys_max_over_mean"] = float(per.max() / per.mean())
+    out["load_exact"] = load.tolist()
+    gone = set(random.Random(3).sample(range(workers), max(1, round(fail_fraction * workers))))
+    rest = build_ring([p for i, p in enumerate(pairs) if i not in gone])
+    ids_before = np.array(ring.worker_ids)[own]
+    ids_after = np.array(rest.worker_ids)[rest.primary(hashes)]
+    moved = ids_before != ids_after
+    out["left_workers"] = len(gone)
+    out["left_capacity_share"] = float(sum(cap[i] for i in gone) / cap.sum())
+    out["moved_fraction"] = float(moved.mean())
+    lost = {ring.worker_ids[i] for i in gone}
+    out["moved_only_from_leavers"] = bool(np.all(np.isin(ids_before[moved], list(lost))))
+    return out
+
+
+# ---------------------------------------------------------------- output
+
+
+def _rows(runs: list[dict[str, Any]], ring: dict[str, Any]) -> list[list[str]]:
+    def f(x: Any, fmt: str = "{:.3g}") -> str:
+        return "-" if x is None or (isinstance(x, float) and x != x) else fmt.format(x)
+
+    rows: list[list[str]] = []
+    for r in runs:
+        m = r["mode"]
+        rows += [
+            [f"{m}: workers / watchers", f"{r['map_workers']} / {r['watchers']}", ""],
+            [f"{m}: registration of all workers", f(r["register_s"], "{:.2f} s"), ""],
+            [f"{m}: heartbeats/s", f(r["heartbeats_per_s"], "{:.0f}"), ""],
+            [
+                f"{m}: simulator CPU (this process)",
+                f(100 * r["simulator_cpu_per_s"], "{:.0f}%"),
+                "",
+            ],
+            [
+                f"{m}: master CPU (leader)",
+                f(100 * r["master_cpu_per_s"], "{:.1f}% of a core"),
+                "< 10% at 1 hb/s",
+            ],
+            [
+                f"{m}: master CPU per heartbeat",
+                f(1e6 * r["master_cpu_per_heartbeat_s"], "{:.0f} us"),
+                "",
+            ],
+            [f"{m}: master RSS", f(r["master_rss_bytes"] / 2**20, "{:.0f} MiB"), ""],
+            [f"{m}: map size", f(r["map_bytes"] / 1024, "{:.1f} KiB"), ""],
+            [
+                f"{m}: map change -> a watcher p50 / p99",
+                f"{report.ms(r['delivery_p50_s'])} / {report.ms(r['delivery_p99_s'])} ms",
+                "p99 < 1 s",
+            ],
+            [
+                f"{m}: map change -> all watchers p50 / p99",
+                f"{report.ms(r['delivery_all_p50_s'])} / {report.ms(r['delivery_all_p99_s'])} ms",
+                "",
+            ],
+            [
+                f"{m}: {r['fail_count']} fail -> all watchers",
+                f(r["fail_all_watchers_s"], "{:.2f} s"),
+                f"TTL {4 * r['heartbeat_s']:g} s",
+            ],
+            [f"{m}: they return -> all watchers", f(r["return_all_watchers_s"], "{:.2f} s"), ""],
+        ]
+        if "etcd_steady" in r:
+            rows.append(
+                [
+                    f"{m}: etcd writes/s steady / whole run",
+                    f"{r['etcd_steady']['etcd_server_proposals_committed_total']:.1f} / "
+                    f"{r['etcd_writes_per_s_run']:.1f}",
+                    "",
+                ]
+            )
+            rows.append(
+                [
+                    f"{m}: standby CPU",
+                    ", ".join(f"{100 * c:.1f}%" for c in r["standby_cpu_per_s"]),
+                    "",
+                ]
+            )
+    rows += [
+        ["ring: points / memory", f"{ring['points']:,} / {ring['ring_bytes'] / 2**20:.0f} MiB", ""],
+        [
+            "ring: build R=1 / R=3",
+            f"{1e3 * ring['build_r1_s']:.0f} / {1e3 * ring['build_r3_s']:.0f} ms",
+            "",
+        ],
+        ["ring: lookup per key (batch 1000)", f"{1e9 * ring['lookup_per_key_s']:.0f} ns", ""],
+        [
+            "ring: max/mean load (exact / keys)",
+            f"{ring['balance_exact_max_over_mean']:.3f} / {ring['balance_keys_max_over_mean']:.3f}",
+            "<= 1.1",
+        ],
+        [
+            f"ring: keys moved, {ring['left_workers']} workers leave",
+            f"{100 * ring['moved_fraction']:.2f}% (their share "
+            f"{100 * ring['left_capacity_share']:.2f}%)",
+            "about 1%",
+        ],
+    ]
+    return rows
+
+
+def _plots(runs: list[dict[str, Any]], ring: dict[str, Any], out: Path, st: str) -> list[Path]:
+    plt = report.pyplot()
+    if plt is None:
+        return []
+    paths = []
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for r in runs:
+        s = r["samples"]
+        t = np.array([x["t"] for x in s])
+        lead = r["leader"]
+        cpu = np.array([x["cpu_s"][lead] for x in s])
+        rate = np.diff(cpu) / np.maximum(np.diff(t), 1e-9)
+        axes[0].plot(t[1:], 100 * rate, label=f"{r['mode']} (leader)")
+        axes[1].plot(t, [x["rss"][lead] / 2**20 for x in s], label=f"{r['mode']} (leader)")
+    axes[0].axhline(10, ls="--", color="k", lw=0.8, label="goal: 10% of a core")
+    axes[0].set(xlabel="time since registration (s)", ylabel="master CPU (% of a core)")
+    axes[0].set_title(
+        f"master CPU: {runs[0]['map_workers']} workers at {1 / runs[0]['heartbeat_s']:g} hb/s, "
+        f"{runs[0]['watchers']} watchers"
+    )
+    axes[1].set(xlabel="time since registration (s)", ylabel="master RSS (MiB)")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    paths.append(report.save(fig, report.results_path(out, "scale", st, "-master.png")))
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for r in runs:
+        xs = np.sort([x for e in r["changes"] for x in e["delivery_s"] if x == x]) * 1e3
+        if len(xs):
+            axes[0].plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=r["mode"])
+    axes[0].axvline(1000, ls="--", color="k", lw=0.8, label="goal: p99 < 1 s")
+    axes[0].set(xlabel="map change -> watcher (ms)", ylabel="CDF", xscale="log", ylim=(0, 1))
+    axes[0].set_title(f"map delivery to {runs[0]['watchers']} watchers")
+    axes[0].legend(fontsize=7)
+    load = np.array(ring["load_exact"])
+    axes[1].hist(load / load.mean(), bins=50)
+    axes[1].axvline(1.1, ls="--", color="k", lw=0.8, label="goal: max <= 1.1")
+    axes[1].set(xlabel="worker load / mean (capacity-weighted)", ylabel="workers")
+    axes[1].set_title(
+        f"ring balance, {ring['workers']} workers (64/128/256 GiB), "
+        f"max {ring['balance_exact_max_over_mean']:.3f}"
+    )
+    axes[1].legend(fontsize=7)
+    paths.append(report.save(fig, report.results_path(out, "scale", st, "-delivery.png")))
+    return paths
+
+
+@click.command("scale")
+@click.option("--workers", type=int, default=1000, show_default=True, help="Simulated workers.")
+@click.option("--watchers", type=int, default=1000, show_default=True, help="Map watchers.")
+@click.option(
+    "--heartbeat",
+    "heartbeat_s",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Heartbeat interval in seconds (the master's TTL is 4 intervals).",
+)
+@click.option(
+    "--steady",
+    "steady_s",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Seconds of steady state to measure.",
+)
+@click.option("--changes", type=int, default=20, show_default=True, help="Map changes to time.")
+@click.option(
+    "--ha/--no-ha",
+    default=True,
+    show_default=True,
+    help="Also run with three HA masters on a real etcd.",
+)
+@click.option(
+    "--ring-keys",
+    type=int,
+    default=4_000_000,
+    show_default=True,
+    help="Keys placed to measure balance and movement.",
+)
+@click.option("--quick", is_flag=True, help="Shorter run: 8 s steady, 6 changes, 1M ring keys.")
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=Path("bench/results"), show_default=True
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also write the JSON here.",
+)
+@click.option("--no-plots", is_flag=True)
+def scale_cmd(
+    workers: int, watchers: int, heartbeat_s: float, steady_s: float, changes: int, ha: bool,
+    ring_keys: int, quick: bool, out: Path, json_path: Path | None, no_plots: bool,
+) -> None:  # fmt: skip
+    """The control plane at scale: a real master, simulated workers and watchers."""
+    if workers < 2 or watchers < 1 or heartbeat_s <= 0 or steady_s <= 0 or changes < 1:
+        raise click.BadParameter("need workers >= 2, watchers >= 1 and positive durations")
+    if quick:
+        steady_s, changes, ring_keys = (
+            min(steady_s, 8.0),
+            min(changes, 6),
+            min(ring_keys, 1_000_000),
+        )
+    cfg = ScaleConfig(workers, watchers, heartbeat_s, steady_s, changes, ring_keys=ring_keys, ha=ha)
+    console = Console()
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                   console=console, transient=True)  # fmt: skip
+    with bar:
+        task = bar.add_task("ring", total=None)
+
+        def say(msg: str) -> None:
+            bar.update(task, description=msg)
+
+        say(f"ring: {workers} workers, {ring_keys:,} keys")
+        ring = ring_figures(workers, ring_keys, cfg.fail_fraction)
+        runs = run_scale(cfg, modes=("single", "ha") if ha else ("single",), say=say)
+    for r in runs:
+        r.update(heartbeat_s=heartbeat_s, watchers=watchers)
+    st = report.stamp()
+    console.print(report.table(f"kvstore bench scale ({report.command_line()})",
+                               ["figure", "measured", "goal"], _rows(runs, ring)))  # fmt: skip
+    doc = {"config": asdict(cfg), "runs": runs, "ring": ring, "command": report.command_line()}
+    path = report.write_json(report.results_path(out, "scale", st, ".json"), doc)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        report.write_json(json_path, doc)
+    console.print(f"JSON: {path}")
+    if not no_plots:
+        for p in _plots(runs, ring, out, st):
+            console.print(f"plot: {p}")
