@@ -56,6 +56,7 @@ FORWARDED = "kvstore-forwarded"  # metadata on a call a standby forwarded (never
 LEADER_TRAILER = "kvstore-leader"
 FORWARD_TIMEOUT = 3.0
 STATUS_FORWARD_TIMEOUT = 1.5
+WATCH_COALESCE_S = 0.1  # bench scale: bounds the watch fan-out under churn
 
 if TYPE_CHECKING:  # the etcd code is imported only with --etcd
     from .ha import HaCoordinator
@@ -292,6 +293,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                     current = self.published
                     known = current.version
                     yield current
+                    # at most one map per watcher per WATCH_COALESCE_S: a burst of
+                    # changes (workers re-registering at once) costs one send each
+                    await asyncio.sleep(WATCH_COALESCE_S)
                 async with self.changed:
                     await self.changed.wait_for(functools.partial(self._moved_on, known))
         except asyncio.CancelledError:
