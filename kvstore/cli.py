@@ -93,7 +93,14 @@ def version() -> None:
 @click.option("--lease-ttl", default=None, help="etcd leader lease; bounds failover [5s].")
 @click.option("--advertise-host", default=None, help="Address other masters forward to.")
 @click.option("--cluster-id", default=None, help="Cluster name (etcd key prefix) [kvstore].")
-@click.option("--replicas", type=int, default=None, help="Copies of each block [1].")
+@click.option(
+    "--replicas", type=int, default=None, help="Copies of each block on distinct workers, 1-8 [1]."
+)
+@click.option(
+    "--namespace-replicas",
+    multiple=True,
+    help="PREFIX=R: copies for namespaces starting with PREFIX (longest wins); repeatable.",
+)
 @_security_options
 @click.pass_context
 def master(ctx: click.Context, /, **flags: Any) -> None:

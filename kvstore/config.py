@@ -81,6 +81,7 @@ class MasterConfig:
     advertise_host: str = ""  # address other masters forward to; default: host, $POD_IP, hostname
     cluster_id: str = "kvstore"
     replicas: int = 1
+    namespace_replicas: list[str] = field(default_factory=list)  # "PREFIX=R": copies per ns prefix
     tls_cert: str = ""  # PEM certificate of this daemon; with tls_key enables TLS
     tls_key: str = ""
     tls_ca: str = ""  # CA that signed peers' certificates

@@ -38,8 +38,16 @@ from .errors import (
 )
 from .keys import HASH_LEN, check_hashes, check_namespace, leading_run
 from .proto import master_pb2, master_pb2_grpc, store_pb2, store_pb2_grpc
+from .replicas import (
+    ReplicaStats,
+    any_owner_groups,
+    by_worker,
+    read_order,
+    repairs,
+    replica_count,
+)
 from .security import Tls, metadata, open_channel
-from .sharding import Ring, build_ring
+from .sharding import DEFAULT_VNODES_PER_GIB, Ring, build_ring
 from .transport import shm
 from .transport.shm import ShmArena
 from .transport.tcp import GetResult, TcpConnection, TcpPool, parse_tcp_url
@@ -103,6 +111,9 @@ class _View:
     ring: Ring
     workers: list[_Worker]
     max_value: int
+    replicas: int = 1  # the map's default copy count
+    ns_replicas: dict[str, int] | None = None  # namespace prefix -> copies
+    local: np.ndarray | None = None  # per worker: reachable over shm:// (same host)
 
 
 def parse_masters(master: str) -> list[str]:
@@ -164,6 +175,7 @@ class Client:
         self._executor = cf.ThreadPoolExecutor(max_threads, thread_name_prefix="kvstore-io")
         self._channel: grpc.Channel | None = None
         self._watch_call: Any = None  # the open WatchShardMap call, to cancel on close
+        self.replica_stats = ReplicaStats()
         try:
             self._apply_map(self._fetch_map())
         except BaseException:
@@ -226,8 +238,9 @@ class Client:
                 return
             ring = build_ring(
                 [(w.id, w.capacity_bytes) for w in m.workers],
-                vnodes_per_gib=m.vnodes_per_gib or 64,
+                vnodes_per_gib=m.vnodes_per_gib or DEFAULT_VNODES_PER_GIB,
                 replicas=max(1, m.replicas),
+                hosts={w.id: w.host_id for w in m.workers},
             )
             by_id = {w.id: w for w in m.workers}
             workers: list[_Worker] = []
@@ -273,7 +286,9 @@ class Client:
                 if key not in live:
                     self._ucx.pop(key).close()
             max_value = min((w.max_value_bytes for w in m.workers), default=0)
-            self._view = _View(m.version, ring, workers, max_value)
+            local = np.array([w.arena is not None for w in workers], dtype=bool)
+            ns_r = dict(m.namespace_replicas)
+            self._view = _View(m.version, ring, workers, max_value, max(1, m.replicas), ns_r, local)
 
     def workers(self) -> list[master_pb2.WorkerInfo]:
         """The workers of the current map."""
@@ -294,6 +309,10 @@ class Client:
             return view, [(0, np.arange(len(hashes)))]
         owner = view.ring.primary(hashes)
         return view, [(int(w), np.flatnonzero(owner == w)) for w in np.unique(owner)]
+
+    def _copies(self, view: _View, ns: str, requested: int | None) -> int:
+        r = replica_count(ns, requested, view.replicas, view.ns_replicas or {})
+        return min(r, len(view.workers)) if view.workers else r
 
     def _fan_out(
         self,
@@ -329,16 +348,37 @@ class Client:
     # ---- data calls ----------------------------------------------------------
 
     def batch_put(
-        self, ns: str, hashes: list[bytes], values: Sequence[bytes | bytearray | memoryview]
+        self,
+        ns: str,
+        hashes: list[bytes],
+        values: Sequence[bytes | bytearray | memoryview],
+        *,
+        replicas: int | None = None,
     ) -> list[bool]:
-        """Store blocks that are absent. True = stored now; False = already present
-        (skipped) or its worker was unreachable. Raises InvalidArgument on bad input
-        and ResourceExhausted when a worker has no room."""
+        """Store blocks that are absent. True = stored now (by the primary owner);
+        False = already present (skipped) or its primary was unreachable. Raises
+        InvalidArgument on bad input and ResourceExhausted when a primary has no room.
+
+        ``replicas``: copies on distinct workers (1..8; default: the namespace's count
+        from the map, see :mod:`kvstore_client.replicas`). Copies beyond the primary
+        are best effort: their failures are counted in ``replica_stats``, not raised.
+        """
         nsb = self._check(ns, hashes)
         if len(values) != len(hashes):
             raise InvalidArgument(f"{len(hashes)} hashes but {len(values)} values")
         views = [memoryview(v).cast("B") for v in values]
         view, groups = self._groups(hashes)
+        r = self._copies(view, ns, replicas)
+        if r > 1 and groups:
+            owners = view.ring.lookup(hashes, r)
+            groups = [(w, np.flatnonzero(owners[:, 0] == w)) for w in np.unique(owners[:, 0])]
+            extra = [
+                (int(w), np.flatnonzero(owners[:, c] == w))
+                for c in range(1, owners.shape[1])
+                for w in np.unique(owners[:, c])
+            ]
+        else:
+            extra = []
         for i, v in enumerate(views):
             if view.max_value and v.nbytes > view.max_value:
                 raise InvalidArgument(
@@ -350,20 +390,33 @@ class Client:
         sums = [xxhash.xxh3_64_intdigest(v) for v in views]
         tasks: list[Callable[[], Any]] = []
         parts: list[np.ndarray] = []
-        for w, idx in groups:
+        primaries = 0
+        for k, (w, idx) in enumerate([*groups, *extra]):
             for chunk in _chunks(idx, [views[i].nbytes for i in idx]):
                 hs = [hashes[i] for i in chunk]
                 vs = [views[i] for i in chunk]
                 cs = [sums[i] for i in chunk]
                 tasks.append(_bind(view.workers[w].put, self.timeout, nsb, hs, vs, cs))
                 parts.append(chunk)
+            if k == len(groups) - 1:
+                primaries = len(tasks)
         full: list[KVStoreError] = []
 
-        def on_error(_: int, e: KVStoreError) -> None:
+        def on_error(t: int, e: KVStoreError) -> None:
+            if t >= primaries:
+                if isinstance(e, InvalidArgument | PermissionDenied | Unauthenticated):
+                    full.append(e)
+                return  # a copy beyond the primary: counted below, never raised
             if not isinstance(e, Unavailable | TimeoutError):
                 full.append(e)  # raised after the other workers' results are in
 
-        for chunk, status in zip(parts, self._fan_out(tasks, on_error), strict=True):
+        for t, (chunk, status) in enumerate(
+            zip(parts, self._fan_out(tasks, on_error), strict=True)
+        ):
+            if t >= primaries:
+                ok = 0 if status is None else sum(1 for x in status if x in (0, 1))
+                self.replica_stats.add(copies_written=ok, copies_failed=len(chunk) - ok)
+                continue
             if status is None:
                 continue
             for j, i in enumerate(chunk):
@@ -377,15 +430,26 @@ class Client:
         return result
 
     def batch_exists(self, ns: str, hashes: list[bytes]) -> list[bool]:
-        """Which hashes are present (False also for unreachable workers)."""
+        """Which hashes are present on any of their owners (False also for unreachable
+        workers); one batched request per worker."""
         nsb = self._check(ns, hashes)
-        view, groups = self._groups(hashes)
+        view, groups = self._copy_groups(ns, hashes)
         if not groups:
             return [False] * len(hashes)
         if any(view.workers[w].ucx is not None for w, _ in groups):
             return self._exists_threads(nsb, hashes, view, groups)
         flags: list[bool] = self._exists_scatter(nsb, hashes, view, groups).tolist()
         return flags
+
+    def _copy_groups(
+        self, ns: str, hashes: Sequence[bytes]
+    ) -> tuple[_View, list[tuple[int, np.ndarray]]]:
+        """Like _groups, but each worker gets every key it holds any copy of."""
+        view, groups = self._groups(hashes)
+        r = self._copies(view, ns, None)
+        if r > 1 and groups:
+            groups = any_owner_groups(view.ring.lookup(hashes, r))
+        return view, groups
 
     def _exists_threads(
         self, nsb: bytes, hashes: list[bytes], view: _View, groups: list[tuple[int, np.ndarray]]
@@ -398,7 +462,7 @@ class Client:
         for (_, idx), flags in zip(groups, self._fan_out(tasks, _misses_only), strict=True):
             if flags is not None:
                 for j, i in enumerate(idx):
-                    result[int(i)] = flags[j]
+                    result[int(i)] = result[int(i)] or flags[j]
         return result
 
     def _exists_scatter(
@@ -428,7 +492,7 @@ class Client:
         for pool, conn, idx in sent:
             try:
                 conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
-                out[idx] = conn.recv_exists()
+                out[idx] |= conn.recv_exists()  # any copy counts (replicas)
             except (OSError, KVStoreError) as e:
                 conn.close()
                 if isinstance(e, InvalidArgument | PermissionDenied | Unauthenticated):
@@ -453,7 +517,7 @@ class Client:
                 k -= 1
             return k
         nsb = self._check(ns, hashes)
-        view, groups = self._groups(hashes)
+        view, groups = self._copy_groups(ns, hashes)
         if not groups:
             return 0
         if any(view.workers[w].ucx is not None for w, _ in groups):
@@ -462,9 +526,14 @@ class Client:
         return len(flags) if flags.all() else int(np.argmin(flags))
 
     def batch_get(self, ns: str, hashes: list[bytes]) -> list[bytes | None]:
-        """The values, None for misses (absent, corrupt, or worker unreachable)."""
+        """The values, None for misses (absent, corrupt, or worker unreachable).
+        In a namespace with replicas, a key missed by one owner is read from the next
+        (see :mod:`kvstore_client.replicas`)."""
         nsb = self._check(ns, hashes)
         view, groups = self._groups(hashes)
+        r = self._copies(view, ns, None)
+        if r > 1 and groups:
+            return self._read_copies(view, nsb, hashes, None, r)[1]
         result: list[bytes | None] = [None] * len(hashes)
         tasks: list[Callable[[], Any]] = [
             _bind(view.workers[w].get, self.timeout, nsb, [hashes[i] for i in idx], None)
@@ -500,6 +569,11 @@ class Client:
         if not groups:
             done.set_result(result)
             return done
+        r = self._copies(view, ns, None)
+        if r > 1:
+            return self._executor.submit(
+                lambda: self._read_copies(view, nsb, hashes, views, r)[0].tolist()
+            )
         remaining = [len(groups)]
         lock = threading.Lock()
 
@@ -533,10 +607,107 @@ class Client:
             fut.add_done_callback(lambda f, idx=idx: finish(idx, f))  # type: ignore[misc]
         return done
 
+    def _read_copies(
+        self,
+        view: _View,
+        nsb: bytes,
+        hashes: list[bytes],
+        bufs: list[memoryview] | None,
+        r: int,
+    ) -> tuple[np.ndarray, list[bytes | None]]:
+        """Read keys with ``r`` owners: round k asks each missing key's k-th owner
+        (shm-reachable owners first); the first round also asks the other owners
+        whether they hold the key, and copies they lack are written back in the
+        background. Returns (found flags, values when ``bufs`` is None)."""
+        n = len(hashes)
+        owners = view.ring.lookup(hashes, r)
+        order = read_order(owners, view.local if view.local is not None else np.zeros(0, bool))
+        found_at = np.full(n, -1, dtype=np.int64)
+        values: list[bytes | None] = [None] * n
+        present: dict[int, dict[int, bool]] = {}
+        todo = np.arange(n)
+        for col in range(order.shape[1]):
+            if not len(todo):
+                break
+            gets = by_worker(order[todo, col], todo)
+            tasks: list[Callable[[], Any]] = [
+                _bind(
+                    view.workers[w].get,
+                    self.timeout,
+                    nsb,
+                    [hashes[i] for i in idx],
+                    [bufs[i] for i in idx] if bufs is not None else None,
+                )
+                for w, idx in gets
+            ]
+            checks: list[tuple[int, np.ndarray]] = []
+            if col == 0:  # which other owners hold a copy: for the repair
+                rest = [(w, idx[order[idx, 0] != w]) for w, idx in any_owner_groups(owners)]
+                checks = [(w, idx) for w, idx in rest if len(idx)]
+                tasks += [
+                    _bind(view.workers[w].exists, self.timeout, nsb, [hashes[i] for i in idx])
+                    for w, idx in checks
+                ]
+            res = self._fan_out(tasks, _misses_only)
+            for (w, idx), got in zip(gets, res[: len(gets)], strict=True):
+                if got is None:
+                    continue
+                for j, i in enumerate(idx):
+                    if got.found[j]:
+                        found_at[i] = w
+                        if bufs is None:
+                            v = got.values[j]
+                            values[int(i)] = bytes(v) if v is not None else None
+                present.setdefault(w, {}).update(
+                    (int(i), bool(f)) for i, f in zip(idx, got.found, strict=True)
+                )
+            for (w, idx), flags in zip(checks, res[len(gets) :], strict=True):
+                if flags is not None:
+                    present.setdefault(w, {}).update(
+                        (int(i), bool(f)) for i, f in zip(idx, flags, strict=True)
+                    )
+            todo = todo[found_at[todo] < 0]
+        fallback = int(np.count_nonzero((found_at >= 0) & (found_at != owners[:, 0])))
+        if fallback:
+            self.replica_stats.add(fallback_reads=fallback)
+        fix = repairs(owners, found_at, present)
+        if fix:
+            src = {
+                int(i): bytes(values[int(i)] or b"") if bufs is None else bytes(bufs[int(i)])
+                for _, idx in fix
+                for i in idx
+            }
+            self._executor.submit(self._repair, view, nsb, hashes, src, fix)
+        return found_at >= 0, values
+
+    def _repair(
+        self,
+        view: _View,
+        nsb: bytes,
+        hashes: list[bytes],
+        src: dict[int, bytes],
+        fix: list[tuple[int, np.ndarray]],
+    ) -> None:
+        """Write the copies that a read found missing (background, best effort)."""
+        for w, idx in fix:
+            vs = [memoryview(src[int(i)]) for i in idx]
+            try:
+                status = view.workers[w].put(
+                    self.timeout,
+                    nsb,
+                    [hashes[i] for i in idx],
+                    vs,
+                    [xxhash.xxh3_64_intdigest(v) for v in vs],
+                )
+            except KVStoreError:
+                self.replica_stats.add(copies_failed=len(idx))
+                continue
+            self.replica_stats.add(repaired=sum(1 for x in status if x in (0, 1)))
+
     def remove(self, ns: str, hashes: list[bytes]) -> int:
-        """Remove blocks; returns how many were present."""
+        """Remove blocks (every copy); returns how many copies were present."""
         nsb = self._check(ns, hashes)
-        view, groups = self._groups(hashes)
+        view, groups = self._copy_groups(ns, hashes)
         tasks: list[Callable[[], Any]] = [
             _bind(view.workers[w].remove, self.timeout, nsb, [hashes[i] for i in idx])
             for w, idx in groups

@@ -81,6 +81,7 @@ class Ring:
     worker_ids: tuple[str, ...]
     points: np.ndarray  # sorted uint64
     owners: np.ndarray  # int32, shape (len(points), replicas)
+    host_of: np.ndarray | None = None  # host index per worker, when hosts were given
 
     @property
     def replicas(self) -> int:
@@ -90,14 +91,30 @@ class Ring:
         """Index into worker_ids of each hash's first owner (int32 array)."""
         return self.lookup(hashes)[:, 0] if len(hashes) else np.empty(0, dtype=np.int32)
 
-    def lookup(self, hashes: Sequence[bytes]) -> np.ndarray:
-        """Owner indices, shape (len(hashes), replicas); empty ring -> ValueError."""
+    def lookup(self, hashes: Sequence[bytes], replicas: int | None = None) -> np.ndarray:
+        """Owner indices, shape (len(hashes), R) with R = ``replicas`` (default: the
+        ring's) clamped to the number of workers; empty ring -> ValueError.
+
+        Owners beyond the ring's own replica count are found by walking the ring
+        for just these keys, with the same rule as :func:`build_ring`.
+        """
         if not len(self.points):
             raise ValueError("the ring has no workers")
         idx = np.searchsorted(self.points, key_positions(hashes), side="left")
         idx[idx == len(self.points)] = 0
-        owners: np.ndarray = self.owners[idx]
-        return owners
+        have = self.owners.shape[1]
+        r = have if replicas is None else max(1, min(replicas, len(self.worker_ids)))
+        if r <= have:
+            owners: np.ndarray = self.owners[idx, :r]
+            return owners
+        out = np.full((len(idx), r), -1, dtype=np.int32)
+        out[:, :have] = self.owners[idx]
+        filled = np.full(len(idx), have, dtype=np.int64)
+        point_owner = self.owners[:, 0]
+        if self.host_of is not None and len(set(self.host_of.tolist())) >= r:
+            _fill(out, filled, point_owner, self.host_of, idx)
+        _fill(out, filled, point_owner, None, idx)
+        return out
 
 
 def build_ring(
@@ -130,9 +147,9 @@ def build_ring(
         filled = np.ones(len(points), dtype=np.int64)
         host_of = _host_index(ids, hosts)
         if host_of is not None and len(set(host_of.tolist())) >= r:
-            _fill(owners, filled, point_owner, host_of)
-        _fill(owners, filled, point_owner, None)
-    return Ring(ids, points, owners)
+            _fill(owners, filled, point_owner, host_of, np.arange(len(points)))
+        _fill(owners, filled, point_owner, None, np.arange(len(points)))
+    return Ring(ids, points, owners, _host_index(ids, hosts))
 
 
 def _host_index(ids: Sequence[str], hosts: Mapping[str, str] | None) -> np.ndarray | None:
@@ -146,16 +163,21 @@ def _host_index(ids: Sequence[str], hosts: Mapping[str, str] | None) -> np.ndarr
 
 
 def _fill(
-    owners: np.ndarray, filled: np.ndarray, point_owner: np.ndarray, host_of: np.ndarray | None
+    owners: np.ndarray,
+    filled: np.ndarray,
+    point_owner: np.ndarray,
+    host_of: np.ndarray | None,
+    start: np.ndarray,
 ) -> None:
-    """Append to each row of ``owners`` the next workers along the ring that are not
-    in the row yet (with ``host_of``: whose host is not in the row yet), until each
-    row has ``owners.shape[1]`` entries or the ring was walked once."""
-    n, r = owners.shape
+    """Append to each row of ``owners`` (row k starts at ring point ``start[k]``) the
+    next workers along the ring that are not in the row yet (with ``host_of``: whose
+    host is not in the row yet), until each row is full or the ring was walked once."""
+    r = owners.shape[1]
+    n = len(point_owner)
     shift = 1
     pending = np.flatnonzero(filled < r)
     while len(pending) and shift < n:
-        cand = point_owner[(pending + shift) % n]
+        cand = point_owner[(start[pending] + shift) % n]
         rows = owners[pending]
         if host_of is None:
             fresh = np.all(rows != cand[:, None], axis=1)

@@ -34,6 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore_client import __version__
 from kvstore_client.proto import master_pb2, master_pb2_grpc
+from kvstore_client.replicas import check_replicas, parse_namespace_replicas
 from kvstore_client.security import AUTH_HEADER, Tls
 
 from .. import metrics
@@ -57,6 +58,7 @@ LEADER_TRAILER = "kvstore-leader"
 TTL_TRAILER = "kvstore-ttl"  # on an IdConflict: the TTL after which a silent id is free
 FORWARD_TIMEOUT = 3.0
 STATUS_FORWARD_TIMEOUT = 1.5
+WATCH_COALESCE_S = 0.1  # bench scale: bounds the watch fan-out under churn
 
 if TYPE_CHECKING:  # the etcd code is imported only with --etcd
     from .ha import HaCoordinator
@@ -106,6 +108,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self.ha: HaCoordinator | None = None
         self._expiry: asyncio.Task[None] | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.namespace_replicas: dict[str, int] = {}  # published in every map
         self._wire_of: master_pb2.ShardMap | None = None  # the map ``_wire`` serializes
         self._wire = b""
 
@@ -126,6 +129,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         await self._publish(self.m.shard_map())
 
     async def _publish(self, m: master_pb2.ShardMap) -> None:
+        m.namespace_replicas.update(self.namespace_replicas)
         self.published = m
         metrics.MAP_VERSION.set(m.version)
         metrics.LIVE_WORKERS.set(len(m.workers))
@@ -333,6 +337,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                     current = self.published
                     known = current.version
                     yield current
+                    # at most one map per watcher per WATCH_COALESCE_S: a burst of
+                    # changes (workers re-registering at once) costs one send each
+                    await asyncio.sleep(WATCH_COALESCE_S)
                 async with self.changed:
                     await self.changed.wait_for(functools.partial(self._moved_on, known))
         except asyncio.CancelledError:
@@ -456,6 +463,8 @@ async def serve(cfg: MasterConfig) -> int:
     when etcd does not answer within 15 s.
     """
     metrics.enable_master_metrics()
+    check_replicas(cfg.replicas)
+    parse_namespace_replicas(cfg.namespace_replicas)  # bad entries fail before binding
     members = Membership(cfg.worker_ttl, replicas=cfg.replicas, cluster_id=cfg.cluster_id)
     if not cfg.etcd:
         # Alone, in memory: number the maps from the clock, so that a restarted master's
@@ -476,6 +485,7 @@ async def serve(cfg: MasterConfig) -> int:
     else:
         port = server.add_insecure_port(bind)
     servicer = MasterServicer(members, address=_advertised(cfg, port), tls=tls)
+    servicer.namespace_replicas = parse_namespace_replicas(cfg.namespace_replicas)
     _add_servicer(servicer, server)
     hs = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)

@@ -292,18 +292,46 @@ class ShardMap(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class NamespaceReplicasEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     VERSION_FIELD_NUMBER: _builtins.int
     WORKERS_FIELD_NUMBER: _builtins.int
     VNODES_PER_GIB_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    NAMESPACE_REPLICAS_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     vnodes_per_gib: _builtins.int
     """virtual nodes per GiB of capacity"""
     replicas: _builtins.int
+    """copies of each block by default (the master's --replicas)"""
     cluster_id: _builtins.str
     @_builtins.property
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerInfo]: ...
+    @_builtins.property
+    def namespace_replicas(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Copies per namespace prefix (the master's --namespace-replicas PREFIX=R); the
+        longest matching prefix wins over `replicas`; a client call's own count wins over both.
+        """
+
     def __init__(
         self,
         *,
@@ -312,10 +340,11 @@ class ShardMap(_message.Message):
         vnodes_per_gib: _builtins.int = ...,
         replicas: _builtins.int = ...,
         cluster_id: _builtins.str = ...,
+        namespace_replicas: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "replicas", b"replicas", "version", b"version", "vnodes_per_gib", b"vnodes_per_gib", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "namespace_replicas", b"namespace_replicas", "replicas", b"replicas", "version", b"version", "vnodes_per_gib", b"vnodes_per_gib", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
