@@ -292,6 +292,9 @@ def test_sigkill_master_data_path_keeps_reading_and_writing(make_cluster: MakeCl
         assert len(c.workers()) == 2, "the restarted master has every worker back"
 
 
+GHOST = "g" * 32  # the ghosts' instance token (every Register/Leave carries one)
+
+
 def _ghost(i: int) -> master_pb2.WorkerInfo:
     return master_pb2.WorkerInfo(
         id=f"ghost-{i}",
@@ -306,8 +309,8 @@ def _churn(cluster: LocalCluster, ghost: int) -> None:
     """A worker joins and leaves (two map versions), as happens in any long-lived cluster."""
     with grpc.insecure_channel(cluster.address) as ch:
         stub = master_pb2_grpc.MasterStub(ch)
-        stub.Register(master_pb2.RegisterRequest(worker=_ghost(ghost)), timeout=5)
-        stub.Leave(master_pb2.LeaveRequest(worker_id=f"ghost-{ghost}"), timeout=5)
+        stub.Register(master_pb2.RegisterRequest(worker=_ghost(ghost), instance=GHOST), timeout=5)
+        stub.Leave(master_pb2.LeaveRequest(worker_id=f"ghost-{ghost}", instance=GHOST), timeout=5)
 
 
 def test_master_restart_map_changes_still_reach_running_clients(
@@ -326,7 +329,7 @@ def test_master_restart_map_changes_still_reach_running_clients(
         # A worker joins the restarted master: the running client must route to it.
         with grpc.insecure_channel(cluster.address) as ch:
             master_pb2_grpc.MasterStub(ch).Register(
-                master_pb2.RegisterRequest(worker=_ghost(9)), timeout=5
+                master_pb2.RegisterRequest(worker=_ghost(9), instance=GHOST), timeout=5
             )
         wait_for(lambda: "ghost-9" in {w.id for w in c.workers()}, 3)
 

@@ -172,3 +172,19 @@ def test_the_number_of_workers_is_capped_so_the_map_stays_small() -> None:
     )
     full = master_pb2.ShardMap(workers=[biggest] * mb.MAX_WORKERS).ByteSize()
     assert full < 4 << 20, "a full map of the largest workers fits gRPC's default 4 MiB"
+
+
+def test_the_worker_backs_off_and_logs_rarely_while_waiting() -> None:
+    from kvstore.worker.masterlink import Backoff, Throttle, new_instance_token
+
+    b = Backoff(first=0.2, cap=5.0)
+    assert [b.next() for _ in range(8)] == [0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0, 5.0]
+    b.reset()
+    assert b.next() == 0.2
+    t = Throttle(every=30.0)
+    assert [t.ready(now) for now in (0, 1, 29.9, 30, 45, 61)] == [
+        True, False, False, True, False, True,
+    ]  # fmt: skip
+    tok = new_instance_token()
+    assert len(tok) == 32 and tok != new_instance_token()
+    mb.check_instance(tok)
