@@ -108,8 +108,7 @@ class BlockStore:
 
     def exists(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
         with self.lock:
-            space = self.tier.index.get(ns, {})
-            flags = [b is not None and b.ready for b in map(space.get, keys)]
+            flags = self.tier.exists_many(ns, keys)
             if len(self.ssd_index):
                 ssd = self.ssd_index.entries
                 flags = [f or (ns, k) in ssd for f, k in zip(flags, keys, strict=True)]
@@ -147,7 +146,7 @@ class BlockStore:
 
     def remove_namespace(self, ns: str) -> int:
         with self.lock:
-            keys = {b.key for b in self.tier.index.get(ns, {}).values() if b.ready}
+            keys = set(self.tier.keys_of(ns))
             keys.update(self.ssd_index.keys_of(ns))
         return self.remove(ns, sorted(keys))
 
@@ -372,7 +371,7 @@ class BlockStore:
                     min(nbytes - moved, DEMOTE_BATCH_BYTES), include_pinned_ns=everything
                 )
                 for b in batch:
-                    b.pins += 1
+                    self.tier.pin(b)
             if not batch:
                 break
             todo = [
