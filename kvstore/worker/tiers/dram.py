@@ -47,7 +47,7 @@ import numpy as np
 
 from kvstore_client.errors import InvalidArgument, ResourceExhausted
 
-from .slots import DOOMED, FREE, KEY, M64, PENDING, READY, UNUSED, SlotIndex
+from .slots import DOOMED, FREE, M64, PENDING, READY, UNUSED, SlotIndex
 
 ALIGN = 64
 MIN_CLASS = 64
@@ -159,6 +159,8 @@ class DramTier(SlotIndex):
         self.capacity = n * slab_size
         self.class_sizes = size_classes(slab_size)
         nc = len(self.class_sizes)
+        if 2 * nc > 256:
+            raise ValueError("too many size classes")  # a slot's list index is one byte
         self.slab_class = array("i", [-1]) * n
         self.slab_nslots = array("i", [0]) * n
         self.slab_nfree = array("i", [0]) * n
@@ -197,7 +199,7 @@ class DramTier(SlotIndex):
         nsid = self._ns_ids.get(ns)
         if nsid is None or len(key) != 16:
             return -1
-        return self.find(nsid, key)
+        return self.find(nsid, key if type(key) is bytes else bytes(key))
 
     def peek(self, ns: str, key: bytes) -> Block | None:
         """The ready block or None, without touching LRU order or counters."""
@@ -246,7 +248,17 @@ class DramTier(SlotIndex):
         self.pins[s] = p + 1
         self._tick += 1
         self.tick[s] = self._tick
-        return self._handle(s, ns, key)
+        return Block(
+            ns,
+            key,
+            self.off[s],
+            self.size[s],
+            self.csum[s],
+            self.class_sizes[self.lst[s] >> 1],
+            s,
+            self.gen[s],
+            self,
+        )
 
     def pin(self, b: Block) -> bool:
         """Pin a ready block without counting a read (e.g. while demoting it).
@@ -269,18 +281,16 @@ class DramTier(SlotIndex):
         to the most recently used end of its LRU list. A stale handle does nothing.
         """
         s = b.slot
-        if self.gen[s] != b.gen:
-            return
         p = self.pins[s]
-        if p == 0:
+        if p == 0 or self.gen[s] != b.gen:
             return
-        self.pins[s] = p - 1
-        if p == 1:
-            st = self.state[s]
-            if st == DOOMED:
-                self._free(s)
-            elif st == READY:
-                self._link(s)
+        if p > 1:
+            self.pins[s] = p - 1
+        elif self.state[s] == READY:
+            self.pins[s] = 0
+            self._link(s)
+        else:  # doomed
+            self._free(s)
 
     def set_tag(self, b: Block, tag: int) -> None:
         """Attach a small integer (0..2**32-1, e.g. a session id) to a live block."""
@@ -305,19 +315,21 @@ class DramTier(SlotIndex):
             raise InvalidArgument(f"value of {size} bytes exceeds the limit of {self.slab_size}")
         if len(key) != 16:
             raise InvalidArgument(f"a key is 16 bytes, got {len(key)}")
+        if type(key) is not bytes:
+            key = bytes(key)
         if not 0 <= checksum <= M64:
             raise InvalidArgument("a checksum is an unsigned 64-bit integer")
-        if self._find(ns, key) >= 0:
+        known = self._ns_ids.get(ns)
+        if known is not None and self.find(known, key) >= 0:
             self.counters.skipped += 1
             return None
         cls = bisect.bisect_left(self.class_sizes, max(size, 1))
         s = self._alloc(cls)
         nsid = self._intern(ns)  # after _alloc: its evictions may retire namespace ids
-        lo, hi = KEY.unpack(key)
-        self.kw[2 * s] = lo
-        self.kw[2 * s + 1] = hi
-        self.h32[s] = self.hash32(nsid, lo, hi)
+        self.kb[16 * s : 16 * s + 16] = key
+        self.h32[s] = self.hash32(nsid, key)
         self.nsid[s] = nsid
+        self.lst[s] = 2 * cls + self._ns_pinned[nsid]
         self.size[s] = size
         self.csum[s] = checksum
         self.pins[s] = 0
@@ -404,8 +416,8 @@ class DramTier(SlotIndex):
         if ns is None:
             ns = self._ns_names[self.nsid[s]]
         if key is None:
-            key = KEY.pack(self.kw[2 * s], self.kw[2 * s + 1])
-        slot_size = self.class_sizes[self.slab_class[self.off[s] // self.slab_size]]
+            key = bytes(self.kb[16 * s : 16 * s + 16])
+        slot_size = self.class_sizes[self.lst[s] >> 1]
         return Block(
             ns, key, self.off[s], self.size[s], self.csum[s], slot_size, s, self.gen[s], self
         )
@@ -420,11 +432,13 @@ class DramTier(SlotIndex):
             self._ns_names[i] = ns
             self._ns_live[i] = 0
             self._ns_pinned[i] = pinned
+            self.new_salt(i)
         else:
             i = len(self._ns_names)
             self._ns_names.append(ns)
             self._ns_live.append(0)
             self._ns_pinned.append(pinned)
+            self.new_salt(i)
         self._ns_ids[ns] = i
         return i
 
@@ -437,38 +451,36 @@ class DramTier(SlotIndex):
             self._ns_names[nsid] = ""
             self._ns_spare.append(nsid)
 
-    def _list_of(self, s: int) -> tuple[int, int]:
-        """(list index, slab) of a ready, unpinned slot."""
-        slab = self.off[s] // self.slab_size
-        return 2 * self.slab_class[slab] + self._ns_pinned[self.nsid[s]], slab
-
     def _link(self, s: int) -> None:
         """Append a ready, unpinned slot at the most recently used end of its list."""
-        x, slab = self._list_of(s)
+        x = self.lst[s]
         if not x & 1:
-            self.slab_evictable[slab] += 1
-        self._tick += 1
-        self.tick[s] = self._tick
-        p = self._tail[x]
+            self.slab_evictable[self.off[s] // self.slab_size] += 1
+        self._tick = tick = self._tick + 1
+        self.tick[s] = tick
+        tail = self._tail
+        p = tail[x]
         self.prev[s] = p
         self.next[s] = -1
         if p >= 0:
             self.next[p] = s
         else:
             self._head[x] = s
-        self._tail[x] = s
+        tail[x] = s
 
     def _unlink(self, s: int) -> None:
-        x, slab = self._list_of(s)
+        x = self.lst[s]
         if not x & 1:
-            self.slab_evictable[slab] -= 1
-        p, n = self.prev[s], self.next[s]
+            self.slab_evictable[self.off[s] // self.slab_size] -= 1
+        nxt, prv = self.next, self.prev
+        p = prv[s]
+        n = nxt[s]
         if p >= 0:
-            self.next[p] = n
+            nxt[p] = n
         else:
             self._head[x] = n
         if n >= 0:
-            self.prev[n] = p
+            prv[n] = p
         else:
             self._tail[x] = p
 

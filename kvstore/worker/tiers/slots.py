@@ -7,11 +7,12 @@ slabs are carved into slots, never for the whole arena up front; ids of a slab
 that leaves its size class are kept as spares for the next slab carved.
 
 The index is an open-addressing hash table (linear probing, backward-shift
-deletion, load at most 0.7) of slot ids; the keys live in the slot arrays. The
-hash is a keyed multiply-shift of the key's two 64-bit words and the namespace
-id with secret random multipliers, so clients cannot choose colliding keys.
-Scalar lookups run in Python; :meth:`SlotIndex.find_many` probes a whole batch
-with numpy.
+deletion, load at most 0.7) of slot ids; the keys live in the slot arrays. A
+slot's 32-bit hash is the high half of Python's own ``hash()`` of the key bytes
+(SipHash, keyed at random per process unless PYTHONHASHSEED pins it, so clients
+cannot choose colliding keys; bytes cache it) xor a random salt per namespace.
+Only this process's table uses it. Scalar lookups run in Python;
+:meth:`SlotIndex.find_many` probes a whole batch with numpy.
 
 Pure bookkeeping, no I/O, not thread-safe (the store serialises calls).
 """
@@ -33,16 +34,13 @@ READY = 3  # committed and visible; indexed
 DOOMED = 4  # removed or evicted while pinned; freed on the last release
 
 M64 = (1 << 64) - 1
+U32 = (1 << 32) - 1
 KEY = struct.Struct("<QQ")
 MIN_TABLE_BITS = 10
 MAX_LOAD = 0.7
 
 I32 = npt.NDArray[np.int32]
 I64 = npt.NDArray[np.int64]
-
-
-def _odd64() -> int:
-    return secrets.randbits(64) | 1
 
 
 class SlotIndex:
@@ -53,13 +51,14 @@ class SlotIndex:
     """
 
     def __init__(self) -> None:
-        self.kw = array("Q")  # key: two u64 words per slot (little-endian halves)
+        self.kb = bytearray()  # key bytes, 16 per slot
         self.nsid = array("I")  # interned namespace id
         self.h32 = array("I")  # high 32 bits of the key's hash (table home, quick compare)
         self.size = array("I")  # payload bytes
         self.csum = array("Q")  # xxh3-64 of the payload
         self.pins = array("I")  # readers and other holders
         self.state = bytearray()  # UNUSED / FREE / PENDING / READY / DOOMED
+        self.lst = bytearray()  # which LRU list the slot joins when ready and unpinned
         self.gen = array("I")  # bumped when the slot is freed: stale handles do nothing
         self.prev = array("i")  # LRU list links (free list: next only)
         self.next = array("i")
@@ -68,7 +67,7 @@ class SlotIndex:
         self.tag = array("I")  # caller's small integer (session tag)
         self.nslots = 0
         self._spare = array("i")  # ids not in any slab, reused first
-        self._ha, self._hb, self._hc = _odd64(), _odd64(), _odd64()
+        self.ns_salt: list[int] = []  # per namespace id, set by new_salt()
         self._set_table(array("i", [-1]) * (1 << MIN_TABLE_BITS), MIN_TABLE_BITS)
         self.indexed = 0
 
@@ -95,23 +94,33 @@ class SlotIndex:
             a.frombytes(bytes(4 * n))
         for a in (self.csum, self.tick, self.off):
             a.frombytes(bytes(8 * n))
-        self.kw.frombytes(bytes(16 * n))
+        self.kb.extend(bytes(16 * n))
         self.prev.frombytes(bytes(4 * n))
         self.next.frombytes(bytes(4 * n))
         self.state.extend(bytes(n))
+        self.lst.extend(bytes(n))
         self.nslots += n
 
     def heap_bytes(self) -> int:
         """Bytes held by the arrays and the table (allocated, including slack)."""
-        arrays = [self.kw, self.nsid, self.h32, self.size, self.csum, self.pins, self.gen]
+        arrays = [self.nsid, self.h32, self.size, self.csum, self.pins, self.gen]
         arrays += [self.prev, self.next, self.tick, self.off, self.tag, self._spare, self.table]
-        return sum(a.buffer_info()[1] * a.itemsize for a in arrays) + len(self.state)
+        return (
+            sum(a.buffer_info()[1] * a.itemsize for a in arrays)
+            + 2 * len(self.state)
+            + len(self.kb)
+        )
 
     # ---- hashing -------------------------------------------------------------
 
-    def hash32(self, nsid: int, lo: int, hi: int) -> int:
-        h: int = ((lo * self._ha + hi * self._hb + nsid * self._hc) & M64) >> 32
-        return h
+    def new_salt(self, nsid: int) -> None:
+        """Draw the hash salt of a namespace id (new, or reused with no slot left)."""
+        while len(self.ns_salt) <= nsid:
+            self.ns_salt.append(0)
+        self.ns_salt[nsid] = secrets.randbits(32)
+
+    def hash32(self, nsid: int, key: bytes) -> int:
+        return ((hash(key) >> 32) ^ self.ns_salt[nsid]) & U32
 
     def _set_table(self, table: array[int], bits: int) -> None:
         self.table = table
@@ -124,17 +133,16 @@ class SlotIndex:
 
     def find(self, nsid: int, key: bytes) -> int:
         """The indexed (pending or ready) slot of a 16-byte key, or -1."""
-        lo, hi = KEY.unpack(key)
-        h: int = ((lo * self._ha + hi * self._hb + nsid * self._hc) & M64) >> 32
+        h = ((hash(key) >> 32) ^ self.ns_salt[nsid]) & U32
         t = self.table
         mask = self._tmask
-        i: int = h >> self._tshift
-        h32, kw, ns = self.h32, self.kw, self.nsid
+        i = h >> self._tshift
+        h32 = self.h32
         while True:
             s = t[i]
             if s < 0:
                 return -1
-            if h32[s] == h and kw[2 * s] == lo and kw[2 * s + 1] == hi and ns[s] == nsid:
+            if h32[s] == h and self.kb[16 * s : 16 * s + 16] == key and self.nsid[s] == nsid:
                 return s
             i = (i + 1) & mask
 
@@ -206,13 +214,15 @@ class SlotIndex:
             return np.array([self.find(nsid, k) if len(k) == 16 else -1 for k in keys], np.int64)
         q = np.frombuffer(buf, dtype="<u8").reshape(n, 2).astype(np.uint64)
         lo, hi = q[:, 0], q[:, 1]
-        h = (
-            lo * np.uint64(self._ha) + hi * np.uint64(self._hb) + np.uint64(nsid * self._hc & M64)
-        ) >> np.uint64(32)
-        pos = (h >> np.uint64(self._tshift)).astype(np.int64)
+        try:
+            hs = [hash(k) for k in keys]
+        except TypeError:  # bytearray or writable memoryview keys
+            hs = [hash(bytes(k)) for k in keys]
+        h = ((np.array(hs, dtype=np.int64) >> 32) ^ self.ns_salt[nsid]) & U32
+        pos = h >> self._tshift
         out = np.full(n, -1, dtype=np.int64)
         table = np.frombuffer(self.table, dtype=np.int32)
-        kw = np.frombuffer(self.kw, dtype=np.uint64)
+        kw = np.frombuffer(self.kb, dtype="<u8")
         h32 = np.frombuffer(self.h32, dtype=np.uint32)
         ns = np.frombuffer(self.nsid, dtype=np.uint32)
         idx = np.arange(n)
@@ -235,5 +245,5 @@ class SlotIndex:
         return np.flatnonzero(mask)
 
     def keys_at(self, ids: I64) -> list[bytes]:
-        raw = np.frombuffer(self.kw, dtype=np.uint64).reshape(-1, 2)[ids].astype("<u8").tobytes()
+        raw = np.frombuffer(self.kb, dtype=np.uint8).reshape(-1, 16)[ids].tobytes()
         return [raw[i : i + 16] for i in range(0, len(raw), 16)]
