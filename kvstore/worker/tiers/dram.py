@@ -47,11 +47,10 @@ import numpy as np
 
 from kvstore_client.errors import InvalidArgument, ResourceExhausted
 
-from .slots import DOOMED, FREE, M64, PENDING, READY, UNUSED, SlotIndex
+from .slots import DOOMED, FREE, M64, PENDING, READY, U32, UNUSED, SlotIndex
 
 ALIGN = 64
 MIN_CLASS = 64
-_U32 = (1 << 32) - 1
 _SCALAR_BATCH = 8  # exists_many probes shorter batches one key at a time
 
 
@@ -149,7 +148,7 @@ class DramTier(SlotIndex):
         on_evict: Callable[[Block], None] | None = None,
         pinned: Iterable[str] = (),
     ) -> None:
-        if slab_size <= 0 or slab_size % ALIGN or slab_size > _U32:
+        if slab_size <= 0 or slab_size % ALIGN or slab_size > U32:
             raise ValueError(f"slab size must be a positive multiple of {ALIGN} under 4 GiB")
         if capacity < slab_size:
             raise ValueError(f"capacity {capacity} is smaller than one slab ({slab_size})")
@@ -237,8 +236,24 @@ class DramTier(SlotIndex):
         A pinned block is off the evictable LRU list until its last :meth:`release`,
         which puts it back at the most recently used end.
         """
-        s = self._find(ns, key)
-        if s < 0 or self.state[s] != READY:
+        nsid = self._ns_ids.get(ns)
+        s = -1
+        if nsid is not None and len(key) == 16:
+            # SlotIndex.find inlined: this runs once per block read, under the store lock.
+            if type(key) is not bytes:
+                key = bytes(key)
+            h = ((hash(key) >> 32) ^ self.ns_salt[nsid]) & U32
+            t, mask, h32, kb = self.table, self._tmask, self.h32, self.kb
+            i = h >> self._tshift
+            while True:
+                s = t[i]
+                if s < 0 or (
+                    h32[s] == h and kb[16 * s : 16 * s + 16] == key and self.nsid[s] == nsid
+                ):
+                    break
+                i = (i + 1) & mask
+        state = self.state
+        if s < 0 or state[s] != READY:
             self.counters.misses += 1
             return None
         self.counters.hits += 1
@@ -295,7 +310,7 @@ class DramTier(SlotIndex):
     def set_tag(self, b: Block, tag: int) -> None:
         """Attach a small integer (0..2**32-1, e.g. a session id) to a live block."""
         if self.gen[b.slot] == b.gen:
-            self.tag[b.slot] = tag & _U32
+            self.tag[b.slot] = tag & U32
 
     def tag_of(self, b: Block) -> int:
         """The block's tag; 0 when never set or the handle is stale."""
@@ -509,7 +524,7 @@ class DramTier(SlotIndex):
         self.used_bytes -= self.size[s]
         self.slot_bytes_used -= self.class_sizes[c]
         self.state[s] = FREE
-        self.gen[s] = (self.gen[s] + 1) & _U32
+        self.gen[s] = (self.gen[s] + 1) & U32
         self.pins[s] = 0
         self.next[s] = self.slab_head[slab]
         self.slab_head[slab] = s
