@@ -262,3 +262,15 @@ def test_slot_sizes_tags_pins_and_eviction_callback() -> None:
     assert seen == [(k(1), True, 1024)], "on_evict sees the block before its slot is reused"
     assert t.slot_bytes_used == 1 * MiB and t.keys == 1024
     assert t.exists_many("ns", [k(i) for i in range(1, 20)]) == [False] + [True] * 18
+
+
+def test_lookups_accept_any_bytes_like_key() -> None:
+    t = DramTier(1 * MiB, 1 * MiB)
+    assert put(t, 1, 100)
+    for kk in (bytearray(k(1)), memoryview(bytearray(k(1)))):
+        assert t.contains("ns", kk)  # type: ignore[arg-type]
+        assert t.exists_many("ns", [kk] * 10) == [True] * 10  # type: ignore[list-item]
+    assert t.reserve("ns", bytearray(k(1)), 100, 0) is None  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument):
+        t.reserve("ns", b"short", 100, 0)
+    assert not t.contains("ns", b"short") and t.exists_many("ns", [b"short"] * 9) == [False] * 9

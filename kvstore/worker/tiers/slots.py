@@ -38,6 +38,7 @@ U32 = (1 << 32) - 1
 KEY = struct.Struct("<QQ")
 MIN_TABLE_BITS = 10
 MAX_LOAD = 0.7
+VECTOR_ROUNDS = 3  # find_many probes this many positions per key with numpy
 
 I32 = npt.NDArray[np.int32]
 I64 = npt.NDArray[np.int64]
@@ -216,8 +217,9 @@ class SlotIndex:
         lo, hi = q[:, 0], q[:, 1]
         try:
             hs = [hash(k) for k in keys]
-        except TypeError:  # bytearray or writable memoryview keys
-            hs = [hash(bytes(k)) for k in keys]
+        except (TypeError, ValueError):  # bytearray or writable memoryview keys
+            keys = [bytes(k) for k in keys]
+            hs = [hash(k) for k in keys]
         h = ((np.array(hs, dtype=np.int64) >> 32) ^ self.ns_salt[nsid]) & U32
         pos = h >> self._tshift
         out = np.full(n, -1, dtype=np.int64)
@@ -227,7 +229,7 @@ class SlotIndex:
         ns = np.frombuffer(self.nsid, dtype=np.uint32)
         idx = np.arange(n)
         mask = self._tmask
-        while idx.size:
+        for _ in range(VECTOR_ROUNDS):  # most keys resolve at or next to their home
             s = table[pos].astype(np.int64)
             live = s >= 0
             idx, pos, s = idx[live], pos[live], s[live]
@@ -235,6 +237,10 @@ class SlotIndex:
             m &= ns[s] == nsid
             out[idx[m]] = s[m]
             idx, pos = idx[~m], (pos[~m] + 1) & mask
+            if not idx.size:
+                break
+        for i in idx.tolist():  # the few on longer probe runs: cheaper one by one
+            out[i] = self.find(nsid, keys[i])
         return out
 
     def slots_where(self, nsid: int | None, state: int) -> I64:
