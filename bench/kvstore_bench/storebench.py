@@ -141,6 +141,17 @@ def _ints(text: str) -> list[int]:
 )
 @click.option("--ssd-dir", default=None, help="Tier mode: directory on the disk to test [tmp].")
 @click.option("--tier-size", default=None, help="Tier mode: bytes to write [2GiB; quick 512MiB].")
+@click.option(
+    "--index-memory",
+    is_flag=True,
+    help="Heap bytes per block of the DRAM tier's index and its per-op costs (no servers).",
+)
+@click.option(
+    "--blocks",
+    "index_blocks",
+    default=None,
+    help="Index-memory mode: block counts [1000000,10000000; quick 1M].",
+)
 def store_cmd(
     backend: str,
     block_sizes: str | None,
@@ -154,13 +165,23 @@ def store_cmd(
     tier: str | None,
     ssd_dir: str | None,
     tier_size: str | None,
+    index_memory: bool,
+    index_blocks: str | None,
 ) -> None:
     """Put / get / exists throughput and p50/p99 latency of kvstore, Mooncake and Redis,
     by block size and batch size, on the same memory; JSON and a PNG go to --out.
-    With --tier ssd: the SSD tier against the raw speed of its disk instead."""
+    With --tier ssd: the SSD tier against the raw speed of its disk instead.
+    With --index-memory: heap bytes per block of the DRAM tier's bookkeeping instead."""
     from kvstore.config import parse_size
 
     console = Console()
+    if index_memory:
+        from .indexbench import run_index_memory
+
+        default = "1M" if quick else "1M,10M"
+        counts = _ints((index_blocks or default).replace("M", "000000"))
+        run_index_memory(counts, 200_000, out, console)
+        return
     if tier == "ssd":
         from .tierbench import run_tier
 

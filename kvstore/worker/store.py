@@ -260,7 +260,8 @@ class BlockStore:
         return n
 
     def remove_namespace(self, ns: str) -> int:
-        """Remove every block of exactly this namespace (not of 'ns/...' below it)."""
+        """Remove every block of exactly this namespace (the servicer walks the ones
+        below it with :meth:`namespaces_under`)."""
         with self.lock:
             keys = set(self.tier.keys_of(ns))
             keys.update(self.ssd_index.keys_of(ns))
@@ -270,7 +271,8 @@ class BlockStore:
     def namespaces_under(self, ns: str) -> list[str]:
         """``ns`` and every namespace below ``ns + "/"`` that holds blocks (DRAM or SSD)."""
         with self.lock:
-            names = set(self.tier.index) | {n for n, _ in self.ssd_index.entries}
+            names = set(self.tier.namespaces()) | {n for n, _ in self._staged}
+            names |= self.ssd_index.namespaces()
         return sorted(n for n in names if n == ns or n.startswith(ns + "/"))
 
     # ---- writes (two-phase) --------------------------------------------------
@@ -599,8 +601,7 @@ class BlockStore:
                 batch = self.tier.oldest(
                     min(nbytes - moved, DEMOTE_BATCH_BYTES), include_pinned_ns=everything
                 )
-                for b in batch:
-                    self.tier.pin(b)
+                batch = [b for b in batch if self.tier.pin(b)]
                 todo = [b for b in batch if not self.policy.on_ssd(b.ns, b.key)]
             if not batch:
                 break

@@ -72,3 +72,15 @@ def test_tier_mode_reads_every_ssd_block_back(tmp_path: Path) -> None:
     assert st["ssd_blocks_read"] >= 90 and st["hits"] == st["ssd_blocks_read"]
     assert st["write_gib_s"] > 0 and st["read_gib_s"] > 0 and raw["write_gib_s"] > 0
     assert list((tmp_path / "out").glob("tier-*.json"))
+
+
+def test_index_memory_mode_reports_bytes_per_block(tmp_path: Path) -> None:
+    """The DRAM tier's bookkeeping alone (no servers): a tiny fill, under the goal."""
+    out = tmp_path / "results"
+    args = ["--index-memory", "--blocks", "20000", "--out", str(out)]
+    r = CliRunner().invoke(store_cmd, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    [js] = list(out.glob("index-memory-*.json"))
+    [row] = json.loads(js.read_text())["results"]
+    assert row["blocks"] == 20000 and 0 < row["heap_bytes_per_block"] <= 128
+    assert row["acquire_release_us"] > 0 and row["exists_many_1000_us"] > 0

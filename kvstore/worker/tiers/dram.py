@@ -20,38 +20,92 @@ tier evicts the least recently used block of that class, or, when another
 class's least recently used block is older, takes over that class's slab
 (evicting the blocks in it), so memory follows the workload's size mix.
 
+Pinned blocks (held by a reader or by :meth:`DramTier.pin`) and blocks of pinned
+namespaces are kept OUT of the evictable LRU lists, so the victim is always the
+head of a list: however many pinned blocks sit at the old end, eviction finds
+the least recently used evictable block in O(1). A pinned block goes back to
+the most recently used end on its last release. When a whole class is
+unevictable, a slab whose every block is evictable is taken from another class.
+
+Per block the state is a slot in flat typed arrays (:mod:`.slots`), about 80
+bytes of heap; :class:`Block` is a short-lived handle onto a slot, checked by a
+generation number so a handle never acts on a slot that was freed and reused.
+
 Not thread-safe: the worker serialises calls with one lock (each call is a few
-dictionary operations).
+array operations).
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-from collections import OrderedDict
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvstore_client.errors import InvalidArgument, ResourceExhausted
+
+from .slots import DOOMED, FREE, M64, PENDING, READY, U32, UNUSED, SlotIndex
 
 ALIGN = 64
 MIN_CLASS = 64
+_SCALAR_BATCH = 8  # exists_many probes shorter batches one key at a time
 
 
 @dataclass(slots=True, eq=False)
 class Block:
-    """One stored value. Compared and hashed by identity."""
+    """A handle onto one stored block, made by reserve / acquire / peek / oldest.
+
+    ns, key, offset, size, checksum and slot_size never change for the life of the
+    block; ready, doomed and pins read the tier's current state. A handle outlives
+    its block harmlessly: once the slot is freed (and maybe reused) the handle reads
+    as neither ready nor doomed, and commit / abort / release / pin ignore it.
+    Two handles are equal when they name the same slot generation.
+    """
 
     ns: str
     key: bytes
     offset: int
     size: int
     checksum: int
-    cls: int
-    tick: int = 0
-    pins: int = 0
-    ready: bool = False
-    doomed: bool = False  # removed while pinned: free the slot on the last release
+    slot_size: int  # bytes of the size class the block occupies
+    slot: int = field(repr=False)
+    gen: int = field(repr=False)
+    tier: DramTier = field(repr=False)
+
+    @property
+    def live(self) -> bool:
+        """The slot still holds this block (pending, ready or doomed)."""
+        return self.tier.gen[self.slot] == self.gen
+
+    @property
+    def ready(self) -> bool:
+        t = self.tier
+        return t.gen[self.slot] == self.gen and t.state[self.slot] == READY
+
+    @property
+    def doomed(self) -> bool:
+        """Removed or evicted while pinned: the slot is freed on the last release."""
+        t = self.tier
+        return t.gen[self.slot] == self.gen and t.state[self.slot] == DOOMED
+
+    @property
+    def pins(self) -> int:
+        t = self.tier
+        return t.pins[self.slot] if t.gen[self.slot] == self.gen else 0
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Block)
+            and other.slot == self.slot
+            and other.gen == self.gen
+            and other.tier is self.tier
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.slot, self.gen))
 
 
 @dataclass(slots=True)
@@ -79,16 +133,13 @@ def size_classes(slab_size: int) -> list[int]:
     return sorted(out)
 
 
-@dataclass(slots=True)
-class _Class:
-    size: int
-    free: set[int] = field(default_factory=set)
-    lru: OrderedDict[Block, None] = field(default_factory=OrderedDict)
-    slabs: int = 0
+class DramTier(SlotIndex):
+    """Index, allocator and LRU of one arena of ``capacity`` bytes.
 
-
-class DramTier:
-    """Index, allocator and LRU of one arena of ``capacity`` bytes."""
+    ``on_evict(block)`` is called synchronously for every eviction (own class or
+    slab move), before the slot is reused, while the block's bytes are still in the
+    arena. Blocks of the ``pinned`` namespaces are never evicted.
+    """
 
     def __init__(
         self,
@@ -97,23 +148,41 @@ class DramTier:
         on_evict: Callable[[Block], None] | None = None,
         pinned: Iterable[str] = (),
     ) -> None:
-        if slab_size <= 0 or slab_size % ALIGN:
-            raise ValueError(f"slab size must be a positive multiple of {ALIGN}")
+        if slab_size <= 0 or slab_size % ALIGN or slab_size > U32:
+            raise ValueError(f"slab size must be a positive multiple of {ALIGN} under 4 GiB")
         if capacity < slab_size:
             raise ValueError(f"capacity {capacity} is smaller than one slab ({slab_size})")
+        super().__init__()
         self.slab_size = slab_size
-        self.nslabs = capacity // slab_size
-        self.capacity = self.nslabs * slab_size
-        self.classes = [_Class(s) for s in size_classes(slab_size)]
-        self._class_sizes = [c.size for c in self.classes]
-        self.slab_class = [-1] * self.nslabs
-        self.free_slabs = list(range(self.nslabs - 1, -1, -1))
-        self.slab_live = [0] * self.nslabs  # slots in use (pending or ready) per slab
+        self.nslabs = n = capacity // slab_size
+        self.capacity = n * slab_size
+        self.class_sizes = size_classes(slab_size)
+        nc = len(self.class_sizes)
+        if 2 * nc > 256:
+            raise ValueError("too many size classes")  # a slot's list index is one byte
+        self.slab_class = array("i", [-1]) * n
+        self.slab_nslots = array("i", [0]) * n
+        self.slab_nfree = array("i", [0]) * n
+        self.slab_evictable = array("i", [0]) * n  # slots on an evictable LRU list
+        self.slab_head = array("i", [-1]) * n  # free list of the slab's slots
+        self._slab_ids: list[array[int] | None] = [None] * n
+        self.free_slabs = list(range(n - 1, -1, -1))
         self.empty_slabs: set[int] = set()  # assigned to a class, no slot in use
-        self.index: dict[str, dict[bytes, Block]] = {}
-        self.owner: dict[int, Block] = {}  # offset -> block holding that slot
+        self._cur = [-1] * nc  # per class: the slab slots are taken from
+        self._partial: list[set[int]] = [set() for _ in range(nc)]  # other slabs with room
+        self._class_slabs = [0] * nc
+        self._active: set[int] = set()  # classes holding slabs
+        # LRU lists, two per class: 2c evictable, 2c+1 blocks of pinned namespaces.
+        self._head = [-1] * (2 * nc)
+        self._tail = [-1] * (2 * nc)
+        self._ns_ids: dict[str, int] = {}
+        self._ns_names: list[str] = []
+        self._ns_live: list[int] = []  # indexed slots per namespace id
+        self._ns_pinned: list[bool] = []
+        self._ns_spare: list[int] = []
         self.counters = TierCounters()
-        self.used_bytes = 0  # payload bytes of ready + pending blocks
+        self.used_bytes = 0  # payload bytes of pending, ready and doomed blocks
+        self.slot_bytes_used = 0  # slot bytes of the same blocks
         self.keys = 0  # ready blocks
         self._tick = 0
         self._on_evict = on_evict
@@ -125,248 +194,483 @@ class DramTier:
 
     # ---- lookups -------------------------------------------------------------
 
+    def _find(self, ns: str, key: bytes) -> int:
+        nsid = self._ns_ids.get(ns)
+        if nsid is None or len(key) != 16:
+            return -1
+        return self.find(nsid, key if type(key) is bytes else bytes(key))
+
     def peek(self, ns: str, key: bytes) -> Block | None:
         """The ready block or None, without touching LRU order or counters."""
-        b = self.index.get(ns, {}).get(key)
-        return b if b is not None and b.ready else None
+        s = self._find(ns, key)
+        if s < 0 or self.state[s] != READY:
+            return None
+        return self._handle(s, ns, key)
 
     def contains(self, ns: str, key: bytes) -> bool:
-        return self.peek(ns, key) is not None
+        s = self._find(ns, key)
+        return s >= 0 and self.state[s] == READY
 
     def exists_many(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
-        """Per key: is a ready block stored? (No LRU or counter change.)"""
-        space = self.index.get(ns)
-        if not space:
+        """Per key: is it ready? Batch lookup (numpy); no counters, no LRU change."""
+        nsid = self._ns_ids.get(ns)
+        if nsid is None or not keys:
             return [False] * len(keys)
-        return [b is not None and b.ready for b in map(space.get, keys)]
+        if len(keys) < _SCALAR_BATCH:
+            return [self.contains(ns, k) for k in keys]
+        slots = self.find_many(nsid, list(keys))
+        st = np.frombuffer(self.state, dtype=np.uint8)
+        found: list[bool] = ((slots >= 0) & (st[np.maximum(slots, 0)] == READY)).tolist()
+        return found
 
     def keys_of(self, ns: str) -> list[bytes]:
-        """The keys of the ready blocks of one namespace."""
-        return [b.key for b in self.index.get(ns, {}).values() if b.ready]
-
-    def slot_size_for(self, size: int) -> int:
-        """Bytes of arena a value of ``size`` bytes occupies (its size class)."""
-        return self._class_sizes[self._class_for(min(size, self.slab_size))]
-
-    def pin(self, b: Block) -> None:
-        """Keep a block from being evicted or freed (not a read: no LRU or counter change)."""
-        b.pins += 1
+        """Keys of the namespace's ready blocks (any order)."""
+        nsid = self._ns_ids.get(ns)
+        if nsid is None:
+            return []
+        return self.keys_at(self.slots_where(nsid, READY))
 
     def acquire(self, ns: str, key: bytes) -> Block | None:
-        """Pin a ready block for reading and mark it recently used; None on a miss."""
-        b = self.peek(ns, key)
-        if b is None:
+        """Pin a ready block for reading and mark it recently used; None on a miss.
+
+        A pinned block is off the evictable LRU list until its last :meth:`release`,
+        which puts it back at the most recently used end.
+        """
+        nsid = self._ns_ids.get(ns)
+        s = -1
+        if nsid is not None and len(key) == 16:
+            # SlotIndex.find inlined: this runs once per block read, under the store lock.
+            if type(key) is not bytes:
+                key = bytes(key)
+            h = ((hash(key) >> 32) ^ self.ns_salt[nsid]) & U32
+            t, mask, h32, kb = self.table, self._tmask, self.h32, self.kb
+            i = h >> self._tshift
+            while True:
+                s = t[i]
+                if s < 0 or (
+                    h32[s] == h and kb[16 * s : 16 * s + 16] == key and self.nsid[s] == nsid
+                ):
+                    break
+                i = (i + 1) & mask
+        state = self.state
+        if s < 0 or state[s] != READY:
             self.counters.misses += 1
             return None
         self.counters.hits += 1
-        b.pins += 1
-        self._touch(b)
-        return b
+        p = self.pins[s]
+        if p == 0:
+            self._unlink(s)
+        self.pins[s] = p + 1
+        self._tick += 1
+        self.tick[s] = self._tick
+        return Block(
+            ns,
+            key,
+            self.off[s],
+            self.size[s],
+            self.csum[s],
+            self.class_sizes[self.lst[s] >> 1],
+            s,
+            self.gen[s],
+            self,
+        )
+
+    def slot_size_for(self, size: int) -> int:
+        """Bytes of arena a value of ``size`` bytes occupies (its size class)."""
+        return self.class_sizes[
+            bisect.bisect_left(self.class_sizes, max(min(size, self.slab_size), 1))
+        ]
+
+    def namespaces(self) -> list[str]:
+        """Namespaces that hold at least one (pending or ready) block."""
+        return [n for n, live in zip(self._ns_names, self._ns_live, strict=True) if live > 0]
+
+    def pin(self, b: Block) -> bool:
+        """Pin a ready block without counting a read (e.g. while demoting it).
+
+        False (nothing pinned) if the block is no longer ready. Undo with :meth:`release`.
+        """
+        s = b.slot
+        if self.gen[s] != b.gen or self.state[s] != READY:
+            return False
+        p = self.pins[s]
+        if p == 0:
+            self._unlink(s)
+        self.pins[s] = p + 1
+        return True
 
     def release(self, b: Block) -> None:
-        """Unpin a block taken by :meth:`acquire`."""
-        b.pins -= 1
-        if b.pins == 0 and b.doomed:
-            self._free_slot(b)
+        """Unpin a block taken by :meth:`acquire` or :meth:`pin`.
+
+        On the last release a doomed block's slot is freed and a ready one goes back
+        to the most recently used end of its LRU list. A stale handle does nothing.
+        """
+        s = b.slot
+        p = self.pins[s]
+        if p == 0 or self.gen[s] != b.gen:
+            return
+        if p > 1:
+            self.pins[s] = p - 1
+        elif self.state[s] == READY:
+            self.pins[s] = 0
+            self._link(s)
+        else:  # doomed
+            self._free(s)
+
+    def set_tag(self, b: Block, tag: int) -> None:
+        """Attach a small integer (0..2**32-1, e.g. a session id) to a live block."""
+        if self.gen[b.slot] == b.gen:
+            self.tag[b.slot] = tag & U32
+
+    def tag_of(self, b: Block) -> int:
+        """The block's tag; 0 when never set or the handle is stale."""
+        return self.tag[b.slot] if self.gen[b.slot] == b.gen else 0
 
     # ---- writes --------------------------------------------------------------
 
     def reserve(self, ns: str, key: bytes, size: int, checksum: int) -> Block | None:
         """Allocate a slot for a new block, or None if the key is present or pending.
 
-        Raises InvalidArgument for a size over the limit and ResourceExhausted when
-        every candidate slot is pinned.
+        Raises InvalidArgument for a size over the limit (or a key that is not 16
+        bytes) and ResourceExhausted when no slot can be freed: every block of the
+        size class is pinned and no other class has a slab it can give up. Evictions
+        made here call ``on_evict`` first.
         """
         if size < 0 or size > self.slab_size:
             raise InvalidArgument(f"value of {size} bytes exceeds the limit of {self.slab_size}")
-        space = self.index.setdefault(ns, {})
-        if key in space:
+        if len(key) != 16:
+            raise InvalidArgument(f"a key is 16 bytes, got {len(key)}")
+        if type(key) is not bytes:
+            key = bytes(key)
+        if not 0 <= checksum <= M64:
+            raise InvalidArgument("a checksum is an unsigned 64-bit integer")
+        known = self._ns_ids.get(ns)
+        if known is not None and self.find(known, key) >= 0:
             self.counters.skipped += 1
             return None
-        cls = self._class_for(size)
-        offset = self._alloc(cls)
-        b = Block(ns, key, offset, size, checksum, cls)
-        space[key] = b
-        self.owner[offset] = b
+        cls = bisect.bisect_left(self.class_sizes, max(size, 1))
+        s = self._alloc(cls)
+        nsid = self._intern(ns)  # after _alloc: its evictions may retire namespace ids
+        self.kb[16 * s : 16 * s + 16] = key
+        self.h32[s] = self.hash32(nsid, key)
+        self.nsid[s] = nsid
+        self.lst[s] = 2 * cls + self._ns_pinned[nsid]
+        self.size[s] = size
+        self.csum[s] = checksum
+        self.pins[s] = 0
+        self.tag[s] = 0
+        self.state[s] = PENDING
+        self.index_insert(s)
+        self._ns_live[nsid] += 1
+        slot_size = self.class_sizes[cls]
         self.used_bytes += size
-        return b
+        self.slot_bytes_used += slot_size
+        return Block(ns, key, self.off[s], size, checksum, slot_size, s, self.gen[s], self)
 
     def commit(self, b: Block) -> None:
         """Make a reserved block visible (all its bytes are in and verified)."""
-        if b.doomed:  # removed while being written
-            self._free_slot(b)
+        s = b.slot
+        if self.gen[s] != b.gen:
             return
-        b.ready = True
-        self.keys += 1
-        self.counters.puts += 1
-        self._touch(b)
+        st = self.state[s]
+        if st == PENDING:
+            self.state[s] = READY
+            self.keys += 1
+            self.counters.puts += 1
+            if self.pins[s] == 0:
+                self._link(s)
+        elif st == DOOMED and self.pins[s] == 0:
+            self._free(s)
 
     def abort(self, b: Block) -> None:
         """Drop a reserved block whose bytes did not all arrive."""
-        if not b.doomed:
-            self._unindex(b)
-        self._free_slot(b)
+        s = b.slot
+        if self.gen[s] != b.gen:
+            return
+        st = self.state[s]
+        if st == PENDING:
+            self._unindex(s)
+            self._free(s)
+        elif st == DOOMED and self.pins[s] == 0:
+            self._free(s)
 
     def remove(self, ns: str, key: bytes) -> bool:
         """Remove a ready block; True if it was there. Pinned blocks go on release."""
-        b = self.peek(ns, key)
-        if b is None:
+        s = self._find(ns, key)
+        if s < 0 or self.state[s] != READY:
             return False
-        self._drop(b)
+        self._drop(s)
         self.counters.removed += 1
         return True
 
     def remove_namespace(self, ns: str) -> int:
         """Remove every ready block of a namespace; returns how many."""
-        blocks = [b for b in self.index.get(ns, {}).values() if b.ready]
-        for b in blocks:
-            self._drop(b)
-        self.counters.removed += len(blocks)
-        return len(blocks)
+        nsid = self._ns_ids.get(ns)
+        if nsid is None:
+            return 0
+        slots = self.slots_where(nsid, READY).tolist()
+        for s in slots:
+            self._drop(s)
+        self.counters.removed += len(slots)
+        return len(slots)
 
     def blocks(self) -> Iterator[Block]:
-        """All ready blocks (for stats and shutdown demotion)."""
-        for space in self.index.values():
-            for b in space.values():
-                if b.ready:
-                    yield b
-
-    # ---- internals -----------------------------------------------------------
-
-    def _class_for(self, size: int) -> int:
-        return bisect.bisect_left(self._class_sizes, max(size, 1))
-
-    def _touch(self, b: Block) -> None:
-        self._tick += 1
-        b.tick = self._tick
-        lru = self.classes[b.cls].lru
-        if b in lru:
-            lru.move_to_end(b)
-        else:
-            lru[b] = None
-
-    def _unindex(self, b: Block) -> None:
-        space = self.index.get(b.ns)
-        if space is not None and space.get(b.key) is b:
-            del space[b.key]
-            if not space:
-                del self.index[b.ns]
-
-    def _drop(self, b: Block) -> None:
-        """Take a ready block out of the index and LRU; free now or on release."""
-        self._unindex(b)
-        self.classes[b.cls].lru.pop(b, None)
-        self.keys -= 1
-        b.ready = False
-        if b.pins:
-            b.doomed = True
-        else:
-            self._free_slot(b)
-
-    def _free_slot(self, b: Block) -> None:
-        if self.owner.get(b.offset) is b:
-            del self.owner[b.offset]
-            self.used_bytes -= b.size
-            self.classes[b.cls].free.add(b.offset)
-            slab = b.offset // self.slab_size
-            self.slab_live[slab] -= 1
-            if self.slab_live[slab] == 0:
-                self.empty_slabs.add(slab)
-
-    def _evict(self, b: Block) -> None:
-        if self._on_evict is not None:
-            self._on_evict(b)
-        self._drop(b)
-        self.counters.evictions += 1
-
-    def _lru_victim(self, c: _Class, limit: int = 64) -> Block | None:
-        for i, b in enumerate(c.lru):
-            if i >= limit:
-                break
-            if b.pins == 0 and b.ns not in self.pinned:
-                return b
-        return None
+        """All ready blocks (for stats and shutdown demotion); skips ones gone since."""
+        for s in self.slots_where(None, READY).tolist():
+            if self.state[s] == READY:
+                yield self._handle(s)
 
     def oldest(self, nbytes: int, *, include_pinned_ns: bool = False) -> list[Block]:
         """Least recently used unpinned blocks (all classes) adding up to ``nbytes``.
 
         Blocks of pinned namespaces are left out unless ``include_pinned_ns``.
         """
+        lists = [2 * c + k for c in self._active for k in ((0, 1) if include_pinned_ns else (0,))]
         out: list[Block] = []
         total = 0
-        for b in heapq.merge(*(c.lru for c in self.classes), key=lambda b: b.tick):
+        for _, s in heapq.merge(*(self._walk(x) for x in lists)):
             if total >= nbytes:
                 break
-            if b.pins or (b.ns in self.pinned and not include_pinned_ns):
-                continue
-            out.append(b)
-            total += b.size
+            out.append(self._handle(s))
+            total += self.size[s]
         return out
 
-    def _assign_slab(self, slab: int, cls: int) -> None:
-        c = self.classes[cls]
-        self.slab_class[slab] = cls
-        c.slabs += 1
-        start = slab * self.slab_size
-        c.free.update(range(start, start + self.slab_size - c.size + 1, c.size))
+    # ---- internals: handles, namespaces, LRU lists ---------------------------
 
-    def _alloc(self, cls: int) -> int:
-        c = self.classes[cls]
-        if not c.free and self.free_slabs:
-            self._assign_slab(self.free_slabs.pop(), cls)
-        if not c.free and self.empty_slabs:  # an emptied slab of another class: no eviction
-            self._take_empty_slab(self.empty_slabs.pop(), cls)
-        if not c.free:
-            own = self._lru_victim(c)
-            donor = self._oldest_other(cls)
-            if donor is not None and (own is None or donor.tick < own.tick):
-                if not self._move_slab(donor, cls) and own is not None:
-                    self._evict(own)
-            elif own is not None:
+    def _handle(self, s: int, ns: str | None = None, key: bytes | None = None) -> Block:
+        if ns is None:
+            ns = self._ns_names[self.nsid[s]]
+        if key is None:
+            key = bytes(self.kb[16 * s : 16 * s + 16])
+        slot_size = self.class_sizes[self.lst[s] >> 1]
+        return Block(
+            ns, key, self.off[s], self.size[s], self.csum[s], slot_size, s, self.gen[s], self
+        )
+
+    def _intern(self, ns: str) -> int:
+        i = self._ns_ids.get(ns)
+        if i is not None:
+            return i
+        pinned = ns in self.pinned
+        if self._ns_spare:
+            i = self._ns_spare.pop()
+            self._ns_names[i] = ns
+            self._ns_live[i] = 0
+            self._ns_pinned[i] = pinned
+            self.new_salt(i)
+        else:
+            i = len(self._ns_names)
+            self._ns_names.append(ns)
+            self._ns_live.append(0)
+            self._ns_pinned.append(pinned)
+            self.new_salt(i)
+        self._ns_ids[ns] = i
+        return i
+
+    def _unindex(self, s: int) -> None:
+        self.index_delete(s)
+        nsid = self.nsid[s]
+        self._ns_live[nsid] -= 1
+        if self._ns_live[nsid] == 0:  # retire the id: namespaces cannot pile up
+            del self._ns_ids[self._ns_names[nsid]]
+            self._ns_names[nsid] = ""
+            self._ns_spare.append(nsid)
+
+    def _link(self, s: int) -> None:
+        """Append a ready, unpinned slot at the most recently used end of its list."""
+        x = self.lst[s]
+        if not x & 1:
+            self.slab_evictable[self.off[s] // self.slab_size] += 1
+        self._tick = tick = self._tick + 1
+        self.tick[s] = tick
+        tail = self._tail
+        p = tail[x]
+        self.prev[s] = p
+        self.next[s] = -1
+        if p >= 0:
+            self.next[p] = s
+        else:
+            self._head[x] = s
+        tail[x] = s
+
+    def _unlink(self, s: int) -> None:
+        x = self.lst[s]
+        if not x & 1:
+            self.slab_evictable[self.off[s] // self.slab_size] -= 1
+        nxt, prv = self.next, self.prev
+        p = prv[s]
+        n = nxt[s]
+        if p >= 0:
+            nxt[p] = n
+        else:
+            self._head[x] = n
+        if n >= 0:
+            prv[n] = p
+        else:
+            self._tail[x] = p
+
+    def _walk(self, x: int) -> Iterator[tuple[int, int]]:
+        s = self._head[x]
+        tick, nxt = self.tick, self.next
+        while s >= 0:
+            yield tick[s], s
+            s = nxt[s]
+
+    # ---- internals: slots and slabs ------------------------------------------
+
+    def _drop(self, s: int) -> None:
+        """Take a ready block out of the index and LRU; free now or on the last release."""
+        self._unindex(s)
+        self.keys -= 1
+        if self.pins[s]:
+            self.state[s] = DOOMED
+        else:
+            self._unlink(s)
+            self._free(s)
+
+    def _free(self, s: int) -> None:
+        slab = self.off[s] // self.slab_size
+        c = self.slab_class[slab]
+        self.used_bytes -= self.size[s]
+        self.slot_bytes_used -= self.class_sizes[c]
+        self.state[s] = FREE
+        self.gen[s] = (self.gen[s] + 1) & U32
+        self.pins[s] = 0
+        self.next[s] = self.slab_head[slab]
+        self.slab_head[slab] = s
+        nfree = self.slab_nfree[slab] + 1
+        self.slab_nfree[slab] = nfree
+        if nfree == 1 and slab != self._cur[c]:
+            self._partial[c].add(slab)
+        if nfree == self.slab_nslots[slab]:
+            self.empty_slabs.add(slab)
+
+    def _evict(self, s: int) -> None:
+        if self._on_evict is not None:
+            self._on_evict(self._handle(s))
+        self._drop(s)
+        self.counters.evictions += 1
+
+    def _take(self, c: int) -> int:
+        """A free slot of class ``c`` or -1."""
+        slab = self._cur[c]
+        if slab < 0 or self.slab_nfree[slab] == 0:
+            part = self._partial[c]
+            if not part:
+                return -1
+            slab = part.pop()
+            self._cur[c] = slab
+        s = self.slab_head[slab]
+        self.slab_head[slab] = self.next[s]
+        nfree = self.slab_nfree[slab]
+        if nfree == self.slab_nslots[slab]:
+            self.empty_slabs.discard(slab)
+        self.slab_nfree[slab] = nfree - 1
+        return s
+
+    def _movable(self, slab: int) -> bool:
+        """Every block in the slab is evictable (ready, unpinned, not a pinned namespace)."""
+        return self.slab_nslots[slab] - self.slab_nfree[slab] == self.slab_evictable[slab]
+
+    def _alloc(self, c: int) -> int:
+        s = self._take(c)
+        if s >= 0:
+            return s
+        if self.free_slabs:
+            self._assign(self.free_slabs.pop(), c)
+        elif self.empty_slabs:  # an emptied slab of another class: no eviction
+            slab = self.empty_slabs.pop()
+            self._unassign(slab)
+            self._assign(slab, c)
+            self.counters.slab_moves += 1
+        else:
+            own = self._head[2 * c]
+            donor = -1
+            for o in self._active:  # the oldest evictable head among other classes
+                h = self._head[2 * o]
+                if o == c or h < 0 or (donor >= 0 and self.tick[h] >= self.tick[donor]):
+                    continue
+                if self._movable(self.off[h] // self.slab_size):
+                    donor = h
+            if donor >= 0 and (own < 0 or self.tick[donor] < self.tick[own]):
+                self._move(self.off[donor] // self.slab_size, c)
+            elif own >= 0:
                 self._evict(own)
-        if not c.free:
-            raise ResourceExhausted(
-                f"no free {c.size}-byte slot: every candidate block is being read or written"
-            )
-        offset = c.free.pop()
-        slab = offset // self.slab_size
-        self.slab_live[slab] += 1
+            else:
+                slab = self._any_movable_slab(c)
+                if slab < 0:
+                    raise ResourceExhausted(
+                        f"no free {self.class_sizes[c]}-byte slot: every block that could "
+                        "make room is pinned or being written"
+                    )
+                self._move(slab, c)
+        return self._take(c)
+
+    def _any_movable_slab(self, c: int) -> int:
+        """A slab of another class whose blocks are all evictable (fewest blocks), or -1."""
+        cls = np.frombuffer(self.slab_class, dtype=np.int32)
+        live = np.frombuffer(self.slab_nslots, dtype=np.int32) - np.frombuffer(
+            self.slab_nfree, dtype=np.int32
+        )
+        ok = (cls >= 0) & (cls != c) & (live == np.frombuffer(self.slab_evictable, np.int32))
+        cand = np.flatnonzero(ok)
+        if not cand.size:
+            return -1
+        return int(cand[np.argmin(live[cand])])
+
+    def _assign(self, slab: int, c: int) -> None:
+        """Carve a slab into free slots of class ``c`` (ids taken before any view)."""
+        size = self.class_sizes[c]
+        n = self.slab_size // size
+        ids = self.take_ids(n)
+        ida = np.frombuffer(ids, dtype=np.int32)
+        base = slab * self.slab_size
+        np.frombuffer(self.off, dtype=np.uint64)[ida] = base + size * np.arange(n, dtype=np.uint64)
+        np.frombuffer(self.state, dtype=np.uint8)[ida] = FREE
+        nxt = np.frombuffer(self.next, dtype=np.int32)
+        nxt[ida[:-1]] = ida[1:]
+        nxt[ida[-1]] = -1
+        del ida, nxt
+        self.slab_head[slab] = ids[0]
+        self.slab_nslots[slab] = n
+        self.slab_nfree[slab] = n
+        self.slab_evictable[slab] = 0
+        self.slab_class[slab] = c
+        self._slab_ids[slab] = ids
+        self._class_slabs[c] += 1
+        self._active.add(c)
+        self._partial[c].add(slab)
+        self.empty_slabs.add(slab)
+
+    def _unassign(self, slab: int) -> None:
+        """Give back the ids of a slab whose slots are all free."""
+        c = self.slab_class[slab]
+        ids = self._slab_ids[slab]
+        assert ids is not None
+        ida = np.frombuffer(ids, dtype=np.int32)
+        np.frombuffer(self.state, dtype=np.uint8)[ida] = UNUSED
+        np.frombuffer(self.gen, dtype=np.uint32)[ida] += np.uint32(1)
+        del ida
+        self.give_ids(ids)
+        self._slab_ids[slab] = None
+        self.slab_class[slab] = -1
+        self.slab_nslots[slab] = self.slab_nfree[slab] = 0
+        self.slab_head[slab] = -1
+        self._partial[c].discard(slab)
+        if self._cur[c] == slab:
+            self._cur[c] = -1
         self.empty_slabs.discard(slab)
-        return offset
+        self._class_slabs[c] -= 1
+        if not self._class_slabs[c]:
+            self._active.discard(c)
 
-    def _take_empty_slab(self, slab: int, to_cls: int) -> None:
-        from_c = self.classes[self.slab_class[slab]]
-        start = slab * self.slab_size
-        end = start + self.slab_size - from_c.size + 1
-        from_c.free.difference_update(range(start, end, from_c.size))
-        from_c.slabs -= 1
+    def _move(self, slab: int, to: int) -> None:
+        """Evict every block of a movable slab and give the slab to class ``to``."""
+        ids = self._slab_ids[slab]
+        assert ids is not None
+        for s in ids.tolist():
+            if self.state[s] == READY:
+                self._evict(s)
+        self._unassign(slab)
+        self._assign(slab, to)
         self.counters.slab_moves += 1
-        self._assign_slab(slab, to_cls)
-
-    def _oldest_other(self, cls: int) -> Block | None:
-        best: Block | None = None
-        for i, c in enumerate(self.classes):
-            if i == cls or not c.slabs:
-                continue
-            v = self._lru_victim(c)
-            if v is not None and (best is None or v.tick < best.tick):
-                best = v
-        return best
-
-    def _move_slab(self, victim: Block, to_cls: int) -> bool:
-        """Evict every block in the victim's slab and give the slab to ``to_cls``."""
-        slab = victim.offset // self.slab_size
-        from_c = self.classes[self.slab_class[slab]]
-        start = slab * self.slab_size
-        offsets = range(start, start + self.slab_size - from_c.size + 1, from_c.size)
-        holders = [self.owner[o] for o in offsets if o in self.owner]
-        if any(b.pins or not b.ready or b.ns in self.pinned for b in holders):
-            return False
-        for b in holders:
-            self._evict(b)
-        self.empty_slabs.discard(slab)
-        from_c.free.difference_update(offsets)
-        from_c.slabs -= 1
-        self.counters.slab_moves += 1
-        self._assign_slab(slab, to_cls)
-        return True

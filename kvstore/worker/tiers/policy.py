@@ -126,6 +126,9 @@ class SsdIndex:
     def keys_of(self, ns: str) -> list[bytes]:
         return [k for n, k in self.entries if n == ns]
 
+    def namespaces(self) -> set[str]:
+        return {n for n, _ in self.entries}
+
     def victims(self, nbytes: int) -> list[tuple[str, bytes]]:
         """Least recently used unpinned keys whose removal frees at least ``nbytes``."""
         out: list[tuple[str, bytes]] = []
