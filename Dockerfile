@@ -1,12 +1,16 @@
 # syntax=docker/dockerfile:1
 #
-# kvstore image: `kvstore master|worker|check ...` as uid 10001.
+# kvstore image (distribution kvstore-cache): `kvstore master|worker|check ...` as uid 10001.
 #
 #   docker build -t kvstore:0.1.0 .
 #   docker build --build-arg EXTRAS=ucx -t kvstore:0.1.0-ucx .   # with the UCX/RDMA transport
+#   bash scripts/build_image.sh   # podman, with a debootstrap base; builds and smoke-tests (CI)
 #
-# The Helm chart (deploy/helm/kvstore) runs it with a read-only root filesystem and
-# mounts /tmp, /dev/shm (DRAM arena) and /data (SSD tier) as volumes.
+# PYTHON_IMAGE is any Debian-like image with python3 (>= 3.11), venv and pip; CI passes
+# a minbase made by debootstrap. The benchmarks (bench/) are not in the image: `kvstore
+# bench` is loaded only when run and says so. The Helm chart (deploy/helm/kvstore) runs
+# the image with a read-only root filesystem and mounts /tmp, /dev/shm (DRAM arena) and
+# /data (SSD tier) as volumes.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -21,7 +25,8 @@ COPY client ./client
 COPY kvstore ./kvstore
 RUN python -m venv /opt/kvstore \
  && /opt/kvstore/bin/pip install ".${EXTRAS:+[${EXTRAS}]}" \
- && /opt/kvstore/bin/kvstore version
+ && /opt/kvstore/bin/kvstore version \
+ && /opt/kvstore/bin/kvstore --help >/dev/null
 
 FROM ${PYTHON_IMAGE}
 ARG KVSTORE_UID=10001

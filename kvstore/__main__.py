@@ -1,3 +1,3 @@
 from kvstore.cli import main
 
-main()
+main(prog_name="kvstore")

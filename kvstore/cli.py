@@ -1,12 +1,23 @@
-"""The ``kvstore`` command: master, worker, up, status, check, demo, version."""
+"""The ``kvstore`` command: master, worker, up, status, check, demo, version, bench.
+
+Errors a user can cause (a port in use, a bad size, a master that does not answer,
+an unreadable certificate) end the command with one line on stderr and a non-zero
+exit, never a traceback; ``--log-level debug`` adds the traceback for bug reports.
+``kvstore bench`` is loaded only when it is run, so the daemons and the container
+image (which leaves ``bench/`` out) never import the benchmark package.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import importlib
 import json
 import logging
 import os
 import signal
+import socket
+import ssl
 import sys
 import threading
 from typing import Any
@@ -16,7 +27,89 @@ import click
 from kvstore_client import __version__
 from kvstore_client.errors import KVStoreError
 
-from .config import Config, format_size, load_config
+from .config import (
+    DIST_NAME,
+    Config,
+    check_tls_files,
+    check_worker_files,
+    format_size,
+    load_config,
+)
+
+log = logging.getLogger("kvstore.cli")
+
+# Subcommands loaded on first use: name -> ("module:attribute", what to install if missing).
+LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": (
+        "kvstore_bench.cli:bench",
+        f"the benchmarks ship with a source checkout: pip install -e '.[bench]' "
+        f"(package {DIST_NAME})",
+    ),
+}
+
+
+def _rpc_text(e: Any) -> str:
+    """'UNAVAILABLE: failed to connect to all addresses; ...' from a grpc.RpcError."""
+    code = e.code().name if hasattr(e, "code") and e.code() is not None else "ERROR"
+    details = e.details() if hasattr(e, "details") else ""
+    return " ".join(f"{code}: {details}".split())
+
+
+def one_line(e: BaseException) -> str:
+    """A user-facing, single-line description of an error."""
+    import grpc
+
+    if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
+        text = _rpc_text(e)
+    elif isinstance(e, ssl.SSLError):
+        text = f"TLS: {e.reason or e}"
+    else:
+        text = str(e) or type(e).__name__
+    return " ".join(text.split())
+
+
+class KvstoreGroup(click.Group):
+    """The top-level group: lazy subcommands and one-line errors."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in LAZY_COMMANDS:
+            return super().get_command(ctx, cmd_name)
+        target, hint = LAZY_COMMANDS[cmd_name]
+        module, attr = target.split(":")
+        try:
+            cmd = getattr(importlib.import_module(module), attr)
+        except ImportError as e:
+            reason = f"kvstore {cmd_name} is not installed here ({e}); {hint}"
+
+            def unavailable(**_: Any) -> None:
+                raise click.ClickException(reason)
+
+            return click.Command(
+                cmd_name,
+                callback=unavailable,
+                help="(not installed)",
+                context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+            )
+        assert isinstance(cmd, click.Command)
+        return cmd
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort, SystemExit):
+            raise
+        except KeyboardInterrupt:
+            raise click.Abort() from None
+        except Exception as e:
+            import grpc
+
+            if not isinstance(e, KVStoreError | OSError | grpc.RpcError | RuntimeError):
+                raise
+            log.debug("%s failed", ctx.invoked_subcommand, exc_info=True)
+            raise click.ClickException(one_line(e)) from None
 
 
 def _setup_logging(level: str) -> None:
@@ -27,11 +120,47 @@ def _setup_logging(level: str) -> None:
     )
 
 
+class ConfigError(click.ClickException):
+    """A bad setting: one line, exit code 2 (like a usage error)."""
+
+    exit_code = 2
+
+
 def _config(ctx: click.Context, section: str, flags: dict[str, Any]) -> Config:
     try:
         return load_config(ctx.obj.get("config"), {section: flags})
     except KVStoreError as e:
-        raise click.UsageError(str(e)) from e
+        raise ConfigError(str(e)) from e
+
+
+def check_ports(host: str, ports: list[tuple[int, str]]) -> None:
+    """Fail with one line when a fixed port is taken, naming the port and its flag.
+
+    Binds and closes each port > 0 the way the daemons bind it (SO_REUSEADDR, no
+    SO_REUSEPORT), so what fails here would fail there; ports of 0 are picked later.
+    """
+    bind_host = host or "0.0.0.0"
+    for port, flag in ports:
+        if port <= 0:
+            continue
+        try:
+            with socket.create_server((bind_host, port), reuse_port=False):
+                pass
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise click.ClickException(
+                    f"port {port} on {bind_host} is already in use: stop what holds it or "
+                    f"choose another with {flag} (0 picks a free port)"
+                ) from None
+            if e.errno in (errno.EADDRNOTAVAIL, errno.EACCES):
+                raise click.ClickException(
+                    f"cannot listen on {bind_host}:{port} ({flag}, --host): {e.strerror}"
+                ) from None
+            if isinstance(e, socket.gaierror):
+                raise click.ClickException(
+                    f"cannot resolve --host {bind_host!r}: {e.strerror}"
+                ) from None
+            raise
 
 
 def _security_options(f: Any) -> Any:
@@ -56,7 +185,7 @@ def _security_options(f: Any) -> Any:
     return f
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=KvstoreGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--config",
     "config_file",
@@ -108,10 +237,13 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
     from .master.server import serve
 
     cfg = _config(ctx, "master", flags)
+    m = cfg.master
     try:
-        sys.exit(asyncio.run(serve(cfg.master)))
+        check_tls_files("master", m.tls_cert, m.tls_key, m.tls_ca)
     except KVStoreError as e:
-        raise click.ClickException(str(e)) from e
+        raise ConfigError(str(e)) from e
+    check_ports(m.host, [(m.port, "--port"), (m.metrics_port, "--metrics-port")])
+    sys.exit(asyncio.run(serve(m)))
 
 
 @main.command()
@@ -151,10 +283,22 @@ def worker(ctx: click.Context, /, **flags: Any) -> None:
     from .worker.server import run
 
     cfg = _config(ctx, "worker", flags)
+    w = cfg.worker
     try:
-        sys.exit(run(cfg.worker))
+        check_worker_files(w)
+        check_tls_files("worker", w.tls_cert, w.tls_key, w.tls_ca)
     except KVStoreError as e:
-        raise click.ClickException(str(e)) from e
+        raise ConfigError(str(e)) from e
+    check_ports(
+        w.host,
+        [
+            (w.grpc_port, "--grpc-port"),
+            (w.tcp_port, "--tcp-port"),
+            (w.ucx_port, "--ucx-port"),
+            (w.metrics_port, "--metrics-port"),
+        ],
+    )
+    sys.exit(run(w))
 
 
 @main.command()
@@ -166,7 +310,19 @@ def worker(ctx: click.Context, /, **flags: Any) -> None:
 def up(workers: int, dram_size: str, max_value_size: str, master_port: int, host: str) -> None:
     """Run a master and N workers on this host until Ctrl-C."""
     from .cluster import LocalCluster, StartError
+    from .config import parse_size
 
+    try:  # check what we can before starting anything
+        if workers < 1:
+            raise ConfigError(f"--workers must be at least 1, got {workers}")
+        dram, slab = parse_size(dram_size), parse_size(max_value_size)
+        if dram < slab:
+            raise ConfigError(
+                f"--dram-size ({dram_size}) must be at least --max-value-size ({max_value_size})"
+            )
+    except KVStoreError as e:
+        raise ConfigError(str(e)) from e
+    check_ports(host, [(master_port, "--master-port")])
     cluster = LocalCluster(
         workers=workers,
         dram_size=dram_size,
@@ -174,6 +330,7 @@ def up(workers: int, dram_size: str, max_value_size: str, master_port: int, host
         master_port=master_port,
         host=host,
         worker_ttl="5s",
+        relay_stderr=True,
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -210,7 +367,10 @@ def status(master: str, as_json: bool, timeout: float) -> None:
     from kvstore_client.proto import master_pb2, master_pb2_grpc
     from kvstore_client.security import Tls, metadata, open_channel
 
-    addr = parse_masters(master)[0]
+    try:
+        addr = parse_masters(master)[0]
+    except KVStoreError as e:
+        raise ConfigError(f"--master {master!r}: {e}") from e
     try:
         with open_channel(addr, Tls.from_env()) as ch:
             st = master_pb2_grpc.MasterStub(ch).ClusterStatus(
@@ -219,7 +379,7 @@ def status(master: str, as_json: bool, timeout: float) -> None:
                 metadata=metadata(os.environ.get("KVSTORE_TOKEN")),
             )
     except grpc.RpcError as e:
-        raise click.ClickException(f"master {addr}: {e.code().name}: {e.details()}") from e
+        raise click.ClickException(f"master {addr}: {_rpc_text(e)}") from None
     workers: list[dict[str, Any]] = [
         {
             "id": w.info.id,
@@ -242,22 +402,56 @@ def status(master: str, as_json: bool, timeout: float) -> None:
             )
         )
         return
+    print_status(addr, st.map_version, workers)
+
+
+def _short_endpoints(grpc_addr: str, endpoints: list[str]) -> str:
+    """ "tcp://h:7702 shm:///dev/shm/x ucx://h:7703" -> "tcp :7702 · shm · ucx :7703"
+    when h is the gRPC host (the common case), else the full URL."""
+    host = grpc_addr.rpartition(":")[0]
+    out = []
+    for ep in endpoints:
+        scheme, _, rest = ep.partition("://")
+        if scheme == "shm":
+            out.append("shm")
+        elif rest.rpartition(":")[0] == host:
+            out.append(f"{scheme} :{rest.rpartition(':')[2]}")
+        else:
+            out.append(ep)
+    return " · ".join(out)
+
+
+def print_status(addr: str, map_version: int, workers: list[dict[str, Any]]) -> None:
+    """The status table, made to fit 80 columns: long cells wrap, nothing is cut."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"kvstore {addr} · map v{st.map_version} · {len(workers)} workers")
-    for col in ("worker", "grpc", "endpoints", "capacity", "used", "keys", "hits", "misses"):
-        t.add_column(col, justify="right" if col not in ("worker", "grpc", "endpoints") else "left")
+    used = sum(int(w["used_bytes"]) for w in workers)
+    cap = sum(int(w["capacity_bytes"]) for w in workers)
+    t = Table(
+        title=(
+            f"kvstore {addr} · {len(workers)} workers · "
+            f"{format_size(float(used))} of {format_size(float(cap))} used · "
+            f"map rev {map_version % 10000:04d}"
+        ),
+        caption="map rev: changes whenever a worker joins or leaves (--json: full version)",
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+        caption_justify="left",
+    )
+    t.add_column("worker", overflow="fold")
+    t.add_column("address · transfer", overflow="fold")
+    t.add_column("used / capacity", justify="right", overflow="fold")
+    t.add_column("keys", justify="right")
+    t.add_column("hits / misses", justify="right", overflow="fold")
     for w in workers:
         t.add_row(
             str(w["id"]),
-            str(w["grpc"]),
-            " ".join(w["endpoints"]),
-            format_size(float(w["capacity_bytes"])),
-            format_size(float(w["used_bytes"])),
+            f"{w['grpc']}\n{_short_endpoints(str(w['grpc']), list(w['endpoints']))}",
+            f"{format_size(float(w['used_bytes']))} / {format_size(float(w['capacity_bytes']))}",
             str(w["keys"]),
-            str(w["hits"]),
-            str(w["misses"]),
+            f"{w['hits']} / {w['misses']}",
         )
     Console().print(t)
 
@@ -270,9 +464,16 @@ def check(master: str, size: str) -> None:
     from .config import parse_size
     from .demo import check_roundtrip
 
-    ok, msg = check_roundtrip(master, parse_size(size))
+    try:
+        nbytes = parse_size(size)
+        if nbytes <= 0:
+            raise ConfigError(f"--size must be positive, got {size}")
+    except KVStoreError as e:
+        raise ConfigError(f"--size: {e}") from e
+    ok, msg = check_roundtrip(master, nbytes)
+    if not ok:
+        raise click.ClickException(msg)
     click.echo(msg)
-    sys.exit(0 if ok else 1)
 
 
 @main.command()
@@ -289,15 +490,6 @@ def demo(workers: int, dram_size: str, blocks: int, block_size: str, master: str
     sys.exit(run_demo(workers, dram_size, blocks, parse_size(block_size), master))
 
 
-def _add_bench() -> None:
-    from kvstore_bench.cli import bench
-
-    main.add_command(bench)
-
-
-_add_bench()
-
-
 if __name__ == "__main__":  # pragma: no cover
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    main()
+    main(prog_name="kvstore")

@@ -9,14 +9,17 @@ by name.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import os
 import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -25,6 +28,72 @@ from kvstore_client.security import Tls
 
 class StartError(RuntimeError):
     """A daemon exited or stayed silent before printing its ready line."""
+
+
+class StderrRelay:
+    """Copies a child's stderr to ours (fd 2), holding it back until the child is ready.
+
+    While held, lines are kept (the last 50), so a daemon that fails to start is reported
+    by its own last line (e.g. ``Error: port 7701 on 127.0.0.1 is already in use ...``)
+    instead of a second-hand "exited with code 1".
+    """
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self._stream = stream
+        self._held: collections.deque[bytes] | None = collections.deque(maxlen=50)
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="stderr-relay", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for line in iter(self._stream.readline, b""):
+            with self._lock:
+                if self._held is not None:
+                    self._held.append(line)
+                    continue
+            _write_stderr(line)
+        self._stream.close()
+
+    def release(self) -> None:
+        """The child is ready: print what was held and relay from now on."""
+        with self._lock:
+            held, self._held = self._held or (), None
+            for line in held:
+                _write_stderr(line)
+
+    def last_error(self, wait: float = 2.0) -> str:
+        """The child's last stderr line (after it exited); '' if none."""
+        self._thread.join(wait)
+        with self._lock:
+            lines = [ln.decode(errors="replace").strip() for ln in self._held or ()]
+        lines = [ln for ln in lines if ln]
+        return lines[-1] if lines else ""
+
+    def dump(self) -> None:
+        """Print everything held (a traceback, for example) and stop holding."""
+        self.release()
+
+
+def _write_stderr(data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        os.write(2, data)
+
+
+def _last_log_line(path: str | None) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, os.path.getsize(path) - 4096))
+            lines = [ln.strip() for ln in fh.read().decode(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    lines = [ln for ln in lines if ln]
+    return lines[-1] if lines else ""
+
+
+def _error_text(line: str) -> str:
+    return line.removeprefix("Error: ").strip()
 
 
 @dataclass(slots=True)
@@ -71,7 +140,12 @@ class Daemon:
             self.proc.wait(5)
 
 
-def _read_ready(proc: subprocess.Popen[bytes], timeout: float, what: str) -> dict[str, Any]:
+def _read_ready(
+    proc: subprocess.Popen[bytes],
+    timeout: float,
+    what: str,
+    last_error: Callable[[], str] = lambda: "",
+) -> dict[str, Any]:
     assert proc.stdout is not None
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
@@ -97,11 +171,19 @@ def _read_ready(proc: subprocess.Popen[bytes], timeout: float, what: str) -> dic
                     return msg
     finally:
         sel.close()
-    code = proc.poll()
+    # stdout closed: the daemon is exiting; give it a moment to be reaped so that an
+    # early exit is reported as one (with its error), not as a timeout.
+    try:
+        code: int | None = proc.wait(min(5.0, max(0.5, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+        code = None
     if code is None:
         proc.kill()
         proc.wait(5)
         raise StartError(f"{what} printed no ready line within {timeout:.0f}s")
+    err = _error_text(last_error())
+    if err:
+        raise StartError(f"{what} failed to start: {err}")
     raise StartError(f"{what} exited with code {code} before it was ready")
 
 
@@ -113,18 +195,29 @@ class Starting:
     proc: subprocess.Popen[bytes]
     args: list[str]
     log_path: str | None
+    relay: StderrRelay | None = None
+
+    def last_error(self) -> str:
+        if self.relay is not None:
+            return self.relay.last_error()
+        return _last_log_line(self.log_path)
 
     def ready(self, timeout: float = 30.0) -> Daemon:
-        """Wait for the ready line; on failure the process is killed and reaped."""
+        """Wait for the ready line; on failure the process is killed and reaped, and
+        :class:`StartError` carries the daemon's own last error line when there is one."""
         try:
-            msg = _read_ready(self.proc, timeout, f"kvstore {self.role}")
+            msg = _read_ready(self.proc, timeout, f"kvstore {self.role}", self.last_error)
         except BaseException:
             if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait(5)
             if self.proc.stdout is not None:
                 self.proc.stdout.close()
+            if self.relay is not None and not self.relay.last_error().startswith("Error: "):
+                self.relay.dump()  # not a one-line error (a traceback?): show all of it
             raise
+        if self.relay is not None:
+            self.relay.release()
         return Daemon(self.role, self.proc, msg, self.args, self.log_path)
 
 
@@ -135,14 +228,21 @@ def launch(
     stderr: IO[bytes] | int | None = None,
     env: dict[str, str] | None = None,
     log_path: str | None = None,
+    relay_stderr: bool = False,
 ) -> Starting:
-    """Start ``python -m kvstore ROLE ARGS...`` without waiting for it."""
+    """Start ``python -m kvstore ROLE ARGS...`` without waiting for it.
+
+    ``relay_stderr`` (used by ``kvstore up`` and the demo): the child's stderr goes to
+    ours through a :class:`StderrRelay`, so a failed start is reported in one line.
+    """
     cmd = [sys.executable, "-m", "kvstore", role, *args]
     err: IO[bytes] | int | None = stderr
     log_fh = None
     if log_path is not None:
         log_fh = open(log_path, "ab")  # noqa: SIM115 - handed to the child
         err = log_fh
+    elif relay_stderr and stderr is None:
+        err = subprocess.PIPE
     try:
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=err, env=env, stdin=subprocess.DEVNULL
@@ -150,7 +250,8 @@ def launch(
     finally:
         if log_fh is not None:
             log_fh.close()
-    return Starting(role, proc, list(args), log_path)
+    relay = StderrRelay(proc.stderr) if proc.stderr is not None else None
+    return Starting(role, proc, list(args), log_path, relay)
 
 
 def spawn(
@@ -182,6 +283,7 @@ class LocalCluster:
     token: str = ""  # bearer token for the master (clusters with tenants)
     log_dir: str | None = None
     stderr: IO[bytes] | int | None = None
+    relay_stderr: bool = False  # see launch(); `kvstore up` and the demo set it
     master: Daemon | None = None
     worker_procs: list[Daemon] = field(default_factory=list)
     retired: list[Daemon] = field(default_factory=list)  # replaced by restart_worker
@@ -196,7 +298,7 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         try:
-            self.master = spawn(
+            self.master = launch(
                 "master",
                 [
                     "--host",
@@ -209,7 +311,8 @@ class LocalCluster:
                 ],
                 stderr=self.stderr,
                 log_path=self._log("master"),
-            )
+                relay_stderr=self.relay_stderr,
+            ).ready()
             # Workers start in parallel (each faults its arena in, which takes a while).
             starting = [self._launch_worker(i) for i in range(self.workers)]
             try:
@@ -244,6 +347,7 @@ class LocalCluster:
             self._worker_args(extra),
             stderr=self.stderr,
             log_path=self._log(f"worker{index}"),
+            relay_stderr=self.relay_stderr,
         )
 
     def add_worker(self, *extra: str) -> Daemon:

@@ -21,6 +21,10 @@ import yaml
 
 from kvstore_client.errors import InvalidArgument
 
+# The distribution's name on the package index (`pip install kvstore-cache`); the import
+# packages (kvstore, kvstore_client, kvstore_bench) and the `kvstore` command keep theirs.
+DIST_NAME = "kvstore-cache"
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.I)
 _DUR_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$", re.I)
 _POW = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
@@ -97,7 +101,7 @@ class WorkerConfig:
     id: str = ""  # stable identity on the hash ring; default: advertise_host-grpc_port
     grpc_port: int = 0  # 0: pick a free port
     tcp_port: int = 0
-    ucx_port: int = -1  # ucx:// listener (extra kvstore[ucx]); 0: a free port; -1: none
+    ucx_port: int = -1  # ucx:// listener (extra kvstore-cache[ucx]); 0: a free port; -1: none
     metrics_port: int = 0
     dram_size: int = _size("1GiB")
     max_value_size: int = _size("16MiB")  # also the slab size
@@ -115,7 +119,8 @@ class WorkerConfig:
     ssd_low: float = 0.85  # ... down to this one
     promote: str = "second-hit"  # SSD -> DRAM on a hit: always | second-hit | never
     promote_window: float = _dur("60s")  # second hit must come within this
-    pin: list[str] = field(default_factory=list)  # pinned namespaces: "ns" or "ns=QUOTA"
+    # Pinned namespaces: "ns" or "ns=QUOTA"; in YAML also a mapping {ns: QUOTA}.
+    pin: list[str] = field(default_factory=list)
     max_batch: int = 65536  # blocks per transfer frame
     max_connections_per_client: int = 256  # transfer connections from one address
     # Request limits (worker/requests.py); sizes of 0 mean "scaled to the arena".
@@ -139,23 +144,99 @@ class Config:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _strict_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"want one of {'/'.join(_TRUE)} or {'/'.join(_FALSE)}")
+
+
+def _strict_int(value: Any) -> int:
+    if isinstance(value, bool):  # YAML `true` is not the number 1
+        raise ValueError("want a whole number, not true/false")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError("want a whole number")
+        return int(value)
+    if isinstance(value, str) and re.fullmatch(r"\s*[-+]?\d+\s*", value):
+        return int(value)
+    raise ValueError("want a whole number")
+
+
+def _strict_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError("want a number, not true/false")
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        return float(value)
+    raise ValueError("want a number")
+
+
+def _pin_list(value: Any) -> list[str]:
+    """``pin`` as "ns,ns=QUOTA" text, a list of "ns[=QUOTA]" / {ns: QUOTA}, or {ns: QUOTA}."""
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    items = [value] if isinstance(value, Mapping) else value
+    if not isinstance(items, list | tuple):
+        raise ValueError("want a list of NS or NS=QUOTA, or a mapping NS: QUOTA")
+    out: list[str] = []
+    for item in items:
+        if isinstance(item, Mapping):
+            for ns, quota in item.items():
+                if not isinstance(ns, str) or isinstance(quota, bool):
+                    raise ValueError(f"bad pin {ns!r}: {quota!r}")
+                if quota is None or quota == "":
+                    out.append(ns)
+                else:
+                    parse_size(quota)  # a bad quota is an error here, naming the key
+                    out.append(f"{ns}={quota}")
+        elif isinstance(item, str):
+            out.append(item)
+        else:
+            raise ValueError(f"bad pin {item!r}: want NS or NS=QUOTA")
+    return out
+
+
 def _coerce(section: str, f: dataclasses.Field[Any], value: Any) -> Any:
     kind = f.metadata.get("kind")
     try:
         if kind == "size":
+            if isinstance(value, bool):
+                raise ValueError("want a size such as 512MiB")
             return parse_size(value)
         if kind == "duration":
+            if isinstance(value, bool):
+                raise ValueError("want a duration such as 10s")
             return parse_duration(value)
         if f.type in ("int", int):
-            return int(value)
+            return _strict_int(value)
         if f.type in ("float", float):
-            return float(value)
+            return _strict_float(value)
         if f.type in ("bool", bool):
-            return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+            return _strict_bool(value)
+        if f.name == "pin":
+            return _pin_list(value)
         if f.type in ("list[str]",):
             if isinstance(value, str):
                 return [v.strip() for v in value.split(",") if v.strip()]
+            if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+                raise ValueError("want a list of text values")
             return [str(v) for v in value]
+        if isinstance(value, Mapping | list | tuple):
+            raise ValueError("want a single text value")
         return str(value)
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"bad value {value!r} for {section}.{f.name}: {e}") from e
@@ -165,13 +246,135 @@ def _apply(cfg: Config, section: str, values: Mapping[str, Any], origin: str) ->
     target = getattr(cfg, section)
     fields = {f.name: f for f in dataclasses.fields(target)}
     for key, value in values.items():
-        name = key.replace("-", "_")
+        name = str(key).replace("-", "_")
         if name not in fields:
             raise InvalidArgument(
                 f"unknown {section} setting {key!r} in {origin}; known: {', '.join(sorted(fields))}"
             )
         if value is not None and value != ():
             setattr(target, name, _coerce(section, fields[name], value))
+
+
+# Ports: (field, flag); ucx_port also takes -1 (off).
+_PORTS = {
+    "master": {"port": "--port", "metrics_port": "--metrics-port"},
+    "worker": {
+        "grpc_port": "--grpc-port",
+        "tcp_port": "--tcp-port",
+        "ucx_port": "--ucx-port",
+        "metrics_port": "--metrics-port",
+    },
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def validate(cfg: Config) -> None:
+    """Check ranges and choices of every value; InvalidArgument names the key and flag.
+
+    Called by :func:`load_config`; file-system checks (directories, certificates) are in
+    :func:`check_worker_files` / :func:`check_tls_files`, run when a daemon starts.
+    """
+    for section, ports in _PORTS.items():
+        sec = getattr(cfg, section)
+        for name, flag in ports.items():
+            v = getattr(sec, name)
+            low = -1 if name == "ucx_port" else 0
+            if not low <= v <= 65535:
+                raise InvalidArgument(
+                    f"{section}.{name} ({flag}) is {v}: a port must be 0..65535"
+                    + (
+                        " (0 picks a free one, -1 turns it off)"
+                        if low < 0
+                        else " (0 picks a free one)"
+                    )
+                )
+    m, w = cfg.master, cfg.worker
+    positive: list[tuple[str, str, float]] = [
+        ("master", "worker_ttl", m.worker_ttl),
+        ("master", "lease_ttl", m.lease_ttl),
+        ("worker", "dram_size", w.dram_size),
+        ("worker", "max_value_size", w.max_value_size),
+        ("worker", "ssd_size", w.ssd_size),
+        ("worker", "max_connections", w.max_connections),
+        ("worker", "max_connections_per_client", w.max_connections_per_client),
+        ("worker", "max_batch", w.max_batch),
+        ("worker", "idle_timeout", w.idle_timeout),
+        ("worker", "frame_timeout", w.frame_timeout),
+    ]
+    for section, name, v in positive:
+        if v <= 0:
+            raise InvalidArgument(f"{section}.{name} ({_flag(name)}) must be positive, got {v}")
+    for name in ("drain_timeout", "promote_window"):
+        if getattr(w, name) < 0:
+            raise InvalidArgument(f"worker.{name} ({_flag(name)}) must not be negative")
+    if not 1 <= m.replicas <= 8:
+        raise InvalidArgument(f"master.replicas (--replicas) must be 1-8, got {m.replicas}")
+    for hi, lo in (("dram_high", "dram_low"), ("ssd_high", "ssd_low")):
+        h, lw = getattr(w, hi), getattr(w, lo)
+        if not 0 < lw <= h <= 1:
+            raise InvalidArgument(
+                f"worker.{lo} ({lw}) and worker.{hi} ({h}) need 0 < low <= high <= 1"
+            )
+    if w.promote not in ("always", "second-hit", "never"):
+        raise InvalidArgument(f"worker.promote is {w.promote!r}: want always, second-hit or never")
+
+
+def check_tls_files(section: str, cert: str, key: str, ca: str) -> None:
+    """Load the PEM files now, so a bad one is named instead of failing a port bind."""
+    import ssl
+
+    if bool(cert) != bool(key):
+        raise InvalidArgument(
+            f"TLS needs both {section}.tls_cert and {section}.tls_key (--tls-cert, --tls-key)"
+        )
+    if ca and not (cert and key):
+        raise InvalidArgument(f"{section}.tls_ca (--tls-ca) needs --tls-cert and --tls-key too")
+    for name, path in (("tls_cert", cert), ("tls_key", key), ("tls_ca", ca)):
+        if path and not os.path.isfile(path):
+            raise InvalidArgument(f"{section}.{name} ({_flag(name)}): no such file {path}")
+    if cert:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            ctx.load_cert_chain(cert, key)
+        except (ssl.SSLError, OSError) as e:
+            raise InvalidArgument(
+                f"{section}.tls_cert/tls_key ({cert}, {key}) are not a PEM certificate and "
+                f"its private key: {getattr(e, 'reason', None) or e}"
+            ) from e
+    if ca:
+        try:
+            ssl.create_default_context(cafile=ca)
+        except (ssl.SSLError, OSError) as e:
+            raise InvalidArgument(
+                f"{section}.tls_ca ({ca}) is not a PEM CA bundle: {getattr(e, 'reason', None) or e}"
+            ) from e
+
+
+def check_worker_files(w: WorkerConfig) -> None:
+    """The arena directory exists and is writable; the SSD path is (or can be) a directory."""
+    if not os.path.isdir(w.shm_dir):
+        raise InvalidArgument(
+            f"worker.shm_dir (--shm-dir) {w.shm_dir} is not a directory: give a tmpfs "
+            "mount such as /dev/shm"
+        )
+    if not os.access(w.shm_dir, os.W_OK | os.X_OK):
+        raise InvalidArgument(f"worker.shm_dir (--shm-dir) {w.shm_dir} is not writable")
+    if w.ssd_path:
+        if os.path.exists(w.ssd_path) and not os.path.isdir(w.ssd_path):
+            raise InvalidArgument(
+                f"worker.ssd_path (--ssd-path) {w.ssd_path} exists and is not a directory"
+            )
+        try:
+            os.makedirs(w.ssd_path, exist_ok=True)
+        except OSError as e:
+            raise InvalidArgument(
+                f"worker.ssd_path (--ssd-path) {w.ssd_path} cannot be created: {e.strerror}"
+            ) from e
+        if not os.access(w.ssd_path, os.W_OK | os.X_OK):
+            raise InvalidArgument(f"worker.ssd_path (--ssd-path) {w.ssd_path} is not writable")
 
 
 def load_config(
@@ -204,4 +407,5 @@ def load_config(
         _apply(cfg, section, from_env, "the environment")
     for section, values in (overrides or {}).items():
         _apply(cfg, section, values, "the command line")
+    validate(cfg)
     return cfg

@@ -134,7 +134,7 @@ class Client:
     ``transport``: "auto" (default, or env KVSTORE_TRANSPORT) and "shm" copy through
     shared memory with workers on this host whose arena file this process may open,
     and use tcp:// with the others; "tcp" forces tcp:// everywhere; "ucx" uses ucx://
-    (UCX, the extra kvstore[ucx]; docs/UCX.md) with every worker that advertises it and
+    (UCX, the extra kvstore-cache[ucx]; docs/UCX.md) with every worker that advertises it and
     tcp:// with the others.
     ``tls`` (default: env KVSTORE_TLS_CA/CERT/KEY) and ``token`` (default: env
     KVSTORE_TOKEN) are needed when the cluster enables TLS or tenants.
@@ -158,7 +158,7 @@ class Client:
                 f"unknown transport {transport!r}; available: {', '.join(TRANSPORTS)}"
             )
         if transport == "ucx" and not ucx_available():
-            raise InvalidArgument("transport 'ucx' needs ucxx: pip install 'kvstore[ucx]'")
+            raise InvalidArgument("transport 'ucx' needs ucxx: pip install 'kvstore-cache[ucx]'")
         self.transport = transport
         self.timeout = timeout
         self.tls = tls if tls is not None else Tls.from_env()
@@ -198,7 +198,7 @@ class Client:
         self._master_idx = (self._master_idx + 1) % len(self._masters)
 
     def _fetch_map(self) -> master_pb2.ShardMap:
-        last: Exception | None = None
+        last: grpc.RpcError | None = None
         for _ in range(len(self._masters)):
             try:
                 return self._master_stub().GetShardMap(
@@ -210,7 +210,9 @@ class Client:
                     raise from_rpc_error(e) from e
                 self._next_master()
         assert last is not None
-        raise Unavailable(f"no master answered at {','.join(self._masters)}: {last}")
+        raise Unavailable(
+            f"no master answered at {','.join(self._masters)}: {from_rpc_error(last)}"
+        )
 
     def _watch_loop(self) -> None:
         backoff = 0.2
@@ -341,6 +343,8 @@ class Client:
         return out
 
     def _check(self, ns: str, hashes: Sequence[bytes]) -> bytes:
+        if self._closed.is_set():
+            raise InvalidArgument("this Client is closed")
         check_namespace(ns)
         check_hashes(hashes)
         return ns.encode()
@@ -366,7 +370,7 @@ class Client:
         nsb = self._check(ns, hashes)
         if len(values) != len(hashes):
             raise InvalidArgument(f"{len(hashes)} hashes but {len(values)} values")
-        views = [memoryview(v).cast("B") for v in values]
+        views = _byte_views(values, "value")
         view, groups = self._groups(hashes)
         r = self._copies(view, ns, replicas)
         if r > 1 and groups:
@@ -553,17 +557,26 @@ class Client:
 
         A block counts as a hit only if its stored size equals its buffer's size and
         its checksum matches; a buffer of a miss may hold partial bytes. The future
-        never raises for worker failures (those are misses).
+        never raises for worker failures (those are misses). A buffer that no block
+        can fill (empty, or above the workers' max value size) raises InvalidArgument
+        at once; to learn a stored block's size, read it with :meth:`batch_get`.
+        Calls on a closed client raise InvalidArgument.
         """
         self._check(ns, hashes)
         if len(buffers) != len(hashes):
             raise InvalidArgument(f"{len(hashes)} hashes but {len(buffers)} buffers")
-        views = [memoryview(b).cast("B") for b in buffers]
+        views = _byte_views(buffers, "buffer")
         for i, v in enumerate(views):
             if v.readonly:
                 raise InvalidArgument(f"buffer {i} is read-only")
         nsb = ns.encode()
         view, groups = self._groups(hashes)
+        for i, v in enumerate(views):
+            if v.nbytes == 0 or (view.max_value and v.nbytes > view.max_value):
+                raise InvalidArgument(
+                    f"buffer {i} is {v.nbytes} bytes: no block can fill it (blocks are "
+                    f"1..{view.max_value or 'max-value-size'} bytes)"
+                )
         result = [False] * len(hashes)
         done: cf.Future[list[bool]] = cf.Future()
         if not groups:
@@ -741,6 +754,8 @@ class Client:
 
     def cluster_status(self) -> master_pb2.ClusterStatusResponse:
         """The master's view of the cluster (workers, capacities, stats)."""
+        if self._closed.is_set():
+            raise InvalidArgument("this Client is closed")
         try:
             return self._master_stub().ClusterStatus(
                 master_pb2.ClusterStatusRequest(), timeout=self.timeout, metadata=self._md
@@ -782,6 +797,21 @@ class Client:
 
 def _bind(fn: Callable[..., Any], *args: object) -> Callable[[], Any]:
     return functools.partial(fn, *args)
+
+
+def _byte_views(items: Sequence[Any], what: str) -> list[memoryview]:
+    """Flat byte views of bytes-like objects; InvalidArgument for anything else."""
+    out: list[memoryview] = []
+    for i, v in enumerate(items):
+        if isinstance(v, str):
+            raise InvalidArgument(f"{what} {i} is a str: encode it to bytes first")
+        try:
+            out.append(memoryview(v).cast("B"))
+        except TypeError as e:
+            raise InvalidArgument(
+                f"{what} {i} is a {type(v).__name__}, not a bytes-like object: {e}"
+            ) from e
+    return out
 
 
 def _misses_only(_: int, e: KVStoreError) -> None:

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
+from .errors import InvalidArgument
+
 ROOT = b"\x00" * 16
 
 
@@ -27,10 +29,30 @@ def block_hashes(
 
     ``extra`` is mixed into every block (LoRA id, cache salt, multimodal hashes);
     ``parent`` is the hash before the first block (ROOT for a whole prompt).
+    Raises :class:`InvalidArgument` (a ValueError) unless ``tokens`` is a sequence or
+    1-D array of integer token ids, ``block_tokens`` a positive int, ``extra`` bytes
+    and ``parent`` 16 bytes.
     """
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int | np.integer):
+        raise InvalidArgument(f"block_tokens must be an int, got {type(block_tokens).__name__}")
     if block_tokens <= 0:
-        raise ValueError("block_tokens must be positive")
-    arr = np.asarray(tokens)
+        raise InvalidArgument("block_tokens must be positive")
+    if isinstance(tokens, str | bytes | bytearray | memoryview):
+        raise InvalidArgument(
+            f"tokens must be integer token ids, got {type(tokens).__name__}: "
+            "tokenize the text first"
+        )
+    if not isinstance(extra, bytes) or not isinstance(parent, bytes) or len(parent) != 16:
+        raise InvalidArgument("extra must be bytes and parent 16 bytes")
+    try:
+        arr = np.asarray(tokens)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"tokens must be integer token ids: {e}") from e
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidArgument(
+            f"tokens must be a flat sequence of integer token ids, got dtype {arr.dtype} "
+            f"and shape {arr.shape}"
+        )
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         data = arr.astype("<i8").tobytes()
         width = 8

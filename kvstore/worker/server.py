@@ -4,6 +4,7 @@ registration and heartbeats with the master, and a graceful drain on SIGTERM.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -70,116 +71,135 @@ class Worker:
             raise InvalidArgument("TLS needs both --tls-cert and --tls-key")
         ssd = SsdStore(cfg.ssd_path, cfg.ssd_size, sync=cfg.ssd_sync) if cfg.ssd_path else None
         self.arena = Arena(cfg.dram_size - cfg.dram_size % cfg.max_value_size, cfg.shm_dir)
+        # Anything failing from here on (a port in use, a bad certificate) must not leave
+        # listeners or the hand-over socket behind.
         try:
             self.share = ArenaShare(self.arena, cfg.shm_dir)
-        except BaseException:
-            self.arena.close()
-            raise
-        self.store = BlockStore(
-            self.arena,
-            cfg.max_value_size,
-            ssd=ssd,
-            dram_marks=Watermarks(cfg.dram_high, cfg.dram_low),
-            ssd_marks=Watermarks(cfg.ssd_high, cfg.ssd_low),
-            promoter=Promoter(cfg.promote, cfg.promote_window),
-            pins=pins,
-            tenant_quota=(
-                QuotaBook(self.tenants.quotas, key_of=self.tenants.quota_account)
-                if self.tenants
-                else None
-            ),
-        )
-        n = cfg.shm_entries_per_connection
-        self.core = RequestCore(
-            Limits.for_arena(
-                self.store.tier.capacity,
-                self.store.max_value_size,
-                max_batch=cfg.max_batch,
-                max_answer_bytes=cfg.max_answer_bytes,
-                reserve_ahead=cfg.reserve_ahead,
-                hold_per_connection=cfg.hold_per_connection,
-                hold_per_client=cfg.hold_per_client,
-                hold_per_worker=cfg.hold_per_worker,
-                entries_per_connection=n,
-                entries_per_client=4 * n,
-                entries_per_worker=16 * n,
-            ),
-            self.tenants,
-        )
-        self.advertise = cfg.advertise_host or (
-            socket.gethostname() if cfg.host in ("0.0.0.0", "::", "") else cfg.host
-        )
-        self.tcp = TcpTransferServer(
-            self.store,
-            cfg.host,
-            cfg.tcp_port,
-            max_connections=cfg.max_connections,
-            idle_timeout=cfg.idle_timeout,
-            frame_timeout=cfg.frame_timeout,
-            max_batch=cfg.max_batch,
-            max_per_client=cfg.max_connections_per_client,
-            on_bytes=lambda t, d, n: metrics.TRANSFER_BYTES.labels(t, d).inc(n),
-            on_request=metrics.observe_request,
-            core=self.core,
-            ssl_context=(
-                self.tls.server_context(cfg.tls_client_auth) if self.tls.enabled else None
-            ),
-        )
-        # ucx:// (extra kvstore[ucx]), made before anything else in this process uses UCX
-        # so that UCX runs in its listener-safe progress mode (docs/UCX.md).
-        self.ucx: UcxTransferServer | None = None
-        if cfg.ucx_port >= 0:
-            if self.tls.enabled:
-                raise InvalidArgument(
-                    "--ucx-port cannot be combined with TLS: UCX does not encrypt"
-                )
-            self.ucx = UcxTransferServer(
+            self.store = BlockStore(
+                self.arena,
+                cfg.max_value_size,
+                ssd=ssd,
+                dram_marks=Watermarks(cfg.dram_high, cfg.dram_low),
+                ssd_marks=Watermarks(cfg.ssd_high, cfg.ssd_low),
+                promoter=Promoter(cfg.promote, cfg.promote_window),
+                pins=pins,
+                tenant_quota=(
+                    QuotaBook(self.tenants.quotas, key_of=self.tenants.quota_account)
+                    if self.tenants
+                    else None
+                ),
+            )
+            n = cfg.shm_entries_per_connection
+            self.core = RequestCore(
+                Limits.for_arena(
+                    self.store.tier.capacity,
+                    self.store.max_value_size,
+                    max_batch=cfg.max_batch,
+                    max_answer_bytes=cfg.max_answer_bytes,
+                    reserve_ahead=cfg.reserve_ahead,
+                    hold_per_connection=cfg.hold_per_connection,
+                    hold_per_client=cfg.hold_per_client,
+                    hold_per_worker=cfg.hold_per_worker,
+                    entries_per_connection=n,
+                    entries_per_client=4 * n,
+                    entries_per_worker=16 * n,
+                ),
+                self.tenants,
+            )
+            self.advertise = cfg.advertise_host or (
+                socket.gethostname() if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+            )
+            self.tcp = TcpTransferServer(
                 self.store,
                 cfg.host,
-                cfg.ucx_port,
+                cfg.tcp_port,
                 max_connections=cfg.max_connections,
                 idle_timeout=cfg.idle_timeout,
                 frame_timeout=cfg.frame_timeout,
                 max_batch=cfg.max_batch,
+                max_per_client=cfg.max_connections_per_client,
                 on_bytes=lambda t, d, n: metrics.TRANSFER_BYTES.labels(t, d).inc(n),
                 on_request=metrics.observe_request,
                 core=self.core,
+                ssl_context=(
+                    self.tls.server_context(cfg.tls_client_auth) if self.tls.enabled else None
+                ),
             )
-        self.grpc_server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc"),
-            interceptors=[RejectUndecodable()],
-            options=[
-                ("grpc.max_receive_message_length", 256 << 20),
-                ("grpc.max_send_message_length", 256 << 20),
-                ("grpc.so_reuseport", 0),
-            ],
-        )
-        bind = f"{cfg.host}:{cfg.grpc_port}"
-        if self.tls.enabled:
-            creds = self.tls.server_credentials(cfg.tls_client_auth)
-            self.grpc_port = self.grpc_server.add_secure_port(bind, creds)
-        else:
-            self.grpc_port = self.grpc_server.add_insecure_port(bind)
-        self.id = cfg.id or f"{self.advertise}-{self.grpc_port}"
-        self.servicer = StoreServicer(self.store, self.id, self.stats, self.core)
-        store_pb2_grpc.add_StoreServicer_to_server(self.servicer, self.grpc_server)
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
-        self._stop = threading.Event()
-        self.fatal = ""  # why the worker must exit (its id is taken), set by the link
-        self.failed = threading.Event()
-        self.link = MasterLink(
-            parse_masters(cfg.master),
-            tls=self.tls,
-            token=cfg.token,
-            worker_id=self.id,
-            info=self.info,
-            stats=self._pb_stats,
-            on_registered=self._registered,
-            on_fatal=self._fatal,
-            serving=self._data_plane_serving,
-        )
-        metrics.register_collector(self.stats)
+            # ucx:// (extra kvstore[ucx]), made before anything else in this process uses UCX
+            # so that UCX runs in its listener-safe progress mode (docs/UCX.md).
+            self.ucx: UcxTransferServer | None = None
+            if cfg.ucx_port >= 0:
+                if self.tls.enabled:
+                    raise InvalidArgument(
+                        "--ucx-port cannot be combined with TLS: UCX does not encrypt"
+                    )
+                self.ucx = UcxTransferServer(
+                    self.store,
+                    cfg.host,
+                    cfg.ucx_port,
+                    max_connections=cfg.max_connections,
+                    idle_timeout=cfg.idle_timeout,
+                    frame_timeout=cfg.frame_timeout,
+                    max_batch=cfg.max_batch,
+                    on_bytes=lambda t, d, n: metrics.TRANSFER_BYTES.labels(t, d).inc(n),
+                    on_request=metrics.observe_request,
+                    core=self.core,
+                )
+            self.grpc_server = grpc.server(
+                futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc"),
+                interceptors=[RejectUndecodable()],
+                options=[
+                    ("grpc.max_receive_message_length", 256 << 20),
+                    ("grpc.max_send_message_length", 256 << 20),
+                    ("grpc.so_reuseport", 0),
+                ],
+            )
+            bind = f"{cfg.host}:{cfg.grpc_port}"
+            if self.tls.enabled:
+                creds = self.tls.server_credentials(cfg.tls_client_auth)
+                self.grpc_port = self.grpc_server.add_secure_port(bind, creds)
+            else:
+                self.grpc_port = self.grpc_server.add_insecure_port(bind)
+            self.id = cfg.id or f"{self.advertise}-{self.grpc_port}"
+            self.servicer = StoreServicer(self.store, self.id, self.stats, self.core)
+            store_pb2_grpc.add_StoreServicer_to_server(self.servicer, self.grpc_server)
+            self.health = health.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+            self._stop = threading.Event()
+            self.fatal = ""  # why the worker must exit (its id is taken), set by the link
+            self.failed = threading.Event()
+            self.link = MasterLink(
+                parse_masters(cfg.master),
+                tls=self.tls,
+                token=cfg.token,
+                worker_id=self.id,
+                info=self.info,
+                stats=self._pb_stats,
+                on_registered=self._registered,
+                on_fatal=self._fatal,
+                serving=self._data_plane_serving,
+            )
+            metrics.register_collector(self.stats)
+        except BaseException:
+            self._abort()
+            raise
+
+    def _abort(self) -> None:
+        """Undo a partial start: close listeners, the hand-over socket and the arena."""
+        for name in ("tcp", "ucx"):
+            server = getattr(self, name, None)
+            if server is not None:
+                with contextlib.suppress(Exception):
+                    server.stop(0)
+        grpc_server = getattr(self, "grpc_server", None)
+        if grpc_server is not None:
+            with contextlib.suppress(Exception):
+                grpc_server.stop(0)
+        share = getattr(self, "share", None)
+        if share is not None:
+            with contextlib.suppress(Exception):
+                share.close()
+        self.arena.close()
 
     @property
     def endpoints(self) -> Endpoints:
@@ -279,7 +299,11 @@ class Worker:
 def run(cfg: WorkerConfig) -> int:
     """Run a worker until SIGTERM/SIGINT; prints one JSON 'ready' line on stdout."""
     w = Worker(cfg)
-    w.start()
+    try:
+        w.start()
+    except BaseException:
+        w._abort()
+        raise
     done = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
