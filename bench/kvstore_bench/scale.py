@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import random
+import secrets
 import shutil
 import socket
 import subprocess
@@ -80,6 +81,8 @@ class SimWorker:
     paused: bool = False
     heartbeats: int = 0
     registers: int = 0
+    # Each worker process binds its registration to a random instance token.
+    instance: str = field(default_factory=lambda: secrets.token_hex(16))
 
 
 def sim_info(i: int, tag: str = "sim") -> master_pb2.WorkerInfo:
@@ -102,13 +105,17 @@ async def worker_rpc(w: SimWorker, *, register: bool) -> int:
     Returns the map version the master answered with."""
     if not register:
         hb = await w.stub.Heartbeat(
-            master_pb2.HeartbeatRequest(worker_id=w.info.id, stats=master_pb2.WorkerStats()),
+            master_pb2.HeartbeatRequest(
+                worker_id=w.info.id, stats=master_pb2.WorkerStats(), instance=w.instance
+            ),
             timeout=10,
         )
         w.heartbeats += 1
         if hb.known:
             return int(hb.map_version)
-    reg = await w.stub.Register(master_pb2.RegisterRequest(worker=w.info), timeout=10)
+    reg = await w.stub.Register(
+        master_pb2.RegisterRequest(worker=w.info, instance=w.instance), timeout=10
+    )
     w.registers += 1
     return int(reg.map_version)
 
@@ -432,7 +439,10 @@ async def _run_mode(
             if k % 2 == 0:
                 v = await worker_rpc(extra, register=True)
             else:
-                await stub.Leave(master_pb2.LeaveRequest(worker_id=extra.info.id), timeout=10)
+                await stub.Leave(
+                    master_pb2.LeaveRequest(worker_id=extra.info.id, instance=extra.instance),
+                    timeout=10,
+                )
                 v = (await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=10)).version
             await _until(lambda v=v: all(w.version >= v for w in watchers), 10 * cfg.change_gap_s)
             d = _delivery(watchers, t0, v)
@@ -441,7 +451,10 @@ async def _run_mode(
             )
             await asyncio.sleep(max(0.0, cfg.change_gap_s - (time.monotonic() - t0)))
         if cfg.changes % 2:
-            await stub.Leave(master_pb2.LeaveRequest(worker_id=extra.info.id), timeout=10)
+            await stub.Leave(
+                master_pb2.LeaveRequest(worker_id=extra.info.id, instance=extra.instance),
+                timeout=10,
+            )
         res["changes"] = events
         all_d = [x for e in events for x in e["delivery_s"]]
         finite = [x for x in all_d if x == x]

@@ -80,7 +80,21 @@ class _Worker:
         if self.ucx is not None:
             return self.ucx.put(timeout, ns, hs, vs, cs)
         if self.arena is not None and not self.arena.stale:
-            return self.pool.call(timeout, shm.put, self.arena, ns, hs, vs, cs)
+            # A worker lets one connection hold at least two values' worth of shm
+            # reservations at a time: cut the batch into requests that always fit.
+            limit = 2 * max(self.info.max_value_bytes, 1)
+            out = bytearray()
+            start = 0
+            while start < len(hs):
+                end, size = start + 1, vs[start].nbytes
+                while end < len(hs) and size + vs[end].nbytes <= limit:
+                    size += vs[end].nbytes
+                    end += 1
+                out += self.pool.call(
+                    timeout, shm.put, self.arena, ns, hs[start:end], vs[start:end], cs[start:end]
+                )
+                start = end
+            return bytes(out)
         return self.pool.call(timeout, TcpConnection.put, ns, hs, vs, cs)
 
     def get(

@@ -94,25 +94,29 @@ class Budget:
     def holder(self, client: str) -> Holder:
         return Holder(self, client)
 
-    def _fits(self, h: Holder, nbytes: int, entries: int) -> bool:
+    def _fits(self, h: Holder, nbytes: int, entries: int, whole: bool) -> bool:
         lim = self.limits
-        if nbytes and h.bytes + nbytes > lim.hold_per_connection and h.bytes:
+        # Holding nothing, one value's worth always fits (a request is never refused for
+        # the size of a single value), or any amount with ``whole``; beyond that, every
+        # bound applies.
+        one = whole or nbytes <= lim.max_value_size
+        if nbytes and h.bytes + nbytes > lim.hold_per_connection and (h.bytes or not one):
             return False
         if entries and h.entries + entries > lim.entries_per_connection:
             return False
         cb = self._client_bytes.get(h.client, 0)
-        if nbytes and cb + nbytes > lim.hold_per_client and cb:
+        if nbytes and cb + nbytes > lim.hold_per_client and (cb or not one):
             return False
         if entries and self._client_entries.get(h.client, 0) + entries > lim.entries_per_client:
             return False
-        if nbytes and self.bytes + nbytes > lim.hold_per_worker and self.bytes:
+        if nbytes and self.bytes + nbytes > lim.hold_per_worker and (self.bytes or not one):
             return False
         return not (entries and self.entries + entries > lim.entries_per_worker)
 
-    def _take(self, h: Holder, nbytes: int, entries: int, wait: float) -> bool:
+    def _take(self, h: Holder, nbytes: int, entries: int, wait: float, whole: bool) -> bool:
         deadline = time.monotonic() + wait
         with self._cond:
-            while not self._fits(h, nbytes, entries):
+            while not self._fits(h, nbytes, entries, whole):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.refused += 1
@@ -156,11 +160,17 @@ class Holder:
         self.bytes = 0
         self.entries = 0
 
-    def take(self, nbytes: int, entries: int = 0, *, wait: float = 0.0) -> bool:
+    def take(
+        self, nbytes: int, entries: int = 0, *, wait: float = 0.0, whole: bool = False
+    ) -> bool:
         """Hold ``nbytes`` and ``entries`` more, waiting up to ``wait`` seconds for others to
         give some back; False when they do not fit. A connection holding nothing may always
-        take one value's worth, so a single request is never refused for its size alone."""
-        return self.budget._take(self, nbytes, entries, wait)
+        take one value's worth, so a single value is never refused for its size alone;
+        clients cut shm:// puts into requests of at most two values' worth (which
+        always fit the per-connection bound, at least two values). ``whole``: a holder
+        holding nothing may take any amount (a read's pins: a client that releases each
+        read before the next is never refused; one that holds reads open is bounded)."""
+        return self.budget._take(self, nbytes, entries, wait, whole)
 
     def give(self, nbytes: int, entries: int = 0) -> None:
         self.budget._give(self, nbytes, entries)

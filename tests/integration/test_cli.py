@@ -37,7 +37,7 @@ def test_status_json_and_table(cluster: LocalCluster) -> None:
         assert w["endpoints"][0].startswith("tcp://127.0.0.1:")
         assert w["capacity_bytes"] == 256 << 20
     table = run("status", "--master", cluster.address)
-    assert table.returncode == 0 and "map v" in table.stdout
+    assert table.returncode == 0 and "map rev" in table.stdout
 
 
 def test_status_against_nothing_fails_cleanly() -> None:

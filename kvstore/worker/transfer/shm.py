@@ -205,8 +205,10 @@ def get_loc(
     if not st.holder.take(0, h.count):
         raise ResourceExhausted("too many shm entries held open: release some first")
     reading = store.read(ns, keys, verify_dram=False)
-    pinned = sum(len(x.view) for x in reading.held if x is not None and x.block is not None)
-    if not st.holder.take(pinned):
+    # Bytes of distinct pinned slots (a hash repeated pins one slot, not more memory).
+    slots = {x.block.offset: len(x.view) for x in reading.held if x is not None and x.block}
+    pinned = sum(slots.values())
+    if not st.holder.take(pinned, whole=True):
         store.done(reading)
         st.holder.give(0, h.count)
         raise ResourceExhausted("too many shm bytes held pinned: release some first")
