@@ -301,16 +301,19 @@ def up(workers: int, dram_size: str, max_value_size: str, master_port: int, host
     from .cluster import LocalCluster, StartError
     from .config import parse_size
 
-    try:  # check what we can before starting anything
-        if workers < 1:
-            raise ConfigError(f"--workers must be at least 1, got {workers}")
-        dram, slab = parse_size(dram_size), parse_size(max_value_size)
-        if dram < slab:
-            raise ConfigError(
-                f"--dram-size ({dram_size}) must be at least --max-value-size ({max_value_size})"
-            )
-    except KVStoreError as e:
-        raise ConfigError(str(e)) from e
+    # Check what we can before starting anything.
+    if workers < 1:
+        raise ConfigError(f"--workers must be at least 1, got {workers}")
+    sizes = {}
+    for flag, text in (("--dram-size", dram_size), ("--max-value-size", max_value_size)):
+        try:
+            sizes[flag] = parse_size(text)
+        except KVStoreError as e:
+            raise ConfigError(f"{flag}: {e}") from e
+    if sizes["--dram-size"] < sizes["--max-value-size"]:
+        raise ConfigError(
+            f"--dram-size ({dram_size}) must be at least --max-value-size ({max_value_size})"
+        )
     check_ports(host, [(master_port, "--master-port")])
     cluster = LocalCluster(
         workers=workers,
@@ -430,7 +433,7 @@ def print_status(addr: str, map_version: int, workers: list[dict[str, Any]]) -> 
         caption_justify="left",
     )
     t.add_column("worker", overflow="fold")
-    t.add_column("address · transfer", overflow="fold")
+    t.add_column("address", overflow="fold")
     t.add_column("used / capacity", justify="right", overflow="fold")
     t.add_column("keys", justify="right")
     t.add_column("hits / misses", justify="right", overflow="fold")
