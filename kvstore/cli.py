@@ -246,7 +246,7 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
     "--ucx-port",
     type=int,
     default=None,
-    help="UCX transfer port (kvstore[ucx]); 0 = free; -1 = off.",
+    help="UCX transfer port (extra kvstore-cache[ucx]); 0 = free; -1 = off.",
 )
 @click.option("--metrics-port", type=int, default=None, help="Prometheus port; 0 = off.")
 @click.option("--dram-size", default=None, help="DRAM arena size, e.g. 4GiB [1GiB].")
