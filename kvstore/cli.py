@@ -39,6 +39,10 @@ from .config import (
 log = logging.getLogger("kvstore.cli")
 
 # Subcommands loaded on first use: name -> ("module:attribute", what to install if missing).
+# Installed distributions add more through the entry-point group "kvstore.commands"
+# (pyproject.toml declares `bench` there); this table also serves a source checkout run
+# with PYTHONPATH, where no entry points are installed.
+ENTRY_POINT_GROUP = "kvstore.commands"
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "bench": (
         "kvstore_bench.cli:bench",
@@ -68,16 +72,31 @@ def one_line(e: BaseException) -> str:
     return " ".join(text.split())
 
 
+def _lazy_commands() -> dict[str, tuple[str, str]]:
+    """The built-in lazy commands plus those of installed entry points."""
+    from importlib.metadata import entry_points
+
+    out = dict(LAZY_COMMANDS)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        hint = out.get(ep.name, ("", f"reinstall the package that provides {ep.value}"))[1]
+        out[ep.name] = (ep.value, hint)
+    return out
+
+
 class KvstoreGroup(click.Group):
     """The top-level group: lazy subcommands and one-line errors."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+        return sorted({*super().list_commands(ctx), *_lazy_commands()})
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name not in LAZY_COMMANDS:
-            return super().get_command(ctx, cmd_name)
-        target, hint = LAZY_COMMANDS[cmd_name]
+        builtin = super().get_command(ctx, cmd_name)
+        if builtin is not None:
+            return builtin
+        lazy = _lazy_commands()
+        if cmd_name not in lazy:
+            return None
+        target, hint = lazy[cmd_name]
         module, attr = target.split(":")
         try:
             cmd = getattr(importlib.import_module(module), attr)

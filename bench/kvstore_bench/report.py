@@ -40,6 +40,7 @@ __all__ = [
     "replay_outputs",
     "results_path",
     "save",
+    "size_ticks",
     "stamp",
     "summarize",
     "table",
@@ -627,7 +628,6 @@ def transfer_plot(path: Path, points: Sequence[Any], ceil: dict[str, Any]) -> st
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
     except ImportError as e:
         return f"no plot: {e} (pip install matplotlib)"
     single = [p for p in points if p.workers == 1 and p.concurrency == 1]
@@ -652,9 +652,7 @@ def transfer_plot(path: Path, points: Sequence[Any], ceil: dict[str, Any]) -> st
                    label="memcpy, 1 core (shm:// ceiling)")  # fmt: skip
         ax.set_xscale("log", base=2)
         sizes = sorted({p.block_bytes for p in single})
-        ax.xaxis.set_major_locator(FixedLocator(sizes))
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _size_label(v)))
-        ax.xaxis.set_minor_formatter(NullFormatter())
+        size_ticks(ax, sizes)
         ax.set_xlabel("block size")
         ax.set_title(f"{op}: client process to one worker on this host")
         ax.grid(True, alpha=0.3)
@@ -669,6 +667,15 @@ def transfer_plot(path: Path, points: Sequence[Any], ceil: dict[str, Any]) -> st
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+def size_ticks(ax: Any, sizes: Sequence[float]) -> None:
+    """Ticks at exactly ``sizes`` (bytes) on a log x axis, labelled "4 KiB", "1 MiB"."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    ax.xaxis.set_major_locator(FixedLocator(sorted(set(sizes))))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _size_label(v)))
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def _size_label(v: float) -> str:
