@@ -53,6 +53,25 @@ class Worker:
     """One worker process. ``start()`` brings it up; ``stop()`` drains and closes."""
 
     def __init__(self, cfg: WorkerConfig) -> None:
+        # A failed start (a port in use, a bad certificate) leaves no arena file behind.
+        try:
+            self._init(cfg)
+        except BaseException:
+            self._abort()
+            raise
+
+    def _abort(self) -> None:
+        """Undo a partial start: close the listeners and remove the arena file."""
+        for name in ("tcp", "ucx", "grpc_server"):
+            server = getattr(self, name, None)
+            if server is not None:
+                with contextlib.suppress(Exception):
+                    server.stop(0)
+        arena = getattr(self, "arena", None)
+        if arena is not None:
+            arena.close()
+
+    def _init(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
         if cfg.max_value_size <= 0 or cfg.max_value_size % 64:
             raise InvalidArgument("max-value-size must be a positive multiple of 64 bytes")
@@ -68,98 +87,79 @@ class Worker:
             raise InvalidArgument("TLS needs both --tls-cert and --tls-key")
         ssd = SsdStore(cfg.ssd_path, cfg.ssd_size, sync=cfg.ssd_sync) if cfg.ssd_path else None
         self.arena = Arena(cfg.dram_size - cfg.dram_size % cfg.max_value_size, cfg.shm_dir)
-        # Anything failing from here on (a port in use, a bad certificate) must not leave
-        # the arena file behind in /dev/shm.
-        try:
-            self.store = BlockStore(
-                self.arena,
-                cfg.max_value_size,
-                ssd=ssd,
-                dram_marks=Watermarks(cfg.dram_high, cfg.dram_low),
-                ssd_marks=Watermarks(cfg.ssd_high, cfg.ssd_low),
-                promoter=Promoter(cfg.promote, cfg.promote_window),
-                pins=pins,
-                tenant_quota=self.tenants.quota_book() if self.tenants else None,
-            )
-            self.advertise = cfg.advertise_host or (
-                socket.gethostname() if cfg.host in ("0.0.0.0", "::", "") else cfg.host
-            )
-            self.tcp = TcpTransferServer(
+        self.store = BlockStore(
+            self.arena,
+            cfg.max_value_size,
+            ssd=ssd,
+            dram_marks=Watermarks(cfg.dram_high, cfg.dram_low),
+            ssd_marks=Watermarks(cfg.ssd_high, cfg.ssd_low),
+            promoter=Promoter(cfg.promote, cfg.promote_window),
+            pins=pins,
+            tenant_quota=self.tenants.quota_book() if self.tenants else None,
+        )
+        self.advertise = cfg.advertise_host or (
+            socket.gethostname() if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+        )
+        self.tcp = TcpTransferServer(
+            self.store,
+            cfg.host,
+            cfg.tcp_port,
+            max_connections=cfg.max_connections,
+            idle_timeout=cfg.idle_timeout,
+            frame_timeout=cfg.frame_timeout,
+            max_batch=cfg.max_batch,
+            max_per_client=cfg.max_connections_per_client,
+            on_bytes=lambda t, d, n: metrics.TRANSFER_BYTES.labels(t, d).inc(n),
+            on_request=metrics.observe_request,
+            tenants=self.tenants,
+            ssl_context=(
+                self.tls.server_context(cfg.tls_client_auth) if self.tls.enabled else None
+            ),
+        )
+        # ucx:// (extra kvstore[ucx]), made before anything else in this process uses UCX
+        # so that UCX runs in its listener-safe progress mode (docs/UCX.md).
+        self.ucx: UcxTransferServer | None = None
+        if cfg.ucx_port >= 0:
+            if self.tls.enabled:
+                raise InvalidArgument(
+                    "--ucx-port cannot be combined with TLS: UCX does not encrypt"
+                )
+            self.ucx = UcxTransferServer(
                 self.store,
                 cfg.host,
-                cfg.tcp_port,
+                cfg.ucx_port,
                 max_connections=cfg.max_connections,
                 idle_timeout=cfg.idle_timeout,
                 frame_timeout=cfg.frame_timeout,
                 max_batch=cfg.max_batch,
-                max_per_client=cfg.max_connections_per_client,
                 on_bytes=lambda t, d, n: metrics.TRANSFER_BYTES.labels(t, d).inc(n),
                 on_request=metrics.observe_request,
                 tenants=self.tenants,
-                ssl_context=(
-                    self.tls.server_context(cfg.tls_client_auth) if self.tls.enabled else None
-                ),
             )
-            # ucx:// (extra kvstore[ucx]), made before anything else in this process uses UCX
-            # so that UCX runs in its listener-safe progress mode (docs/UCX.md).
-            self.ucx: UcxTransferServer | None = None
-            if cfg.ucx_port >= 0:
-                if self.tls.enabled:
-                    raise InvalidArgument(
-                        "--ucx-port cannot be combined with TLS: UCX does not encrypt"
-                    )
-                self.ucx = UcxTransferServer(
-                    self.store,
-                    cfg.host,
-                    cfg.ucx_port,
-                    max_connections=cfg.max_connections,
-                    idle_timeout=cfg.idle_timeout,
-                    frame_timeout=cfg.frame_timeout,
-                    max_batch=cfg.max_batch,
-                    on_bytes=lambda t, d, n: metrics.TRANSFER_BYTES.labels(t, d).inc(n),
-                    on_request=metrics.observe_request,
-                    tenants=self.tenants,
-                )
-            self.grpc_server = grpc.server(
-                futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc"),
-                interceptors=[RejectUndecodable()],
-                options=[
-                    ("grpc.max_receive_message_length", 256 << 20),
-                    ("grpc.max_send_message_length", 256 << 20),
-                    ("grpc.so_reuseport", 0),
-                ],
-            )
-            bind = f"{cfg.host}:{cfg.grpc_port}"
-            if self.tls.enabled:
-                creds = self.tls.server_credentials(cfg.tls_client_auth)
-                self.grpc_port = self.grpc_server.add_secure_port(bind, creds)
-            else:
-                self.grpc_port = self.grpc_server.add_insecure_port(bind)
-            self.id = cfg.id or f"{self.advertise}-{self.grpc_port}"
-            self.servicer = StoreServicer(self.store, self.id, self.stats, self.tenants)
-            store_pb2_grpc.add_StoreServicer_to_server(self.servicer, self.grpc_server)
-            self.health = health.HealthServicer()
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
-            self._stop = threading.Event()
-            self._masters = parse_masters(cfg.master)
-            self._hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
-            metrics.register_collector(self.stats)
-        except BaseException:
-            self._abort()
-            raise
-
-    def _abort(self) -> None:
-        """Undo a partial start: close listeners and remove the arena file."""
-        for name in ("tcp", "ucx"):
-            server = getattr(self, name, None)
-            if server is not None:
-                with contextlib.suppress(Exception):
-                    server.stop(0)
-        grpc_server = getattr(self, "grpc_server", None)
-        if grpc_server is not None:
-            with contextlib.suppress(Exception):
-                grpc_server.stop(0)
-        self.arena.close()
+        self.grpc_server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc"),
+            interceptors=[RejectUndecodable()],
+            options=[
+                ("grpc.max_receive_message_length", 256 << 20),
+                ("grpc.max_send_message_length", 256 << 20),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        bind = f"{cfg.host}:{cfg.grpc_port}"
+        if self.tls.enabled:
+            creds = self.tls.server_credentials(cfg.tls_client_auth)
+            self.grpc_port = self.grpc_server.add_secure_port(bind, creds)
+        else:
+            self.grpc_port = self.grpc_server.add_insecure_port(bind)
+        self.id = cfg.id or f"{self.advertise}-{self.grpc_port}"
+        self.servicer = StoreServicer(self.store, self.id, self.stats, self.tenants)
+        store_pb2_grpc.add_StoreServicer_to_server(self.servicer, self.grpc_server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+        self._stop = threading.Event()
+        self._masters = parse_masters(cfg.master)
+        self._hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        metrics.register_collector(self.stats)
 
     @property
     def endpoints(self) -> Endpoints:
