@@ -7,15 +7,21 @@ STAMP := $(VENV)/.installed
 .PHONY: run test lint typecheck unit chart proto clean venv e2e
 
 $(STAMP): pyproject.toml
+	@echo "== $(VENV): installing kvstore-cache (editable) with its dev and bench extras; about a minute the first time"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	@# venvs made before the rename hold the old distribution name: drop it
+	$(BIN)/python -m pip uninstall -q -y kvstore 2>/dev/null || true
+	$(BIN)/python -m pip install --progress-bar on -e '.[dev,bench]'
 	touch $(STAMP)
+	@echo "== installed: $(BIN)/kvstore"
 
 venv: $(STAMP)
 
 run: $(STAMP)
+	@echo "== kvstore demo: a local cluster, a turn, its repeat and a follow-up turn"
 	$(BIN)/kvstore --log-level warning demo
+	@echo "== kvstore bench replay: 4 synthetic agent sessions against a fresh local cluster"
 	$(BIN)/kvstore --log-level warning bench replay --synth 4 --quick --sessions 4
 
 lint: $(STAMP)

@@ -39,6 +39,10 @@ from .config import (
 log = logging.getLogger("kvstore.cli")
 
 # Subcommands loaded on first use: name -> ("module:attribute", what to install if missing).
+# Installed distributions add more through the entry-point group "kvstore.commands"
+# (pyproject.toml declares `bench` there); this table also serves a source checkout run
+# with PYTHONPATH, where no entry points are installed.
+ENTRY_POINT_GROUP = "kvstore.commands"
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "bench": (
         "kvstore_bench.cli:bench",
@@ -68,16 +72,31 @@ def one_line(e: BaseException) -> str:
     return " ".join(text.split())
 
 
+def _lazy_commands() -> dict[str, tuple[str, str]]:
+    """The built-in lazy commands plus those of installed entry points."""
+    from importlib.metadata import entry_points
+
+    out = dict(LAZY_COMMANDS)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        hint = out.get(ep.name, ("", f"reinstall the package that provides {ep.value}"))[1]
+        out[ep.name] = (ep.value, hint)
+    return out
+
+
 class KvstoreGroup(click.Group):
     """The top-level group: lazy subcommands and one-line errors."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+        return sorted({*super().list_commands(ctx), *_lazy_commands()})
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name not in LAZY_COMMANDS:
-            return super().get_command(ctx, cmd_name)
-        target, hint = LAZY_COMMANDS[cmd_name]
+        builtin = super().get_command(ctx, cmd_name)
+        if builtin is not None:
+            return builtin
+        lazy = _lazy_commands()
+        if cmd_name not in lazy:
+            return None
+        target, hint = lazy[cmd_name]
         module, attr = target.split(":")
         try:
             cmd = getattr(importlib.import_module(module), attr)
@@ -257,7 +276,7 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
     "--ucx-port",
     type=int,
     default=None,
-    help="UCX transfer port (kvstore[ucx]); 0 = free; -1 = off.",
+    help="UCX transfer port (extra kvstore-cache[ucx]); 0 = free; -1 = off.",
 )
 @click.option("--metrics-port", type=int, default=None, help="Prometheus port; 0 = off.")
 @click.option("--dram-size", default=None, help="DRAM arena size, e.g. 4GiB [1GiB].")
@@ -312,16 +331,19 @@ def up(workers: int, dram_size: str, max_value_size: str, master_port: int, host
     from .cluster import LocalCluster, StartError
     from .config import parse_size
 
-    try:  # check what we can before starting anything
-        if workers < 1:
-            raise ConfigError(f"--workers must be at least 1, got {workers}")
-        dram, slab = parse_size(dram_size), parse_size(max_value_size)
-        if dram < slab:
-            raise ConfigError(
-                f"--dram-size ({dram_size}) must be at least --max-value-size ({max_value_size})"
-            )
-    except KVStoreError as e:
-        raise ConfigError(str(e)) from e
+    # Check what we can before starting anything.
+    if workers < 1:
+        raise ConfigError(f"--workers must be at least 1, got {workers}")
+    sizes = {}
+    for flag, text in (("--dram-size", dram_size), ("--max-value-size", max_value_size)):
+        try:
+            sizes[flag] = parse_size(text)
+        except KVStoreError as e:
+            raise ConfigError(f"{flag}: {e}") from e
+    if sizes["--dram-size"] < sizes["--max-value-size"]:
+        raise ConfigError(
+            f"--dram-size ({dram_size}) must be at least --max-value-size ({max_value_size})"
+        )
     check_ports(host, [(master_port, "--master-port")])
     cluster = LocalCluster(
         workers=workers,
@@ -441,7 +463,7 @@ def print_status(addr: str, map_version: int, workers: list[dict[str, Any]]) -> 
         caption_justify="left",
     )
     t.add_column("worker", overflow="fold")
-    t.add_column("address · transfer", overflow="fold")
+    t.add_column("address", overflow="fold")
     t.add_column("used / capacity", justify="right", overflow="fold")
     t.add_column("keys", justify="right")
     t.add_column("hits / misses", justify="right", overflow="fold")

@@ -73,6 +73,11 @@ class StderrRelay:
         """Print everything held (a traceback, for example) and stop holding."""
         self.release()
 
+    def mute(self) -> None:
+        """Drop what is held and everything the child writes from now on."""
+        with self._lock:
+            self._held = collections.deque(maxlen=0)
+
 
 def _write_stderr(data: bytes) -> None:
     with contextlib.suppress(OSError):
@@ -105,6 +110,7 @@ class Daemon:
     ready: dict[str, Any]
     args: list[str]
     log_path: str | None = None
+    relay: StderrRelay | None = None
 
     @property
     def pid(self) -> int:
@@ -202,9 +208,10 @@ class Starting:
             return self.relay.last_error()
         return _last_log_line(self.log_path)
 
-    def ready(self, timeout: float = 30.0) -> Daemon:
+    def ready(self, timeout: float = 30.0, *, release: bool = True) -> Daemon:
         """Wait for the ready line; on failure the process is killed and reaped, and
-        :class:`StartError` carries the daemon's own last error line when there is one."""
+        :class:`StartError` carries the daemon's own last error line when there is one.
+        ``release=False`` keeps holding a relayed stderr (see ``Daemon.relay``)."""
         try:
             msg = _read_ready(self.proc, timeout, f"kvstore {self.role}", self.last_error)
         except BaseException:
@@ -216,9 +223,9 @@ class Starting:
             if self.relay is not None and not self.relay.last_error().startswith("Error: "):
                 self.relay.dump()  # not a one-line error (a traceback?): show all of it
             raise
-        if self.relay is not None:
+        if self.relay is not None and release:
             self.relay.release()
-        return Daemon(self.role, self.proc, msg, self.args, self.log_path)
+        return Daemon(self.role, self.proc, msg, self.args, self.log_path, self.relay)
 
 
 def launch(
@@ -312,12 +319,12 @@ class LocalCluster:
                 stderr=self.stderr,
                 log_path=self._log("master"),
                 relay_stderr=self.relay_stderr,
-            ).ready()
+            ).ready(release=False)
             # Workers start in parallel (each faults its arena in, which takes a while).
             starting = [self._launch_worker(i) for i in range(self.workers)]
             try:
                 for s in starting:
-                    self.worker_procs.append(s.ready())
+                    self.worker_procs.append(s.ready(release=False))
             finally:
                 for s in starting:  # a failed start leaves no process behind
                     if s.proc.poll() is None and all(
@@ -327,8 +334,15 @@ class LocalCluster:
                         s.proc.wait(5)
             self.wait_for_workers(self.workers)
         except BaseException:
+            # One line says why (StartError); the others' shutdown chatter is noise.
+            for d in [self.master, *self.worker_procs]:
+                if d is not None and d.relay is not None:
+                    d.relay.mute()
             self.stop()
             raise
+        for d in [self.master, *self.worker_procs]:  # the cluster is up: relay their logs
+            if d is not None and d.relay is not None:
+                d.relay.release()
         return self
 
     def _worker_args(self, extra: Sequence[str] = ()) -> list[str]:

@@ -88,7 +88,7 @@ def run_demo(workers: int, dram_size: str, blocks: int, block_size: int, master:
     from .cluster import LocalCluster
 
     console.print(f"starting a local cluster: master + {workers} workers of {dram_size} ...")
-    with LocalCluster(workers=workers, dram_size=dram_size) as cluster:
+    with LocalCluster(workers=workers, dram_size=dram_size, relay_stderr=True) as cluster:
         console.print(f"cluster up, master at {cluster.address}")
         _workload(cluster.address, blocks, block_size, console)
     console.print("cluster stopped")

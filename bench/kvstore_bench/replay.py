@@ -638,8 +638,10 @@ def replay_cmd(
     if master and kinds != ["kvstore"]:
         raise click.UsageError("--master applies to --backend kvstore only")
     console.print(
-        f"[bold]replay[/] {len(files)} {fmt} file(s): {len(sessions)} sessions, {n_req} "
-        f"requests, blocks of {bt} tokens x {bytes_per_token} B = {block_bytes >> 10} KiB"
+        f"[bold]replay[/] {len(files)} {fmt} file(s): {len(sessions)} "
+        f"session{'' if len(sessions) == 1 else 's'}, {n_req} "
+        f"request{'' if n_req == 1 else 's'}, blocks of {bt} tokens x {bytes_per_token} B "
+        f"= {block_bytes >> 10} KiB"
     )
     results: list[ReplayResult] = []
     for kind in kinds:

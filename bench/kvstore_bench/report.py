@@ -22,6 +22,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from kvstore.config import format_size
+
 if TYPE_CHECKING:
     from .replay import ReplayResult
 
@@ -38,9 +40,12 @@ __all__ = [
     "replay_outputs",
     "results_path",
     "save",
+    "size_ticks",
     "stamp",
     "summarize",
     "table",
+    "transfer_plot",
+    "transfer_tables",
     "write_json",
 ]
 
@@ -258,11 +263,42 @@ def comparison_rows(sums: Sequence[Summary]) -> list[list[str]]:
         row("prefill tokens saved", lambda s: f"{s['prefill_tokens_saved']:,}"),
         row(f"prefill s saved @{tps:,.0f} tok/s", lambda s: f"{s['prefill_s_saved']:,.1f}"),
         row(f"  net of loading at {mb} KiB/token", lambda s: f"{s['prefill_s_saved_net']:,.1f}"),
-        row("loads slower than recompute", lambda s: str(s["loads_not_worth_it"])),
+        row(
+            "requests loading slower than recompute",
+            lambda s: f"{s['loads_not_worth_it']} of {s['requests']}",
+        ),
         row("content errors", lambda s: str(s["content_errors"])),
         row("matched but not loaded", lambda s: str(s["load_misses"])),
         row("store failures", lambda s: str(s["store_failures"])),
     ]
+
+
+def model_scale_note(s: Summary) -> str:
+    """Why 'net of loading' is what it is: the load speed measured here, scaled to the
+    model's bytes per token, against the prefill speed it replaces."""
+    bw = s["load_fit_bytes_per_s"]
+    mbt = s["model_bytes_per_token"]
+    tps = s["prefill_tokens_per_s"]
+    load_tps = bw / mbt if mbt else math.inf
+    verdict = "loading loses here" if load_tps < tps else "loading wins here"
+    bench_bpt = s["block_bytes"] // max(1, s["block_tokens"])
+    return (
+        f"  {s['label']}: 'net of loading' charges each hit the load of {mbt >> 10} KiB/token "
+        f"(a real model's; the bench stores {bench_bpt} B/token) at the {gib(bw)} GiB/s "
+        f"measured here = {load_tps:,.0f} tokens/s, vs prefill at {tps:,.0f} tokens/s: "
+        f"{verdict}. Break-even is {gib(tps * mbt)} GiB/s (docs/BENCHMARKS.md)."
+    )
+
+
+def log_ticks(ax: Any, axis: str = "x") -> None:
+    """Plain numbers (1, 2, 5, 10, 20 ...) on a log axis instead of 2x10^1 labels that
+    run together; minor ticks unlabelled."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    a = ax.xaxis if axis == "x" else ax.yaxis
+    a.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    a.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    a.set_minor_formatter(NullFormatter())
 
 
 def sweep_rows(sums: Sequence[Summary]) -> list[list[str]]:
@@ -318,13 +354,17 @@ def replay_outputs(
         console.print(table("load sweep", cols, sweep_rows(main)))
     else:
         first = main[0] if main else sums[0]
+        n_sessions = len({r.session for r in results[sums.index(first)].records})
         title = (
-            f"replay: {first['requests']} requests, {first['block_tokens']}-token blocks of "
-            f"{first['block_bytes'] >> 10} KiB, {first['sessions']} sessions at once"
+            f"replay: {first['requests']} requests, up to "
+            f"{min(first['sessions'], n_sessions)} sessions at once; "
+            f"{first['block_tokens']}-token blocks of {first['block_bytes'] >> 10} KiB"
         )
         console.print(table(title, ["", *(s["label"] for s in main)], comparison_rows(main)))
         for s in main:
             console.print(f"  {s['store']}")
+        for s in main:
+            console.print(model_scale_note(s))
     if ablate:
         base = [s for s in main if s["backend"] in {v["backend"] for v in variants}]
         cols = ["variant", "token hit", "GiB written", "GiB read", "lookup ms p50/95/99"]
@@ -441,11 +481,28 @@ def _replay_plots(
         hit = np.cumsum([x.hit_tokens for x in recs])
         line = ax.plot([x.end for x in recs], hit / np.maximum(tok, 1), label=s["label"])[0]
         if s["lru_hit_rate_tokens"] is not None:
-            ax.axhline(s["lru_hit_rate_tokens"], ls=":", color=line.get_color(), lw=0.8)
-    ax.axhline(sums[0]["ideal_hit_rate_tokens"], ls="--", color="k", lw=0.8, label="ideal")
-    ax.set(xlabel="replay time (s)", ylabel="cumulative token hit rate", ylim=(0, 1))
-    ax.set_title("hit rate over time (dotted: offline LRU at capacity)")
-    ax.legend(fontsize=7)
+            ax.axhline(
+                s["lru_hit_rate_tokens"],
+                ls=":",
+                color=line.get_color(),
+                lw=1.6,
+                zorder=3,
+                label=f"{s['label']}: offline LRU at its capacity "
+                f"({pct(s['lru_hit_rate_tokens'])})",
+            )
+    ideal = sums[0]["ideal_hit_rate_tokens"]
+    ax.axhline(
+        ideal,
+        ls="--",
+        color="grey",
+        lw=1.0,
+        zorder=2,
+        label=f"ideal, infinite cache ({pct(ideal)})",
+    )
+    ax.set(xlabel="replay time (s)", ylabel="cumulative token hit rate", ylim=(0, 1.02))
+    ax.set_title("token hit rate over the replay, with the offline references")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
     paths.append(save(fig, results_path(out, "replay", st, "-hitrate.png")))
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
@@ -456,8 +513,13 @@ def _replay_plots(
             xs = np.sort([getattr(x, attr) * 1e3 for x in r.records if getattr(x, attr) > 0])
             if len(xs):
                 ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=s["label"])
-        ax.set(xscale="log", xlabel=f"{name} latency (ms)", ylabel="CDF", ylim=(0, 1))
+        ax.set(xscale="log", xlabel=f"{name} latency (ms, log scale)", ylim=(0, 1))
+        ax.set_title(f"{name}", fontsize=10)
+        log_ticks(ax, "x")
+        ax.grid(True, which="major", alpha=0.3)
+    axes[0].set_ylabel("fraction of requests at or below")
     axes[0].legend(fontsize=7)
+    fig.suptitle("replay: latency per request (CDF): lookup, load of the hits, store of new blocks")
     paths.append(save(fig, results_path(out, "replay", st, "-latency.png")))
 
     if sweep:
@@ -473,10 +535,21 @@ def _replay_plots(
                 )
         axes[0].set(xlabel="sessions at once", ylabel="token hit rate", ylim=(0, 1))
         axes[1].set(xlabel="sessions at once", ylabel="GiB/s (loaded + written)")
-        axes[2].set(xlabel="sessions at once", ylabel="load latency (ms)", yscale="log")
-        for ax in axes:
+        axes[1].set_ylim(bottom=0)
+        axes[2].set(xlabel="sessions at once", ylabel="load latency (ms, log)", yscale="log")
+        log_ticks(axes[2], "y")
+        from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+        levels = sorted({s["sessions"] for s in sums})
+        for ax, title in zip(axes, ("hit rate", "bandwidth", "load latency"), strict=True):
             ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_locator(FixedLocator(levels))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.set_title(title, fontsize=10)
+            ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
+        fig.suptitle("replay load sweep: more sessions at once")
         paths.append(save(fig, results_path(out, "replay", st, "-sweep.png")))
     return paths
 
@@ -489,3 +562,125 @@ def save(fig: Any, path: Path) -> Path:
 
     plt.close(fig)
     return path
+
+
+# --------------------------------------------------------------------------- transfer
+
+
+def transfer_tables(
+    console: Console, result: dict[str, Any], points: Sequence[Any], exists_keys: int
+) -> None:
+    """One row per point and system, then exists, then the targets."""
+    ceil = result["ceilings"]
+    mc = {p.key: p for p in points if p.system == "mooncake"}
+    runs = ceil.get("socket_runs") or [ceil["socket_gib_s"]]
+    t = Table(
+        title=f"kvstore bench transfer: ceilings bare socket {ceil['socket_gib_s']:.2f} GiB/s"
+        f" (median of {len(runs)} runs, {min(runs):.2f}..{max(runs):.2f}),"
+        f" memcpy {ceil['memcpy_gib_s']:.2f} GiB/s"
+    )
+    cols = ["system", "op", "block", "batch", "conc", "workers", "GiB/s", "x sock", "x memcpy",
+            "CPU s/GiB", "p50 ms", "p99 ms", "errors"] + (["x mooncake"] if mc else [])  # fmt: skip
+    for c in cols:
+        t.add_column(c, justify="left" if c == "system" else "right")
+    order = sorted(points, key=lambda p: (p.workers, p.op != "put", p.block_bytes, p.batch,
+                                          p.concurrency, p.system, p.transport))  # fmt: skip
+    for p in order:
+        row = [f"{p.system}/{p.transport}", p.op, format_size(p.block_bytes), str(p.batch),
+               str(p.concurrency), str(p.workers), f"{p.gib_s:.3f}", f"{p.frac_socket:.2f}",
+               f"{p.frac_memcpy:.2f}", f"{p.cpu_s_per_gib:.2f}", f"{p.p50_ms:.2f}",
+               f"{p.p99_ms:.2f}", str(p.errors)]  # fmt: skip
+        if mc:
+            other = mc.get(p.key)
+            ok = p.system != "mooncake" and other is not None and other.gib_s > 0
+            row.append(f"{p.gib_s / other.gib_s:.2f}" if ok and other else "")
+        t.add_row(*row)
+    console.print(t)
+    e = Table(title=f"batch_exists of {exists_keys} stored hashes in a loop")
+    for c in ("system", "workers", "keys/s", "us/call", "all found"):
+        e.add_column(c, justify="right")
+    for x in result["exists"]:
+        name, rate = f"{x['system']}/{x['transport']}", f"{x['keys_per_s']:,.0f}"
+        e.add_row(name, str(x["workers"]), rate, f"{x['us_per_call']:.0f}", str(x["all_found"]))
+    console.print(e)
+    if result["targets"]:
+        g = Table(
+            title="targets of the issue (concurrency 1, one worker); against the bare socket: "
+            "median ceiling, range over its runs"
+        )
+        for c in ("transport", "target", "value", "range", "goal", "met"):
+            g.add_column(c, justify="right")
+        colour = {"yes": "green", "no": "red", "within noise": "yellow"}
+        for x in result["targets"]:
+            lo, hi = x.get("range") or (x["value"], x["value"])
+            verdict = x.get("verdict") or ("yes" if x["met"] else "no")
+            g.add_row(x["transport"], x["name"], f"{x['value']:.2f}",
+                      f"{lo:.2f}..{hi:.2f}" if hi > lo else "",
+                      f"{x['goal']:.2f}", f"[{colour[verdict]}]{verdict}[/]")  # fmt: skip
+        console.print(g)
+
+
+def transfer_plot(path: Path, points: Sequence[Any], ceil: dict[str, Any]) -> str | None:
+    """GiB/s against block size per op and system at the batch closest to 32,
+    concurrency 1, one worker, with the ceilings; a note instead when it cannot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return f"no plot: {e} (pip install matplotlib)"
+    single = [p for p in points if p.workers == 1 and p.concurrency == 1]
+    if not single:
+        return "no plot: no single-worker points"
+    batch = min({p.batch for p in single}, key=lambda b: (abs(b - 32), b))
+    series = list(dict.fromkeys((p.system, p.transport) for p in single))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, op in zip(axes, ("put", "get"), strict=True):
+        for s in series:
+            pts = [p for p in single if (p.system, p.transport, p.op, p.batch) == (*s, op, batch)]
+            pts.sort(key=lambda p: p.block_bytes)
+            ax.plot([p.block_bytes for p in pts], [p.gib_s for p in pts], marker="o",
+                    label="/".join(s))  # fmt: skip
+        runs = ceil.get("socket_runs") or [ceil["socket_gib_s"]]
+        sock_label = f"bare socket stream (tcp:// ceiling), median of {len(runs)} runs"
+        ax.axhline(ceil["socket_gib_s"], ls="--", color="grey", label=sock_label)
+        if max(runs) > min(runs):
+            ax.axhspan(min(runs), max(runs), color="grey", alpha=0.15, lw=0,
+                       label="bare socket: range of its runs (a busy machine)")  # fmt: skip
+        ax.axhline(ceil["memcpy_gib_s"], ls=":", color="black",
+                   label="memcpy, 1 core (shm:// ceiling)")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        sizes = sorted({p.block_bytes for p in single})
+        size_ticks(ax, sizes)
+        ax.set_xlabel("block size")
+        ax.set_title(f"{op}: client process to one worker on this host")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("GiB/s")
+    axes[0].set_ylim(bottom=0)
+    axes[0].legend(fontsize=7, loc="center left")
+    fig.suptitle(
+        f"kvstore bench transfer: batches of {batch} blocks, 1 client thread, 1 worker "
+        "(tcp:// over loopback, shm:// through the worker's arena)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def size_ticks(ax: Any, sizes: Sequence[float]) -> None:
+    """Ticks at exactly ``sizes`` (bytes) on a log x axis, labelled "4 KiB", "1 MiB"."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    ax.xaxis.set_major_locator(FixedLocator(sorted(set(sizes))))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _size_label(v)))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _size_label(v: float) -> str:
+    """4096 -> "4 KiB", 1048576 -> "1 MiB"."""
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if v >= scale:
+            return f"{v / scale:g} {unit}"
+    return f"{v:g} B"

@@ -264,14 +264,23 @@ def _plot(cells: list[Cell], out: Path, st: str) -> list[Path]:
     plt = report.pyplot()
     if plt is None:
         return []
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.3))
     series = dict.fromkeys((c.backend, c.batch) for c in cells)
+    # One colour per system, one line style per batch size, so systems compare at a glance.
+    colours = {k: f"C{i}" for i, k in enumerate(dict.fromkeys(c.backend for c in cells))}
+    batches = sorted({c.batch for c in cells})
+    styles = {n: ("o--", "o-", "s-.", "^:")[i % 4] for i, n in enumerate(batches)}
     for ax, op in zip(axes, OPS, strict=True):
         for kind, n in series:
             cs = [c for c in cells if c.backend == kind and c.batch == n and c.op == op]
             ys = [c.blocks_per_s if op == "exists" else c.bytes_per_s / report.GIB for c in cs]
-            ax.plot([c.block_bytes >> 10 for c in cs], ys, "o-", label=f"{kind} batch {n}")
-        ax.set(xscale="log", xlabel="block size (KiB)", title=op)
+            ax.plot([c.block_bytes for c in cs], ys, styles.get(n, "o-"), color=colours[kind],
+                    label=f"{kind}, batches of {n}")  # fmt: skip
+        ax.set(xscale="log", xlabel="block size", title=op)
+        report.size_ticks(ax, [c.block_bytes for c in cells])
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
         ax.set_ylabel("keys/s" if op == "exists" else "GiB/s")
     axes[0].legend(fontsize=7)
+    fig.suptitle("kvstore bench store: throughput per call, one client thread")
     return [report.save(fig, report.results_path(out, "store", st, ".png"))]

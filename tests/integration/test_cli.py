@@ -120,3 +120,50 @@ def test_spawned_worker_without_master_keeps_retrying() -> None:
         assert d.stop() == 0
     assert not arena_files(d.pid)
     assert "PYTEST_CURRENT_TEST" in os.environ
+
+
+def test_client_bad_input_raises_what_the_readme_says(cluster: LocalCluster) -> None:
+    """Issue 12, item 5: str values, a dead master, a closed client, unusable buffers."""
+    import pytest
+
+    from kvstore_client import Client
+    from kvstore_client.errors import InvalidArgument, Unavailable
+
+    with pytest.raises(Unavailable) as dead:
+        Client("127.0.0.1:1", timeout=1)
+    assert "_InactiveRpcError" not in str(dead.value) and "\n" not in str(dead.value)
+    c = Client(cluster.address)
+    key = os.urandom(16)
+    with pytest.raises(InvalidArgument, match="str"):
+        c.batch_put("t/ns", [key], ["text"])  # type: ignore[list-item]
+    with pytest.raises(InvalidArgument, match="not a bytes-like"):
+        c.batch_put("t/ns", [key], [12345])  # type: ignore[list-item]
+    with pytest.raises(InvalidArgument, match="no block can fill it"):
+        c.batch_get_into("t/ns", [key], [memoryview(bytearray(0))])
+    with pytest.raises(InvalidArgument, match="no block can fill it"):
+        c.batch_get_into("t/ns", [key], [memoryview(bytearray(32 << 20))])
+    assert c.batch_put("t/ns", [key], [b"v" * 64]) == [True]
+    c.close()
+    for call in (
+        lambda: c.batch_get("t/ns", [key]),
+        lambda: c.batch_exists("t/ns", [key]),
+        lambda: c.match_prefix("t/ns", [key]),
+        lambda: c.batch_put("t/ns", [key], [b"v"]),
+        lambda: c.remove("t/ns", [key]),
+        lambda: c.cluster_status(),
+    ):
+        with pytest.raises(InvalidArgument, match="closed"):
+            call()
+
+
+def test_status_fits_80_columns(cluster: LocalCluster) -> None:
+    """Issue 12, item 6: nothing cut to '…', every worker id whole, a short map revision."""
+    env = {**os.environ, "COLUMNS": "80"}
+    out = subprocess.run(
+        [*KV, "status", "--master", cluster.address], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert "…" not in out.stdout and "map rev " in out.stdout
+    assert max(len(line) for line in out.stdout.splitlines()) <= 80
+    for w in cluster.worker_procs:
+        assert w.ready["id"] in out.stdout and w.ready["grpc"] in out.stdout

@@ -121,3 +121,63 @@ def test_error_mapping_is_one_table() -> None:
     assert errors.to_grpc_code(RuntimeError()) == grpc.StatusCode.INTERNAL
     for cls in (errors.InvalidArgument, errors.ResourceExhausted, errors.PermissionDenied):
         assert type(errors.from_code(int(cls.code), "m")) is cls
+
+
+@pytest.mark.parametrize(
+    ("env", "key"),
+    [
+        ({"KVSTORE_WORKER_TLS_CLIENT_AUTH": "enabled"}, "worker.tls_client_auth"),
+        ({"KVSTORE_WORKER_TLS_CLIENT_AUTH": "y"}, "worker.tls_client_auth"),
+        ({"KVSTORE_MASTER_TLS_CLIENT_AUTH": "2"}, "master.tls_client_auth"),
+        ({"KVSTORE_WORKER_GRPC_PORT": "99999"}, "worker.grpc_port"),
+        ({"KVSTORE_WORKER_TCP_PORT": "65536"}, "worker.tcp_port"),
+        ({"KVSTORE_WORKER_TCP_PORT": "-5"}, "worker.tcp_port"),
+        ({"KVSTORE_WORKER_UCX_PORT": "-2"}, "worker.ucx_port"),
+        ({"KVSTORE_MASTER_PORT": "7.5"}, "master.port"),
+        ({"KVSTORE_MASTER_WORKER_TTL": "0"}, "master.worker_ttl"),
+        ({"KVSTORE_WORKER_DRAM_LOW": "0.99"}, "worker.dram_low"),
+        ({"KVSTORE_WORKER_PROMOTE": "sometimes"}, "worker.promote"),
+        ({"KVSTORE_MASTER_REPLICAS": "2"}, "master.replicas"),
+    ],
+)
+def test_config_strict_values_name_the_key(env: dict[str, str], key: str) -> None:
+    with pytest.raises(errors.InvalidArgument, match=key.replace(".", r"\.")):
+        load_config(None, environ=env)
+
+
+def test_config_bools_and_ports_accept_what_they_should(tmp_path: Path) -> None:
+    for text, want in [("true", True), ("1", True), ("yes", True), ("on", True), ("no", False)]:
+        env = {"KVSTORE_WORKER_TLS_CLIENT_AUTH": text}
+        assert load_config(None, environ=env).worker.tls_client_auth is want
+    cfg = load_config(None, environ={"KVSTORE_WORKER_UCX_PORT": "-1", "KVSTORE_MASTER_PORT": "0"})
+    assert cfg.worker.ucx_port == -1 and cfg.master.port == 0
+    f = tmp_path / "kv.yaml"
+    f.write_text("worker:\n  grpc_port: true\n")
+    with pytest.raises(errors.InvalidArgument, match=r"worker\.grpc_port"):
+        load_config(str(f), environ={})
+    f.write_text("worker:\n  tls_client_auth: 'false'\n  host: [a, b]\n")
+    with pytest.raises(errors.InvalidArgument, match=r"worker\.host"):
+        load_config(str(f), environ={})
+
+
+def test_config_pin_mapping_keeps_its_quota(tmp_path: Path) -> None:
+    f = tmp_path / "kv.yaml"
+    f.write_text("worker:\n  pin:\n    sys: 1GiB\n    tools:\n")
+    assert load_config(str(f), environ={}).worker.pin == ["sys=1GiB", "tools"]
+    f.write_text("worker:\n  pin:\n    - sys: 2GiB\n    - tools\n")
+    assert load_config(str(f), environ={}).worker.pin == ["sys=2GiB", "tools"]
+    f.write_text("worker:\n  pin:\n    sys: lots\n")
+    with pytest.raises(errors.InvalidArgument, match=r"worker\.pin"):
+        load_config(str(f), environ={})
+    f.write_text("worker:\n  pin:\n    - 3\n")
+    with pytest.raises(errors.InvalidArgument, match=r"worker\.pin"):
+        load_config(str(f), environ={})
+
+
+def test_block_hashes_rejects_text_and_bad_shapes() -> None:
+    for bad in ("some text", b"bytes", [[1, 2], [3, 4]], [1.5, 2.5]):
+        with pytest.raises(errors.InvalidArgument):
+            block_hashes(bad, 16)  # type: ignore[arg-type]
+    with pytest.raises(errors.InvalidArgument):
+        block_hashes([1, 2], True)
+    assert block_hashes([], 16) == []
