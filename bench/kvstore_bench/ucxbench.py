@@ -261,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(out))
         return 0
     if not out["ucx"]:
-        print("ucxx is not importable: measuring tcp:// only (pip install 'kvstore[ucx]')")
+        print("ucxx is not importable: measuring tcp:// only (pip install 'kvstore-cache[ucx]')")
     print(
         f"{'round':>5} {'transport':>9} {'put GiB/s':>10} {'get GiB/s':>10} "
         f"{'put CPU s/GiB':>14} {'get CPU s/GiB':>14}"

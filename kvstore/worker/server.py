@@ -125,7 +125,7 @@ class Worker:
                     self.tls.server_context(cfg.tls_client_auth) if self.tls.enabled else None
                 ),
             )
-            # ucx:// (extra kvstore[ucx]), made before anything else in this process uses UCX
+            # ucx:// (extra kvstore-cache[ucx]), made before anything else in this process uses UCX
             # so that UCX runs in its listener-safe progress mode (docs/UCX.md).
             self.ucx: UcxTransferServer | None = None
             if cfg.ucx_port >= 0:

@@ -1,4 +1,4 @@
-"""ucx:// (UCX through ucxx, the optional extra kvstore[ucx]) moves the same bytes as
+"""ucx:// (UCX through ucxx, the optional extra kvstore-cache[ucx]) moves the same bytes as
 tcp://: byte-exact round trips, misses are misses, and garbage or a vanished client
 never takes the server down. Real UCX endpoints over loopback (UCX's tcp transport);
 the server runs in its own process, except where its stop() is the point."""
@@ -33,7 +33,7 @@ from tests.helpers import key, run_client_process, value_for
 
 if not ucx.available():
     pytest.skip(
-        "ucxx is not importable: install the optional extra (pip install 'kvstore[ucx]')",
+        "ucxx is not importable: install the optional extra (pip install 'kvstore-cache[ucx]')",
         allow_module_level=True,
     )
 

@@ -21,7 +21,7 @@ from tests.helpers import key, value_for
 
 if not ucx.available():
     pytest.skip(
-        "ucxx is not importable: install the optional extra (pip install 'kvstore[ucx]')",
+        "ucxx is not importable: install the optional extra (pip install 'kvstore-cache[ucx]')",
         allow_module_level=True,
     )
 

@@ -1,6 +1,6 @@
 """Client half of the ucx:// transfer plane: UCX through the ``ucxx`` bindings.
 
-Optional (``pip install 'kvstore[ucx]'``): ``ucxx`` is imported on first use only,
+Optional (``pip install 'kvstore-cache[ucx]'``): ``ucxx`` is imported on first use only,
 so ``kvstore_client`` imports fine without it; :func:`available` tells whether it
 loads. On RDMA hardware UCX moves the payloads with rc/dc verbs (zero-copy); without
 it, over its tcp transport. See docs/UCX.md.
@@ -93,7 +93,7 @@ def _import_ucxx() -> Any:
         try:
             import ucxx  # type: ignore[import-untyped, import-not-found, unused-ignore]
         except Exception as e:  # ImportError, or a missing libucx: same outcome
-            _import_error = f"ucx:// needs the ucxx package (pip install 'kvstore[ucx]'): {e}"
+            _import_error = f"ucx:// needs the ucxx package (pip install 'kvstore-cache[ucx]'): {e}"
             raise Unavailable(_import_error) from e
         return ucxx
 
