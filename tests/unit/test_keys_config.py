@@ -137,7 +137,7 @@ def test_error_mapping_is_one_table() -> None:
         ({"KVSTORE_MASTER_WORKER_TTL": "0"}, "master.worker_ttl"),
         ({"KVSTORE_WORKER_DRAM_LOW": "0.99"}, "worker.dram_low"),
         ({"KVSTORE_WORKER_PROMOTE": "sometimes"}, "worker.promote"),
-        ({"KVSTORE_MASTER_REPLICAS": "2"}, "master.replicas"),
+        ({"KVSTORE_MASTER_REPLICAS": "9"}, "master.replicas"),
     ],
 )
 def test_config_strict_values_name_the_key(env: dict[str, str], key: str) -> None:
