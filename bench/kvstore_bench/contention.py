@@ -11,10 +11,11 @@ the tens of milliseconds. Runs against a local cluster it starts (one worker).
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
-import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import click
@@ -34,29 +35,37 @@ def _key(i: int, tag: str) -> bytes:
     return (tag.encode() + i.to_bytes(8, "little")).ljust(16, b"\0")[:16]
 
 
-def _probe(c: Client, stop: threading.Event, out: list[float]) -> None:
+def _probe(address: str, conn: Connection) -> None:
+    """In its own process (its own GIL): 1-key EXISTS back to back; sends the latencies
+    recorded since the last report whenever the parent sends a message."""
     k = [_key(0, "probe")]
-    while not stop.is_set():
-        t0 = time.perf_counter()
+    with Client(address, transport="tcp") as c:
         c.batch_exists(NS, k)
-        out.append(time.perf_counter() - t0)
+        conn.send("ready")
+        while True:
+            lat: list[float] = []
+            while not conn.poll():
+                t0 = time.perf_counter()
+                c.batch_exists(NS, k)
+                lat.append(time.perf_counter() - t0)
+            if conn.recv() == "quit":
+                return
+            conn.send(lat)
 
 
 def _measure(
-    c: Client, work: Callable[[], None] | None, seconds: float
+    conn: Connection, work: Callable[[], None] | None, seconds: float
 ) -> tuple[list[float], float]:
-    lat: list[float] = []
-    stop = threading.Event()
-    t = threading.Thread(target=_probe, args=(c, stop, lat), daemon=True)
-    t.start()
+    conn.send("mark")
+    conn.recv()  # what the probe saw before: discarded
     t0 = time.perf_counter()
     if work is None:
         time.sleep(seconds)
     else:
         work()
     took = time.perf_counter() - t0
-    stop.set()
-    t.join()
+    conn.send("mark")
+    lat: list[float] = conn.recv()
     return lat, took
 
 
@@ -68,6 +77,46 @@ def _pcts(lat: list[float]) -> dict[str, float]:
         "p99_ms": float(np.percentile(a, 99)),
         "max_ms": float(a.max()),
     }
+
+
+def _runs(
+    big: Client, probe: Connection, blocks: int, value_size: int
+) -> dict[str, dict[str, float]]:
+    value = os.urandom(value_size)
+    grpc_addr = big.workers()[0].grpc
+    out: dict[str, dict[str, float]] = {}
+    lat, _ = _measure(probe, None, 2.0)
+    out["idle"] = _pcts(lat)
+    keys = [_key(i, "shm") for i in range(blocks)]
+    gkeys = [_key(i, "grpc") for i in range(blocks)]
+
+    def shm_put() -> None:
+        big.batch_put(NS, keys, [value] * blocks)
+
+    def grpc_put() -> None:
+        opts = [("grpc.max_send_message_length", 1 << 30)]
+        with grpc.insecure_channel(grpc_addr, options=opts) as ch:
+            store_pb2_grpc.StoreStub(ch).Put(
+                store_pb2.PutRequest(
+                    namespace=NS + "-grpc", hashes=b"".join(gkeys), values=[value] * blocks
+                ),
+                timeout=120,
+            )
+
+    def remove_ns() -> None:
+        with grpc.insecure_channel(grpc_addr) as ch:
+            store_pb2_grpc.StoreStub(ch).RemoveNamespace(
+                store_pb2.RemoveNamespaceRequest(namespace=NS + "-grpc"), timeout=120
+            )
+
+    for name, fn in (
+        (f"shm put x{blocks}", shm_put),
+        (f"gRPC Put x{blocks}", grpc_put),
+        (f"RemoveNamespace of {blocks}", remove_ns),
+    ):
+        lat, took = _measure(probe, fn, 0)
+        out[name] = {**_pcts(lat), "request_s": took}
+    return out
 
 
 @click.command("contention")
@@ -82,48 +131,21 @@ def contention_cmd(blocks: int, value_size: int, quick: bool, json_path: str) ->
     console = Console()
     dram = max(256 << 20, 4 * blocks * max(value_size, 64))
     results: dict[str, dict[str, float]] = {}
-    with LocalCluster(workers=1, dram_size=str(dram), max_value_size="1MiB") as cluster:
-        value = os.urandom(value_size)
-        with (
-            Client(cluster.address, transport="tcp") as probe_c,
-            Client(cluster.address, transport="shm") as big,
-        ):
-            probe_c.batch_put(NS, [_key(0, "probe")], [b"x"])
-            grpc_addr = big.workers()[0].grpc
-            lat, _ = _measure(probe_c, None, 2.0)
-            results["idle"] = _pcts(lat)
-
-            keys = [_key(i, "shm") for i in range(blocks)]
-
-            def shm_put() -> None:
-                big.batch_put(NS, keys, [value] * blocks)
-
-            gkeys = [_key(i, "grpc") for i in range(blocks)]
-
-            def grpc_put() -> None:
-                with grpc.insecure_channel(
-                    grpc_addr, options=[("grpc.max_send_message_length", 1 << 30)]
-                ) as ch:
-                    store_pb2_grpc.StoreStub(ch).Put(
-                        store_pb2.PutRequest(
-                            namespace=NS + "-grpc", hashes=b"".join(gkeys), values=[value] * blocks
-                        ),
-                        timeout=120,
-                    )
-
-            def remove_ns() -> None:
-                with grpc.insecure_channel(grpc_addr) as ch:
-                    store_pb2_grpc.StoreStub(ch).RemoveNamespace(
-                        store_pb2.RemoveNamespaceRequest(namespace=NS + "-grpc"), timeout=120
-                    )
-
-            for name, fn in (
-                (f"shm put x{blocks}", shm_put),
-                (f"gRPC Put x{blocks}", grpc_put),
-                (f"RemoveNamespace of {blocks}", remove_ns),
-            ):
-                lat, took = _measure(probe_c, fn, 0)
-                results[name] = {**_pcts(lat), "request_s": took}
+    with (
+        LocalCluster(workers=1, dram_size=str(dram), max_value_size="1MiB") as cluster,
+        Client(cluster.address, transport="shm") as big,
+    ):
+        big.batch_put(NS, [_key(0, "probe")], [b"x"])
+        ctx = multiprocessing.get_context("spawn")
+        mine, theirs = ctx.Pipe()
+        probe = ctx.Process(target=_probe, args=(cluster.address, theirs), daemon=True)
+        probe.start()
+        try:
+            assert mine.recv() == "ready"
+            results.update(_runs(big, mine, blocks, value_size))
+        finally:
+            mine.send("quit")
+            probe.join(10)
     table = Table(title=f"1-key EXISTS latency of another client ({blocks} blocks per request)")
     for col in ("during", "probes", "p50 ms", "p99 ms", "max ms", "big request s"):
         table.add_column(col, justify="right" if col != "during" else "left")

@@ -63,7 +63,7 @@ from .tiers.ssd import HEADER_LEN, SsdStore
 log = logging.getLogger(__name__)
 
 DEMOTE_BATCH_BYTES = 64 << 20
-SLICE_KEYS = 2048
+SLICE_KEYS = 256
 
 
 @dataclass(slots=True)
