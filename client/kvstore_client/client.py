@@ -18,7 +18,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -46,88 +45,16 @@ from .replicas import (
     repairs,
     replica_count,
 )
+from .routing import Links, View, frames
 from .security import Tls, metadata, open_channel
-from .sharding import DEFAULT_VNODES_PER_GIB, Ring, build_ring
-from .transport import shm
-from .transport.shm import ShmArena
-from .transport.tcp import GetResult, TcpConnection, TcpPool, parse_tcp_url
-from .transport.ucx import UcxPool, find_ucx_url, parse_ucx_url
+from .sharding import DEFAULT_VNODES_PER_GIB, build_ring
+from .transport.tcp import GetResult, TcpConnection, TcpPool
 from .transport.ucx import available as ucx_available
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TRANSPORTS = ("auto", "tcp", "shm", "ucx")
-
-# A batch for one worker is cut into frames of about this many payload bytes,
-# so big batches stream over several connections at once.
-FRAME_BYTES = 32 << 20
-
-
-@dataclass(slots=True)
-class _Worker:
-    """One worker of the map and how to reach it: tcp://, shm:// when mapped, or ucx://
-    when the client asked for it and the worker advertises it."""
-
-    info: master_pb2.WorkerInfo
-    pool: TcpPool
-    arena: ShmArena | None = None
-    ucx: UcxPool | None = None
-
-    def put(
-        self, timeout: float, ns: bytes, hs: list[bytes], vs: list[memoryview], cs: list[int]
-    ) -> bytes:
-        if self.ucx is not None:
-            return self.ucx.put(timeout, ns, hs, vs, cs)
-        if self.arena is not None and not self.arena.stale:
-            # A worker lets one connection hold at least two values' worth of shm
-            # reservations at a time: cut the batch into requests that always fit.
-            limit = 2 * max(self.info.max_value_bytes, 1)
-            out = bytearray()
-            start = 0
-            while start < len(hs):
-                end, size = start + 1, vs[start].nbytes
-                while end < len(hs) and size + vs[end].nbytes <= limit:
-                    size += vs[end].nbytes
-                    end += 1
-                out += self.pool.call(
-                    timeout, shm.put, self.arena, ns, hs[start:end], vs[start:end], cs[start:end]
-                )
-                start = end
-            return bytes(out)
-        return self.pool.call(timeout, TcpConnection.put, ns, hs, vs, cs)
-
-    def get(
-        self, timeout: float, ns: bytes, hs: list[bytes], bufs: list[memoryview] | None
-    ) -> GetResult:
-        if self.ucx is not None:
-            return self.ucx.get(timeout, ns, hs, bufs)
-        if self.arena is not None and not self.arena.stale:
-            return self.pool.call(timeout, shm.get, self.arena, ns, hs, bufs)
-        return self.pool.call(timeout, TcpConnection.get, ns, hs, bufs)
-
-    def exists(self, timeout: float, ns: bytes, hs: list[bytes]) -> list[bool]:
-        if self.ucx is not None:
-            return self.ucx.exists(timeout, ns, hs)
-        return self.pool.call(timeout, TcpConnection.exists, ns, hs)
-
-    def remove(self, timeout: float, ns: bytes, hs: list[bytes]) -> int:
-        if self.ucx is not None:
-            return self.ucx.remove(timeout, ns, hs)
-        return self.pool.call(timeout, TcpConnection.remove, ns, hs)
-
-
-@dataclass(slots=True)
-class _View:
-    """An immutable snapshot of the map: the ring and a handle per worker index."""
-
-    version: int
-    ring: Ring
-    workers: list[_Worker]
-    max_value: int
-    replicas: int = 1  # the map's default copy count
-    ns_replicas: dict[str, int] | None = None  # namespace prefix -> copies
-    local: np.ndarray | None = None  # per worker: reachable over shm:// (same host)
 
 
 def parse_masters(master: str) -> list[str]:
@@ -182,10 +109,8 @@ class Client:
         self._master_idx = 0
         self._closed = threading.Event()
         self._lock = threading.Lock()
-        self._view: _View | None = None
-        self._pools: dict[str, TcpPool] = {}
-        self._arenas: dict[str, ShmArena | None] = {}
-        self._ucx: dict[str, UcxPool] = {}
+        self._view: View | None = None
+        self._links = Links(transport, self.tls, self._token)
         self._executor = cf.ThreadPoolExecutor(max_threads, thread_name_prefix="kvstore-io")
         self._channel: grpc.Channel | None = None
         self._watch_call: Any = None  # the open WatchShardMap call, to cancel on close
@@ -258,53 +183,11 @@ class Client:
                 replicas=max(1, m.replicas),
                 hosts={w.id: w.host_id for w in m.workers},
             )
-            by_id = {w.id: w for w in m.workers}
-            workers: list[_Worker] = []
-            live: set[str] = set()
-            for wid in ring.worker_ids:
-                info = by_id[wid]
-                url = next((e for e in info.endpoints if e.startswith("tcp://")), "")
-                key = f"{wid}|{url}"
-                live.add(key)
-                pool = self._pools.get(key)
-                if pool is None:
-                    host, port = parse_tcp_url(url) if url else ("", 0)
-                    pool = self._pools[key] = TcpPool(host, port, tls=self.tls, token=self._token)
-                arena = None
-                if self.transport in ("auto", "shm"):
-                    # Keyed by the arena's identity too: a worker restarted behind the
-                    # same id and ports has a new arena, which must be mapped anew.
-                    surl = next((e for e in info.endpoints if e.startswith("shm://")), "")
-                    akey = f"{key}|{surl}"
-                    live.add(akey)
-                    if akey not in self._arenas:
-                        self._arenas[akey] = shm.try_map(info.endpoints)
-                    arena = self._arenas[akey]
-                ucx = None
-                ucx_url = find_ucx_url(info.endpoints) if self.transport == "ucx" else ""
-                if ucx_url:
-                    ukey = f"{wid}|{ucx_url}"
-                    live.add(ukey)
-                    ucx = self._ucx.get(ukey)
-                    if ucx is None:
-                        uhost, uport = parse_ucx_url(ucx_url)
-                        ucx = self._ucx[ukey] = UcxPool(uhost, uport, token=self._token)
-                workers.append(_Worker(info, pool, arena, ucx))
-            for key in list(self._pools):
-                if key not in live:
-                    self._pools.pop(key).close()
-            for key in list(self._arenas):
-                if key not in live:
-                    old = self._arenas.pop(key)
-                    if old is not None:
-                        old.close()
-            for key in list(self._ucx):
-                if key not in live:
-                    self._ucx.pop(key).close()
+            workers = self._links.update(ring.worker_ids, m.workers)
             max_value = min((w.max_value_bytes for w in m.workers), default=0)
             local = np.array([w.arena is not None for w in workers], dtype=bool)
             ns_r = dict(m.namespace_replicas)
-            self._view = _View(m.version, ring, workers, max_value, max(1, m.replicas), ns_r, local)
+            self._view = View(m.version, ring, workers, max_value, max(1, m.replicas), ns_r, local)
 
     def workers(self) -> list[master_pb2.WorkerInfo]:
         """The workers of the current map."""
@@ -317,16 +200,16 @@ class Client:
 
     # ---- routing -------------------------------------------------------------
 
-    def _groups(self, hashes: Sequence[bytes]) -> tuple[_View, list[tuple[int, np.ndarray]]]:
+    def _groups(self, hashes: Sequence[bytes]) -> tuple[View, list[tuple[int, np.ndarray]]]:
         view = self._view
         if view is None or not view.workers:
-            return _View(0, build_ring([]), [], 0), []
+            return View(0, build_ring([]), [], 0), []
         if len(view.workers) == 1:  # no hashing onto the ring needed
             return view, [(0, np.arange(len(hashes)))]
         owner = view.ring.primary(hashes)
         return view, [(int(w), np.flatnonzero(owner == w)) for w in np.unique(owner)]
 
-    def _copies(self, view: _View, ns: str, requested: int | None) -> int:
+    def _copies(self, view: View, ns: str, requested: int | None) -> int:
         r = replica_count(ns, requested, view.replicas, view.ns_replicas or {})
         return min(r, len(view.workers)) if view.workers else r
 
@@ -410,7 +293,7 @@ class Client:
         parts: list[np.ndarray] = []
         primaries = 0
         for k, (w, idx) in enumerate([*groups, *extra]):
-            for chunk in _chunks(idx, [views[i].nbytes for i in idx]):
+            for chunk in frames(idx, [views[i].nbytes for i in idx]):
                 hs = [hashes[i] for i in chunk]
                 vs = [views[i] for i in chunk]
                 cs = [sums[i] for i in chunk]
@@ -461,7 +344,7 @@ class Client:
 
     def _copy_groups(
         self, ns: str, hashes: Sequence[bytes]
-    ) -> tuple[_View, list[tuple[int, np.ndarray]]]:
+    ) -> tuple[View, list[tuple[int, np.ndarray]]]:
         """Like _groups, but each worker gets every key it holds any copy of."""
         view, groups = self._groups(hashes)
         r = self._copies(view, ns, None)
@@ -470,7 +353,7 @@ class Client:
         return view, groups
 
     def _exists_threads(
-        self, nsb: bytes, hashes: list[bytes], view: _View, groups: list[tuple[int, np.ndarray]]
+        self, nsb: bytes, hashes: list[bytes], view: View, groups: list[tuple[int, np.ndarray]]
     ) -> list[bool]:
         result = [False] * len(hashes)
         tasks: list[Callable[[], Any]] = [
@@ -484,7 +367,7 @@ class Client:
         return result
 
     def _exists_scatter(
-        self, nsb: bytes, hashes: list[bytes], view: _View, groups: list[tuple[int, np.ndarray]]
+        self, nsb: bytes, hashes: list[bytes], view: View, groups: list[tuple[int, np.ndarray]]
     ) -> np.ndarray:
         """EXISTS without threads: send one request to every owner, then read every
         answer. A prefix lookup is one round trip to the slowest worker."""
@@ -636,7 +519,7 @@ class Client:
 
     def _read_copies(
         self,
-        view: _View,
+        view: View,
         nsb: bytes,
         hashes: list[bytes],
         bufs: list[memoryview] | None,
@@ -709,7 +592,7 @@ class Client:
 
     def _repair(
         self,
-        view: _View,
+        view: View,
         nsb: bytes,
         hashes: list[bytes],
         src: dict[int, bytes],
@@ -791,16 +674,7 @@ class Client:
             self._channel.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         with self._lock:
-            for p in self._pools.values():
-                p.close()
-            self._pools.clear()
-            for a in self._arenas.values():
-                if a is not None:
-                    a.close()
-            self._arenas.clear()
-            for u in self._ucx.values():
-                u.close()
-            self._ucx.clear()
+            self._links.close()
 
     def __enter__(self) -> Client:
         return self
@@ -832,18 +706,3 @@ def _misses_only(_: int, e: KVStoreError) -> None:
     """Worker trouble becomes misses; the caller's own mistakes are raised."""
     if isinstance(e, InvalidArgument | PermissionDenied | Unauthenticated):
         raise e
-
-
-def _chunks(idx: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
-    """Cut positions into runs of about FRAME_BYTES payload each."""
-    out: list[np.ndarray] = []
-    start = 0
-    acc = 0
-    for j, s in enumerate(sizes):
-        acc += s
-        if acc >= FRAME_BYTES:
-            out.append(idx[start : j + 1])
-            start, acc = j + 1, 0
-    if start < len(idx):
-        out.append(idx[start:])
-    return out
