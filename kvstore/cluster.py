@@ -14,11 +14,15 @@ import contextlib
 import json
 import os
 import selectors
+import shutil
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -413,3 +417,96 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# ---- a local etcd (HA masters in tests and benches) --------------------------------
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (a daemon that binds it may still race)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(slots=True)
+class Etcd:
+    """A local etcd-server process and its client URL."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    context: ssl.SSLContext | None = None  # for https:// URLs (client certificate)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def healthy(self) -> bool:
+        with (
+            contextlib.suppress(OSError, ValueError),
+            urllib.request.urlopen(f"{self.url}/health", timeout=1, context=self.context) as r,
+        ):
+            return bool(json.loads(r.read()).get("health") == "true")
+        return False
+
+    def metric(self, names: Sequence[str]) -> dict[str, float]:
+        """Current values of some of etcd's Prometheus metrics (0 when absent)."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5, context=self.context) as r:
+            text = r.read().decode()
+        out = dict.fromkeys(names, 0.0)
+        for line in text.splitlines():
+            name = line.split(" ", 1)[0]
+            if name in out:
+                out[name] = float(line.split()[-1])
+        return out
+
+
+def start_etcd(
+    workdir: str | os.PathLike[str],
+    *,
+    name: str = "kvstore",
+    tls_args: Sequence[str] = (),
+    context: ssl.SSLContext | None = None,
+    attempts: int = 3,
+    timeout: float = 30.0,
+) -> Etcd:
+    """Debian's etcd-server (scripts/install_etcd.sh) on free loopback ports, data and
+    log in ``workdir``; healthy when this returns. ``tls_args`` (--cert-file ...) serve
+    https:// to clients, checked with ``context``. A start that loses a port race is
+    retried; StartError when etcd is missing or never gets healthy."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        raise StartError("etcd is not installed: run scripts/install_etcd.sh")
+    scheme = "https" if tls_args else "http"
+    log_path = os.path.join(workdir, "etcd.log")
+    for attempt in range(attempts):
+        client = f"{scheme}://127.0.0.1:{free_port()}"
+        peer = f"http://127.0.0.1:{free_port()}"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [
+                    binary,
+                    *("--name", name, "--data-dir", os.path.join(workdir, f"etcd{attempt}")),
+                    *("--listen-client-urls", client, "--advertise-client-urls", client),
+                    *("--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer),
+                    *("--initial-cluster", f"{name}={peer}"),
+                    *tls_args,
+                    *("--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn"),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
+        etcd = Etcd(proc, client, context)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            if etcd.healthy():
+                return etcd
+            time.sleep(0.1)
+        etcd.stop()  # exited (a port was taken meanwhile) or never healthy: try again
+    raise StartError(f"etcd did not start; see {log_path}")

@@ -23,16 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import random
 import secrets
-import shutil
-import socket
-import subprocess
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,7 +38,7 @@ import grpc
 import numpy as np
 from rich.console import Console
 
-from kvstore.cluster import Daemon, spawn
+from kvstore.cluster import Daemon, Etcd, StartError, spawn, start_etcd
 from kvstore_client.proto import master_pb2, master_pb2_grpc
 from kvstore_client.sharding import DEFAULT_VNODES_PER_GIB, build_ring
 
@@ -198,37 +193,6 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass(slots=True)
-class Etcd:
-    proc: subprocess.Popen[bytes]
-    url: str
-
-    def metric(self, names: tuple[str, ...]) -> dict[str, float]:
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as r:
-            text = r.read().decode()
-        out = dict.fromkeys(names, 0.0)
-        for line in text.splitlines():
-            name = line.split(" ", 1)[0]
-            if name in out:
-                out[name] = float(line.split()[-1])
-        return out
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
 ETCD_METRICS = (
     "etcd_server_proposals_committed_total",
     "etcd_mvcc_put_total",
@@ -237,38 +201,11 @@ ETCD_METRICS = (
 )
 
 
-def start_etcd(workdir: Path) -> Etcd:
-    """Debian's etcd-server on two free loopback ports (scripts/install_etcd.sh)."""
-    binary = shutil.which("etcd")
-    if binary is None:
-        raise click.ClickException("etcd is not installed: run scripts/install_etcd.sh")
-    client, peer = f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
-    with open(workdir / "etcd.log", "ab") as log:
-        proc = subprocess.Popen(
-            [
-                binary,
-                *("--name", "kvscale", "--data-dir", str(workdir / "etcd")),
-                *("--listen-client-urls", client, "--advertise-client-urls", client),
-                *("--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer),
-                *("--initial-cluster", f"kvscale={peer}"),
-                *("--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn"),
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-        )
-    etcd = Etcd(proc, client)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and proc.poll() is None:
-        with (
-            contextlib.suppress(OSError, ValueError),
-            urllib.request.urlopen(f"{client}/health", timeout=1) as r,
-        ):
-            if json.loads(r.read()).get("health") == "true":
-                return etcd
-        time.sleep(0.1)
-    etcd.stop()
-    raise click.ClickException(f"etcd did not start; see {workdir / 'etcd.log'}")
+def _start_etcd(workdir: Path) -> Etcd:
+    try:
+        return start_etcd(workdir, name="kvscale")
+    except StartError as e:
+        raise click.ClickException(str(e)) from e
 
 
 @contextlib.contextmanager
@@ -277,7 +214,7 @@ def masters(
 ) -> Iterator[tuple[list[Daemon], Etcd | None]]:
     """One in-memory master, or an etcd and three HA masters."""
     ttl = f"{4 * cfg.heartbeat_s:g}s"
-    etcd = start_etcd(workdir) if ha else None
+    etcd = _start_etcd(workdir) if ha else None
     ds: list[Daemon] = []
     try:
         for i in range(3 if ha else 1):

@@ -8,11 +8,9 @@ etcd layout (no etcd needed).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +25,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore.cluster import Daemon, spawn
+from kvstore import cluster
+from kvstore.cluster import Daemon, Etcd, free_port, spawn
 from kvstore.master.membership import IdConflict, Membership
 from kvstore.master.snapshot import (
     Layout,
@@ -128,62 +127,12 @@ def test_etcd_endpoints_are_checked() -> None:
 # ---- a real etcd and real masters ---------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Etcd:
-    proc: subprocess.Popen[bytes]
-    url: str
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
 def start_etcd(workdir: Path) -> Etcd:
     """An etcd on two free loopback ports with its data in ``workdir``."""
-    binary = shutil.which("etcd")
-    if binary is None:
+    if shutil.which("etcd") is None:
         pytest.skip("etcd is not installed: run scripts/install_etcd.sh (Debian etcd-server)")
     pytest.importorskip("pyetcd", reason="etcd-sdk-python (import pyetcd) is not installed")
-    for attempt in range(3):
-        client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
-        data = workdir / f"etcd{attempt}"
-        with open(workdir / "etcd.log", "ab") as log:
-            proc = subprocess.Popen(
-                [
-                    binary,
-                    *("--name", "kvtest", "--data-dir", str(data)),
-                    *("--listen-client-urls", client, "--advertise-client-urls", client),
-                    *("--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer),
-                    *("--initial-cluster", f"kvtest={peer}"),
-                    *("--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn"),
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-            )
-        etcd = Etcd(proc, client)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and proc.poll() is None:
-            with (
-                contextlib.suppress(OSError, ValueError),
-                urllib.request.urlopen(f"{client}/health", timeout=1) as r,
-            ):
-                if json.loads(r.read()).get("health") == "true":
-                    return etcd
-            time.sleep(0.1)
-        etcd.stop()  # exited (a port was taken meanwhile) or never healthy: try again
-    raise AssertionError(f"etcd did not start; see {workdir / 'etcd.log'}")
+    return cluster.start_etcd(workdir, name="kvtest")
 
 
 @dataclass

@@ -6,26 +6,22 @@ without a certificate, with the wrong CA, or speaking plain text gets nothing.""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import shutil
 import ssl
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
-from kvstore.cluster import spawn
+from kvstore.cluster import spawn, start_etcd
 from kvstore.errors import InvalidArgument
 from kvstore.master.etcd import EtcdClient, EtcdTls, EtcdUnavailable
 from kvstore_client.proto import master_pb2, master_pb2_grpc
 from tests.conftest import arena_files
-from tests.integration.test_ha import free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 
@@ -69,45 +65,20 @@ def etcd_tls(pki: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[st
     work = tmp_path_factory.mktemp("etcd-tls")
     ctx = ssl.create_default_context(cafile=str(pki / "ca.pem"))
     ctx.load_cert_chain(str(pki / "client.pem"), str(pki / "client.key"))
-    for attempt in range(3):
-        url, peer = f"https://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
-        with open(work / "etcd.log", "ab") as log:
-            proc = subprocess.Popen(
-                [
-                    binary,
-                    *("--name", "kvtls", "--data-dir", str(work / f"data{attempt}")),
-                    *("--listen-client-urls", url, "--advertise-client-urls", url),
-                    *("--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer),
-                    *("--initial-cluster", f"kvtls={peer}"),
-                    *("--cert-file", str(pki / "server.pem")),
-                    *("--key-file", str(pki / "server.key")),
-                    *("--trusted-ca-file", str(pki / "ca.pem"), "--client-cert-auth"),
-                    *("--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn"),
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-            )
-        deadline = time.monotonic() + 30
-        healthy = False
-        while time.monotonic() < deadline and proc.poll() is None and not healthy:
-            with (
-                contextlib.suppress(OSError, ValueError),
-                urllib.request.urlopen(f"{url}/health", timeout=1, context=ctx) as r,
-            ):
-                healthy = json.loads(r.read()).get("health") == "true"
-            time.sleep(0.1)
-        if healthy:
-            try:
-                yield url
-            finally:
-                proc.terminate()
-                proc.wait(10)
-            return
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
-    raise AssertionError(f"etcd with TLS did not start; see {work / 'etcd.log'}")
+    etcd = start_etcd(
+        work,
+        name="kvtls",
+        tls_args=[
+            *("--cert-file", str(pki / "server.pem")),
+            *("--key-file", str(pki / "server.key")),
+            *("--trusted-ca-file", str(pki / "ca.pem"), "--client-cert-auth"),
+        ],
+        context=ctx,
+    )
+    try:
+        yield etcd.url
+    finally:
+        etcd.stop()
 
 
 def tls_files(pki: Path, client: str = "client", ca: str = "ca") -> EtcdTls:
