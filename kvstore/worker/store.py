@@ -390,7 +390,7 @@ class BlockStore:
                     if self.policy.on_ssd(ns, k):
                         on_ssd.append(i)
         reading = Reading(held)
-        promote: list[int] = []
+        promote: set[int] = set()
         if on_ssd and self.ssd is not None:
             reading.txn = self.ssd.begin_read()
             now = time.monotonic()
@@ -405,7 +405,7 @@ class BlockStore:
                     self._count_hit()
                     self.counters.ssd_hits += 1
                     if self.policy.handle(SsdHit(ns, keys[i], now)):
-                        promote.append(i)
+                        promote.add(i)
         for i, h in enumerate(held):
             if h is None or (h.block is not None and not verify_dram):
                 continue

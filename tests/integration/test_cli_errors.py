@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.cluster import free_port
 from kvstore.config import WorkerConfig
 
 KV = [sys.executable, "-m", "kvstore"]
@@ -129,9 +130,7 @@ def test_up_bad_size_and_usage_line(shm_dir: Path) -> None:
 
 
 def test_status_and_check_errors_are_one_line(shm_dir: Path) -> None:
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    dead = f"127.0.0.1:{free_port()}"  # a port nobody listens on
     err = fails(shm_dir, "status", "--master", "127.0.0.1")
     assert "host:port" in err
     err = fails(shm_dir, "status", "--master", dead, "--timeout", "1")

@@ -7,7 +7,6 @@ on its health service until it has registered."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.cluster import LocalCluster, spawn
+from kvstore.cluster import LocalCluster, free_port, spawn
 from kvstore_client import Client
 from kvstore_client.proto import master_pb2, master_pb2_grpc
 from tests.conftest import MakeCluster, arena_files
@@ -136,12 +135,6 @@ def test_a_killed_worker_restarted_under_its_id_rejoins_at_once(
     took = time.monotonic() - t0
     assert [w.grpc for w in the_map(c.address).workers] == [new.ready["grpc"]] != [old]
     assert took < 5, f"the dead instance's port refuses: no need to wait out the 30 s TTL ({took})"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_worker_waits_for_the_master_quietly_and_is_not_serving_until_registered(

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvstore.cluster import LocalCluster
+from kvstore.cluster import LocalCluster, free_port
 from kvstore_client import Client, wire
 from kvstore_client.errors import QuotaExceeded
 from kvstore_client.proto import store_pb2, store_pb2_grpc
@@ -129,7 +129,7 @@ def test_restarted_worker_same_id_and_ports_never_loses_a_stored_put(
 ) -> None:
     c = make_cluster(workers=0, dram_size="64MiB", max_value_size="1MiB", worker_ttl="1s")
     # Fixed id and ports, so the restarted worker is reachable at the same address.
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     c.add_worker("--id", "fixed", "--grpc-port", str(ports[0]), "--tcp-port", str(ports[1]))
     c.wait_for_workers(1)
     with Client(c.address, transport="shm", timeout=3.0) as a:
@@ -146,12 +146,6 @@ def test_restarted_worker_same_id_and_ports_never_loses_a_stored_put(
     for k, s, g in zip(ks, stored, got, strict=True):
         if s:
             assert g == value_for(k, 4096), "a put reported stored must be readable"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_client_never_maps_a_file_a_map_entry_names(tmp_path: Path) -> None:
