@@ -31,7 +31,7 @@ import xxhash
 
 from .. import wire
 from ..errors import KVStoreError, Unavailable
-from .tcp import GetResult, TcpConnection
+from .tcp import GetResult, TcpConnection, TcpPool, TcpTransfer
 
 SOCKET_PREFIX = "kvstore-"
 
@@ -151,9 +151,10 @@ def get(
     arena: ShmArena,
     ns: bytes,
     hashes: Sequence[bytes],
-    buffers: Sequence[memoryview] | None,
+    buffers: Sequence[memoryview | list[memoryview]] | None,
 ) -> GetResult:
-    """Read blocks through the mapping (inline for blocks outside the arena)."""
+    """Read blocks through the mapping (inline for blocks outside the arena); a block
+    given as parts gets one copy per part."""
     conn._req += 1
     req = conn._req
     sock = conn.sock
@@ -181,28 +182,41 @@ def get(
                 wire.recv_into_exact(sock, memoryview(buf))
                 if xxhash.xxh3_64_intdigest(buf) == checksum:
                     values[i], found[i] = buf, True
-            elif buffers[i].nbytes != size:
+                continue
+            dest = buffers[i]
+            if wire.block_size(dest) != size:
                 wire.discard(sock, size, conn._scratch)
+            elif isinstance(dest, list):
+                wire.recv_into_parts(sock, dest)
+                found[i] = wire.block_checksum(dest) == checksum
             else:
-                wire.recv_into_exact(sock, buffers[i])
-                found[i] = xxhash.xxh3_64_intdigest(buffers[i]) == checksum
+                wire.recv_into_exact(sock, dest)
+                found[i] = xxhash.xxh3_64_intdigest(dest) == checksum
         src = arena.array
         for i, (status, size, checksum, off) in enumerate(entries):
             if status != wire.LOC_ARENA or off + size > len(src):
                 continue
             total += size
-            if buffers is None:
-                buf = bytearray(size)
-                dst = _as_array(memoryview(buf))
-            elif buffers[i].nbytes != size:
+            out = buffers[i] if buffers is not None else None
+            if out is not None and wire.block_size(out) != size:
                 continue
+            # Verify the pinned slot, then copy it (the copy reads it from cache).
+            block = src[off : off + size]
+            if xxhash.xxh3_64_intdigest(block.data) != checksum:
+                continue
+            if out is None:
+                buf = bytearray(size)
+                np.copyto(_as_array(memoryview(buf)), block)
+                values[i] = buf
+            elif isinstance(out, list):
+                at = 0
+                for p in out:
+                    n = p.nbytes
+                    np.copyto(_as_array(p), block[at : at + n])
+                    at += n
             else:
-                dst = _as_array(buffers[i])
-            np.copyto(dst, src[off : off + size])
-            if xxhash.xxh3_64_intdigest(dst.data) == checksum:
-                found[i] = True
-                if buffers is None:
-                    values[i] = buf
+                np.copyto(_as_array(out), block)
+            found[i] = True
     finally:
         # One-way: the worker unpins; no answer to wait for.
         wire.send_buffers(sock, [wire.encode_request_header(wire.OP_RELEASE, ns, 0, req)])
@@ -214,16 +228,17 @@ def put(
     arena: ShmArena,
     ns: bytes,
     hashes: Sequence[bytes],
-    values: Sequence[memoryview],
+    values: Sequence[memoryview | list[memoryview]],
     checksums: Sequence[int],
 ) -> bytes:
-    """Write blocks through the mapping; returns one wire.PUT_* status per block."""
+    """Write blocks through the mapping; returns one wire.PUT_* status per block. A
+    block given as parts gets one copy per part into its slot."""
     conn._req += 1
     req = conn._req
     sock = conn.sock
     entries = bytearray(len(hashes) * wire.PUT_ENTRY.size)
     for i, (key, v, c) in enumerate(zip(hashes, values, checksums, strict=True)):
-        wire.PUT_ENTRY.pack_into(entries, i * wire.PUT_ENTRY.size, key, v.nbytes, c)
+        wire.PUT_ENTRY.pack_into(entries, i * wire.PUT_ENTRY.size, key, wire.block_size(v), c)
     head = wire.encode_request_header(wire.OP_PUT_LOC, ns, len(hashes), req)
     wire.send_buffers(sock, [head, entries])
     h = conn._answer(wire.OP_PUT_LOC, req)
@@ -237,10 +252,17 @@ def put(
     flags = bytearray(h.count)
     for i, (status, off) in enumerate(locs):
         if status == wire.PUT_LOC_SLOT:
-            n = values[i].nbytes
-            if off + n <= len(dst):
-                np.copyto(dst[off : off + n], _as_array(values[i]))
-                flags[i] = 1
+            v = values[i]
+            n = wire.block_size(v)
+            if off + n > len(dst):
+                continue
+            if isinstance(v, list):
+                for p in v:
+                    np.copyto(dst[off : off + p.nbytes], _as_array(p))
+                    off += p.nbytes
+            else:
+                np.copyto(dst[off : off + n], _as_array(v))
+            flags[i] = 1
     commit = wire.encode_request_header(wire.OP_PUT_COMMIT, ns, h.count, req)
     wire.send_buffers(sock, [commit, flags])
     h = conn._answer(wire.OP_PUT_COMMIT, req)
@@ -249,3 +271,46 @@ def put(
     return bytes(
         s if loc[0] == wire.PUT_LOC_SLOT else loc[0] for s, loc in zip(status, locs, strict=True)
     )
+
+
+class ShmTransfer(TcpTransfer):
+    """The :class:`~kvstore_client.transport.Transfer` of a same-host worker whose arena
+    is mapped: gets and puts copy through the mapping (control over a pooled tcp://
+    connection); exists and remove are plain tcp:// frames. Once the mapping is stale
+    (the worker restarted), every call goes over tcp://."""
+
+    def __init__(self, pool: TcpPool, arena: ShmArena, max_value: int) -> None:
+        super().__init__(pool)
+        self.arena = arena
+        # A worker lets one connection hold at least two values' worth of shm
+        # reservations at a time: a put is cut into requests that always fit.
+        self.put_limit = 2 * max(max_value, 1)
+
+    def put(
+        self,
+        timeout: float,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        values: Sequence[wire.Block],
+        checksums: Sequence[int],
+    ) -> bytes:
+        if self.arena.stale:
+            return super().put(timeout, ns, hashes, values, checksums)
+        vs = [v if isinstance(v, list | memoryview) else memoryview(v) for v in values]
+        out = bytearray()
+        for a, b in wire.runs([wire.block_size(v) for v in vs], self.put_limit):
+            out += self.pool.call(
+                timeout, put, self.arena, ns, hashes[a:b], vs[a:b], checksums[a:b]
+            )
+        return bytes(out)
+
+    def get(
+        self,
+        timeout: float,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        buffers: Sequence[memoryview | list[memoryview]] | None,
+    ) -> GetResult:
+        if self.arena.stale:
+            return super().get(timeout, ns, hashes, buffers)
+        return self.pool.call(timeout, get, self.arena, ns, hashes, buffers)
