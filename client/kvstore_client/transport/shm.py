@@ -146,6 +146,21 @@ def _as_array(buf: memoryview) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8)
 
 
+# A batch is cut into pipelined pieces of about this many bytes (at most PIECES): all
+# location requests go out at once, and the worker answers piece k+1 while the client
+# copies piece k, so the control round trip hides behind the copies.
+PIECE_BYTES = 1 << 20
+PIECES = 8
+
+
+def pieces(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, end) runs of a batch for pipelining: about PIECE_BYTES each, at most
+    PIECES of them (one for a small batch)."""
+    total = sum(sizes)
+    per = max(PIECE_BYTES, -(-total // PIECES))
+    return wire.runs(sizes, per)
+
+
 def get(
     conn: TcpConnection,
     arena: ShmArena,
@@ -154,28 +169,61 @@ def get(
     buffers: Sequence[memoryview | list[memoryview]] | None,
 ) -> GetResult:
     """Read blocks through the mapping (inline for blocks outside the arena); a block
-    given as parts gets one copy per part."""
-    conn._req += 1
-    req = conn._req
+    given as parts gets one copy per part. Pipelined: every piece's GET_LOC is sent at
+    once, and each piece is released (one-way RELEASE) as soon as it is copied."""
+    n = len(hashes)
+    if buffers is not None:
+        cuts = pieces([wire.block_size(b) for b in buffers])
+    else:
+        cuts = [(a, min(a + 32, n)) for a in range(0, n, 32)] if n > 32 else [(0, n)]
     sock = conn.sock
-    head = wire.encode_request_header(wire.OP_GET_LOC, ns, len(hashes), req)
-    wire.send_buffers(sock, [head, b"".join(hashes)])
+    reqs: list[int] = []
+    out: list[bytes | bytearray | memoryview] = []
+    for a, b in cuts:
+        conn._req += 1
+        reqs.append(conn._req)
+        out += [wire.encode_request_header(wire.OP_GET_LOC, ns, b - a, conn._req)]
+        out += [b"".join(hashes[a:b])]
+    wire.send_buffers(sock, out)
+    found = [False] * n
+    values: list[bytearray | None] = [None] * n
+    total = 0
+    for (a, b), req in zip(cuts, reqs, strict=True):
+        total += _get_piece(conn, arena, ns, req, a, b - a, buffers, found, values)
+    return GetResult(found, values, total)
+
+
+def _get_piece(
+    conn: TcpConnection,
+    arena: ShmArena,
+    ns: bytes,
+    req: int,
+    first: int,
+    count: int,
+    buffers: Sequence[memoryview | list[memoryview]] | None,
+    found: list[bool],
+    values: list[bytearray | None],
+) -> int:
+    """Read one GET_LOC answer (blocks first..first+count), copy, release; returns the
+    payload bytes found."""
+    sock = conn.sock
     h = conn._answer(wire.OP_GET_LOC, req)
     try:
         arena.check(h.ns_len)
+        if h.count != count:
+            raise Unavailable(f"{h.count} locations for {count} hashes")
     except Unavailable:
         conn.close()  # the answer's body is unread: this connection is done
         raise
     meta = wire.recv_exact(sock, h.count * wire.LOC_ENTRY.size)
     entries = list(wire.LOC_ENTRY.iter_unpack(meta))
-    found = [False] * h.count
-    values: list[bytearray | None] = [None] * h.count
     total = 0
     try:
         # Inline payloads come first on the wire, in order.
-        for i, (status, size, checksum, _) in enumerate(entries):
+        for j, (status, size, checksum, _) in enumerate(entries):
             if status != wire.LOC_INLINE:
                 continue
+            i = first + j
             total += size
             if buffers is None:
                 buf = bytearray(size)
@@ -193,9 +241,11 @@ def get(
                 wire.recv_into_exact(sock, dest)
                 found[i] = xxhash.xxh3_64_intdigest(dest) == checksum
         src = arena.array
-        for i, (status, size, checksum, off) in enumerate(entries):
-            if status != wire.LOC_ARENA or off + size > len(src):
+        limit = len(src)
+        for j, (status, size, checksum, off) in enumerate(entries):
+            if status != wire.LOC_ARENA or off + size > limit:
                 continue
+            i = first + j
             total += size
             out = buffers[i] if buffers is not None else None
             if out is not None and wire.block_size(out) != size:
@@ -211,16 +261,16 @@ def get(
             elif isinstance(out, list):
                 at = 0
                 for p in out:
-                    n = p.nbytes
-                    np.copyto(_as_array(p), block[at : at + n])
-                    at += n
+                    k = p.nbytes
+                    np.copyto(_as_array(p), block[at : at + k])
+                    at += k
             else:
                 np.copyto(_as_array(out), block)
             found[i] = True
     finally:
         # One-way: the worker unpins; no answer to wait for.
         wire.send_buffers(sock, [wire.encode_request_header(wire.OP_RELEASE, ns, 0, req)])
-    return GetResult(found, values, total)
+    return total
 
 
 def put(
@@ -232,28 +282,42 @@ def put(
     checksums: Sequence[int],
 ) -> bytes:
     """Write blocks through the mapping; returns one wire.PUT_* status per block. A
-    block given as parts gets one copy per part into its slot."""
-    conn._req += 1
-    req = conn._req
+    block given as parts gets one copy per part into its slot. Pipelined: every
+    piece's PUT_LOC is sent at once; each piece is copied and committed as its slots
+    arrive, and the commit answers are read at the end."""
+    sizes = [wire.block_size(v) for v in values]
+    cuts = pieces(sizes)
     sock = conn.sock
-    entries = bytearray(len(hashes) * wire.PUT_ENTRY.size)
-    for i, (key, v, c) in enumerate(zip(hashes, values, checksums, strict=True)):
-        wire.PUT_ENTRY.pack_into(entries, i * wire.PUT_ENTRY.size, key, wire.block_size(v), c)
-    head = wire.encode_request_header(wire.OP_PUT_LOC, ns, len(hashes), req)
-    wire.send_buffers(sock, [head, entries])
-    h = conn._answer(wire.OP_PUT_LOC, req)
-    try:
-        arena.check(h.ns_len)
-    except Unavailable:
-        conn.close()
-        raise
-    locs = list(wire.PUT_LOC_ENTRY.iter_unpack(wire.recv_exact(sock, h.count * 16)))
+    reqs: list[int] = []
+    out: list[bytes | bytearray | memoryview] = []
+    for a, b in cuts:
+        conn._req += 1
+        reqs.append(conn._req)
+        entries = bytearray((b - a) * wire.PUT_ENTRY.size)
+        for j in range(a, b):
+            wire.PUT_ENTRY.pack_into(
+                entries, (j - a) * wire.PUT_ENTRY.size, hashes[j], sizes[j], checksums[j]
+            )
+        out += [wire.encode_request_header(wire.OP_PUT_LOC, ns, b - a, conn._req), entries]
+    wire.send_buffers(sock, out)
     dst = arena.array
-    flags = bytearray(h.count)
-    for i, (status, off) in enumerate(locs):
-        if status == wire.PUT_LOC_SLOT:
-            v = values[i]
-            n = wire.block_size(v)
+    all_locs: list[tuple[int, int]] = []
+    for (a, b), req in zip(cuts, reqs, strict=True):
+        h = conn._answer(wire.OP_PUT_LOC, req)
+        try:
+            arena.check(h.ns_len)
+            if h.count != b - a:
+                raise Unavailable(f"{h.count} slots for {b - a} blocks")
+        except Unavailable:
+            conn.close()
+            raise
+        locs = list(wire.PUT_LOC_ENTRY.iter_unpack(wire.recv_exact(sock, h.count * 16)))
+        flags = bytearray(h.count)
+        for j, (status, off) in enumerate(locs):
+            if status != wire.PUT_LOC_SLOT:
+                continue
+            v = values[a + j]
+            n = sizes[a + j]
             if off + n > len(dst):
                 continue
             if isinstance(v, list):
@@ -262,14 +326,18 @@ def put(
                     off += p.nbytes
             else:
                 np.copyto(dst[off : off + n], _as_array(v))
-            flags[i] = 1
-    commit = wire.encode_request_header(wire.OP_PUT_COMMIT, ns, h.count, req)
-    wire.send_buffers(sock, [commit, flags])
-    h = conn._answer(wire.OP_PUT_COMMIT, req)
-    status = bytes(wire.recv_exact(sock, h.count))
+            flags[j] = 1
+        commit = wire.encode_request_header(wire.OP_PUT_COMMIT, ns, h.count, req)
+        wire.send_buffers(sock, [commit, flags])
+        all_locs += locs
+    status = bytearray()
+    for req in reqs:
+        h = conn._answer(wire.OP_PUT_COMMIT, req)
+        status += wire.recv_exact(sock, h.count)
     # Entries refused at PUT_LOC keep their PUT_LOC status (present / full).
     return bytes(
-        s if loc[0] == wire.PUT_LOC_SLOT else loc[0] for s, loc in zip(status, locs, strict=True)
+        s if loc[0] == wire.PUT_LOC_SLOT else loc[0]
+        for s, loc in zip(status, all_locs, strict=True)
     )
 
 
