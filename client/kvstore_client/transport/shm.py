@@ -81,6 +81,7 @@ class ShmArena:
         self.id = arena_id
         self.tag = int(arena_id[:4], 16)
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
+        self.view = memoryview(self._mm)  # per-part copies: slice assignment (a memcpy)
         self.stale = False
 
     def check(self, tag: int) -> None:
@@ -92,6 +93,8 @@ class ShmArena:
 
     def close(self) -> None:
         self.array = np.empty(0, dtype=np.uint8)
+        with contextlib.suppress(BufferError):
+            self.view.release()
         with contextlib.suppress(BufferError):
             self._mm.close()
 
@@ -241,6 +244,7 @@ def _get_piece(
                 wire.recv_into_exact(sock, dest)
                 found[i] = xxhash.xxh3_64_intdigest(dest) == checksum
         src = arena.array
+        mv = arena.view
         limit = len(src)
         for j, (status, size, checksum, off) in enumerate(entries):
             if status != wire.LOC_ARENA or off + size > limit:
@@ -259,10 +263,10 @@ def _get_piece(
                 np.copyto(_as_array(memoryview(buf)), block)
                 values[i] = buf
             elif isinstance(out, list):
-                at = 0
+                at = off
                 for p in out:
                     k = p.nbytes
-                    np.copyto(_as_array(p), block[at : at + k])
+                    p[:] = mv[at : at + k]
                     at += k
             else:
                 np.copyto(_as_array(out), block)
@@ -301,6 +305,7 @@ def put(
         out += [wire.encode_request_header(wire.OP_PUT_LOC, ns, b - a, conn._req), entries]
     wire.send_buffers(sock, out)
     dst = arena.array
+    mv = arena.view
     all_locs: list[tuple[int, int]] = []
     for (a, b), req in zip(cuts, reqs, strict=True):
         h = conn._answer(wire.OP_PUT_LOC, req)
@@ -322,8 +327,9 @@ def put(
                 continue
             if isinstance(v, list):
                 for p in v:
-                    np.copyto(dst[off : off + p.nbytes], _as_array(p))
-                    off += p.nbytes
+                    k = p.nbytes
+                    mv[off : off + k] = p
+                    off += k
             else:
                 np.copyto(dst[off : off + n], _as_array(v))
             flags[j] = 1

@@ -1,0 +1,123 @@
+"""Same-host points of ``kvstore bench transfer``: multi-part blocks (``--parts``) and
+prefix-lookup latency (``--match-prefix``).
+
+``--parts 1,8,80``: per transport (tcp, shm) and part count, ``batch_put_parts`` of fresh
+keys and ``batch_get_into_parts`` of a stored working set, each block split into N near-equal
+views of one pre-faulted engine-like buffer (no staging copies). Reports GiB/s, that
+against the one-part point, and CPU seconds per GiB (this process plus the workers,
+counted while the clock runs). The ceilings (memcpy, one bare socket stream) are
+measured three times in the run and reported with their spread. Mooncake's
+multi-buffer calls are not measured here (see docs/BENCHMARKS.md).
+
+``--match-prefix``: ``match_prefix`` of a fully stored 1,000-block chain over 2 workers
+in a loop: p50 / p99 milliseconds per call.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvstore.cluster import LocalCluster
+from kvstore_client import Client
+
+from . import ceilings
+from .peers import cpu_seconds
+
+GIB = float(1 << 30)
+NS = "bench/samehost/b0/tp0of1"
+
+
+def _cpu(pids: list[int]) -> float:
+    return cpu_seconds(None) + sum(cpu_seconds(p) for p in pids)
+
+
+def ceilings_3x(total: int) -> dict[str, Any]:
+    """memcpy and one socket stream, three runs each, with their spread."""
+    mem = [ceilings.memcpy_gib_s(min(total, 256 << 20), 0.3, 1) for _ in range(3)]
+    sock = [ceilings.socket_stream_gib_s(min(total, 512 << 20), 1) for _ in range(3)]
+    return {
+        "memcpy_gib_s": mem,
+        "socket_gib_s": sock,
+        "memcpy_median": float(np.median(mem)),
+        "socket_median": float(np.median(sock)),
+    }
+
+
+def _timed(fn: Callable[[], None], reps: int, nbytes: int, pids: list[int]) -> dict[str, float]:
+    c0, t0 = _cpu(pids), time.perf_counter()
+    for _ in range(reps):
+        fn()
+    dt, cpu = time.perf_counter() - t0, _cpu(pids) - c0
+    moved = reps * nbytes / GIB
+    return {"gib_s": moved / dt, "cpu_s_per_gib": cpu / moved}
+
+
+def parts_points(
+    cluster: LocalCluster,
+    transports: list[str],
+    counts: list[int],
+    block: int,
+    batch: int,
+    total: int,
+) -> list[dict[str, Any]]:
+    """The --parts sweep; one dict per (transport, op, parts)."""
+    pids = [d.pid for d in cluster.worker_procs]
+    engine = np.random.default_rng(1).integers(0, 255, (batch, block), dtype=np.uint8)
+    reps = max(4, total // (batch * block))
+    out: list[dict[str, Any]] = []
+    for tr in transports:
+        with Client(cluster.address, transport=tr) as c:
+            for n in counts:
+                cut = [j * block // n for j in range(n + 1)]  # N near-equal parts
+                views = [[row[cut[j] : cut[j + 1]].data for j in range(n)] for row in engine]
+                stored = [os.urandom(16) for _ in range(batch)]
+                c.batch_put_parts(NS, stored, views)
+
+                def put(views: list[list[memoryview]] = views) -> None:
+                    keys = [os.urandom(16) for _ in range(batch)]
+                    assert all(c.batch_put_parts(NS, keys, views))
+                    c.remove(NS, keys)
+
+                def get(
+                    views: list[list[memoryview]] = views, stored: list[bytes] = stored
+                ) -> None:
+                    assert all(c.batch_get_into_parts(NS, stored, views).result())
+
+                for op, fn in (("put", put), ("get", get)):
+                    r = _timed(fn, reps, batch * block, pids)
+                    out.append({"transport": tr, "op": op, "parts": n, "block": block, **r})
+                c.remove(NS, stored)
+    for p in out:
+        one = next(
+            q for q in out if (q["transport"], q["op"], q["parts"]) == (p["transport"], p["op"], 1)
+        ) if 1 in counts else p  # fmt: skip
+        p["x_one_part"] = p["gib_s"] / one["gib_s"]
+    return out
+
+
+def lookup_point(cluster: LocalCluster, blocks: int = 1000, calls: int = 3000) -> dict[str, Any]:
+    """match_prefix of a stored ``blocks``-long chain over the cluster's workers."""
+    keys = [os.urandom(16) for _ in range(blocks)]
+    with Client(cluster.address) as c:
+        c.batch_put(NS, keys, [b"x" * 64] * blocks)
+        for _ in range(200):  # warm connections
+            c.match_prefix(NS, keys)
+        lat = np.empty(calls)
+        for i in range(calls):
+            t0 = time.perf_counter()
+            k = c.match_prefix(NS, keys)
+            lat[i] = time.perf_counter() - t0
+        assert k == blocks, f"match_prefix found {k} of {blocks}"
+        c.remove(NS, keys)
+    return {
+        "blocks": blocks,
+        "workers": len(cluster.worker_procs),
+        "calls": calls,
+        "p50_ms": float(np.percentile(lat, 50) * 1e3),
+        "p99_ms": float(np.percentile(lat, 99) * 1e3),
+    }
