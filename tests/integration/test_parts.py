@@ -103,3 +103,21 @@ def test_parts_with_replicas(make_cluster: MakeCluster) -> None:
         assert c.batch_get_into_parts(NS, keys, dest).result() == [True] * 8
         assert [b"".join(bytes(p) for p in d) for d in dest] == vals
         assert c.replica_stats.fallback_reads == 8
+
+
+def test_shm_pipelined_pieces(
+    shared_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch cut into several pipelined location requests moves the same bytes."""
+    from kvstore_client.transport import shm
+
+    monkeypatch.setattr(shm, "PIECE_BYTES", 3 * 4096)
+    keys = [key(i, "pieces") for i in range(40)]
+    vals = [value_for(k, 4096) for k in keys]
+    with Client(shared_cluster.address, transport="shm") as c:
+        assert len(shm.pieces([4096] * 40)) == shm.PIECES
+        assert c.batch_put_parts(NS, keys, [split(v, 3) for v in vals]) == [True] * 40
+        assert c.batch_get(NS, keys) == vals
+        dest = [empty_like(split(v, 2)) for v in vals]
+        assert c.batch_get_into_parts(NS, keys, dest).result() == [True] * 40
+        assert [b"".join(bytes(p) for p in d) for d in dest] == vals

@@ -151,8 +151,10 @@ def _as_array(buf: memoryview) -> np.ndarray:
 
 # A batch is cut into pipelined pieces of about this many bytes (at most PIECES): all
 # location requests go out at once, and the worker answers piece k+1 while the client
-# copies piece k, so the control round trip hides behind the copies.
-PIECE_BYTES = 1 << 20
+# copies piece k. Measured on a loaded 2-core host, pieces of 1 MiB made 64 KiB and
+# 1 MiB batches slower (more frames for the worker, no idle core to overlap on), so
+# only very large batches are cut (docs/BENCHMARKS.md).
+PIECE_BYTES = 64 << 20
 PIECES = 8
 
 
