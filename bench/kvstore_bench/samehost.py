@@ -15,14 +15,18 @@ in a loop: p50 / p99 milliseconds per call.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.console import Console
 
 from kvstore.cluster import LocalCluster
+from kvstore.config import format_size
 from kvstore_client import Client
 
 from . import ceilings
@@ -121,3 +125,34 @@ def lookup_point(cluster: LocalCluster, blocks: int = 1000, calls: int = 3000) -
         "p50_ms": float(np.percentile(lat, 50) * 1e3),
         "p99_ms": float(np.percentile(lat, 99) * 1e3),
     }
+
+
+def main(
+    transports: list[str], parts: list[int], match_prefix: bool, block: int, batch: int,
+    total: int, dram: str | None, out_dir: str,
+) -> None:  # fmt: skip
+    """``kvstore bench transfer --parts / --match-prefix``: a table and a JSON file."""
+    console = Console()
+    result: dict[str, Any] = {"benchmark": "transfer-samehost", "load": os.getloadavg()}
+    if match_prefix:
+        with LocalCluster(workers=2, dram_size=dram or "256MiB") as cluster:
+            lk = result["match_prefix"] = lookup_point(cluster)
+        console.print(f"match_prefix of {lk['blocks']} blocks over {lk['workers']} workers: "
+                      f"p50 {lk['p50_ms']:.3f} ms, p99 {lk['p99_ms']:.3f} ms")  # fmt: skip
+    if parts:
+        ceil = result["ceilings"] = ceilings_3x(total)
+        with LocalCluster(workers=1, dram_size=dram or "1GiB") as cluster:
+            pts = result["parts"] = parts_points(cluster, transports, parts, block, batch, total)
+        console.print("ceilings, 3 runs each: memcpy " + ", ".join(
+            f"{x:.2f}" for x in ceil["memcpy_gib_s"]) + " GiB/s; socket " + ", ".join(
+            f"{x:.2f}" for x in ceil["socket_gib_s"]) + " GiB/s")  # fmt: skip
+        for p in pts:
+            console.print(f"{p['transport']:>4} {p['op']} {format_size(p['block'])} in "
+                          f"{p['parts']:>3} parts: {p['gib_s']:.2f} GiB/s "
+                          f"({p['x_one_part']:.0%} of one part), "
+                          f"{p['cpu_s_per_gib']:.2f} CPU s/GiB")  # fmt: skip
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"transfer-samehost-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(result, indent=1))
+    console.print(f"results: {path}")

@@ -684,7 +684,11 @@ def transfer_cmd(
         blk = _list(block_sizes, parse_size)[0] if block_sizes else 1 << 20
         bat = _list(batch_sizes, int)[0] if batch_sizes else 32
         total = _list(total_bytes or "1GiB", parse_size)[0]
-        return _same_host(transports, parts, match_prefix, blk, bat, total, dram_size, out_dir)
+        from .samehost import main as same_host
+
+        counts = _list(parts, int) if parts else []
+        trs = _names(transports, TRANSPORTS, "transport")
+        return same_host(trs, counts, match_prefix, blk, bat, total, dram_size, out_dir)
     grid = QUICK_GRID if quick else FULL_GRID
     dram = dram_size or ("256MiB" if quick else "1GiB")
     plan = Plan(
@@ -765,38 +769,3 @@ def transfer_cmd(
         console.print(f"[yellow]note:[/] {note}")
     plot_note = transfer_plot(png_path, runner.points, ceil)
     console.print(f"results: {json_path}" + (f" ({plot_note})" if plot_note else f", {png_path}"))
-
-
-def _same_host(
-    transports: str, parts: str | None, match_prefix: bool, block: int, batch: int,
-    total: int, dram: str | None, out_dir: str,
-) -> None:  # fmt: skip
-    """--parts / --match-prefix (kvstore_bench.samehost): a table and a JSON file."""
-    from . import samehost
-
-    console = Console()
-    result: dict[str, Any] = {"benchmark": "transfer-samehost", "load": os.getloadavg()}
-    if match_prefix:
-        with LocalCluster(workers=2, dram_size=dram or "256MiB") as cluster:
-            lk = result["match_prefix"] = samehost.lookup_point(cluster)
-        console.print(f"match_prefix of {lk['blocks']} blocks over {lk['workers']} workers: "
-                      f"p50 {lk['p50_ms']:.3f} ms, p99 {lk['p99_ms']:.3f} ms")  # fmt: skip
-    if parts:
-        ceil = result["ceilings"] = samehost.ceilings_3x(total)
-        with LocalCluster(workers=1, dram_size=dram or "1GiB") as cluster:
-            pts = result["parts"] = samehost.parts_points(
-                cluster, _names(transports, TRANSPORTS, "transport"), _list(parts, int),
-                block, batch, total)  # fmt: skip
-        console.print("ceilings, 3 runs each: memcpy " + ", ".join(
-            f"{x:.2f}" for x in ceil["memcpy_gib_s"]) + " GiB/s; socket " + ", ".join(
-            f"{x:.2f}" for x in ceil["socket_gib_s"]) + " GiB/s")  # fmt: skip
-        for p in pts:
-            console.print(f"{p['transport']:>4} {p['op']} {format_size(p['block'])} in "
-                          f"{p['parts']:>3} parts: {p['gib_s']:.2f} GiB/s "
-                          f"({p['x_one_part']:.0%} of one part), "
-                          f"{p['cpu_s_per_gib']:.2f} CPU s/GiB")  # fmt: skip
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"transfer-samehost-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=1))
-    console.print(f"results: {path}")

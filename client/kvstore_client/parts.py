@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .errors import InvalidArgument
+from .wire import MAX_PARTS
 
 
 def part_views(
@@ -26,9 +27,9 @@ def part_views(
     """Flat byte views of every block's parts, and each block's total size.
 
     InvalidArgument (nothing is sent) when the block count differs from ``count``, a
-    block is not a list of buffers or has none, a part is not bytes-like (or is
-    read-only when ``writable``), a block's total is zero or above ``max_value``
-    (0: no limit known).
+    block is not a list of buffers or has none (or more than wire.MAX_PARTS), a part
+    is not bytes-like (or is read-only when ``writable``), a block's total is zero or
+    above ``max_value`` (0: no limit known).
     """
     if isinstance(parts, str | bytes | bytearray | memoryview):
         raise InvalidArgument("parts must be a list (per block) of lists of buffers")
@@ -43,6 +44,8 @@ def part_views(
             raise InvalidArgument(f"block {i}: want a list of buffers, got {type(block).__name__}")
         if not block:
             raise InvalidArgument(f"block {i} has no parts")
+        if len(block) > MAX_PARTS:
+            raise InvalidArgument(f"block {i} has {len(block)} parts; at most {MAX_PARTS}")
         views: list[memoryview] = []
         total = 0
         for j, p in enumerate(block):

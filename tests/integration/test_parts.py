@@ -71,6 +71,7 @@ def test_bad_part_lists_store_nothing(shared_cluster: LocalCluster, transport: s
             [good, [bytearray(limit), bytearray(1)]],  # above the max value size
             [good, ["text"]],  # not bytes-like
             [good, b"flat bytes"],  # not a list of parts
+            [good, [b"x"] * 4097],  # more parts than a block may have
         ]
         for parts in bad:
             with pytest.raises(InvalidArgument):
@@ -121,3 +122,16 @@ def test_shm_pipelined_pieces(
         dest = [empty_like(split(v, 2)) for v in vals]
         assert c.batch_get_into_parts(NS, keys, dest).result() == [True] * 40
         assert [b"".join(bytes(p) for p in d) for d in dest] == vals
+
+
+def test_bench_points_run(shared_cluster: LocalCluster) -> None:
+    """The bench's same-host points (kvstore bench transfer --parts / --match-prefix)."""
+    from kvstore_bench import samehost
+
+    pts = samehost.parts_points(shared_cluster, ["tcp", "shm"], [1, 8], 64 * 1024, 4, 1 << 20)
+    assert {(p["transport"], p["op"], p["parts"]) for p in pts} == {
+        (t, op, n) for t in ("tcp", "shm") for op in ("put", "get") for n in (1, 8)
+    }
+    assert all(p["gib_s"] > 0 and p["cpu_s_per_gib"] >= 0 for p in pts)
+    lk = samehost.lookup_point(shared_cluster, blocks=100, calls=20)
+    assert lk["workers"] == 2 and 0 < lk["p50_ms"] <= lk["p99_ms"]
