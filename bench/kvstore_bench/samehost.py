@@ -6,8 +6,9 @@ keys and ``batch_get_into_parts`` of a stored working set, each block split into
 views of one pre-faulted engine-like buffer (no staging copies). Reports GiB/s, that
 against the one-part point, and CPU seconds per GiB (this process plus the workers,
 counted while the clock runs). The ceilings (memcpy, one bare socket stream) are
-measured three times in the run and reported with their spread. Mooncake's
-multi-buffer calls are not measured here (see docs/BENCHMARKS.md).
+measured three times in the run and reported with their spread. With ``--vs mooncake``,
+Mooncake Store over TCP moves the same part lists with ``batch_put_from_multi_buffers``
+/ ``batch_get_into_multi_buffers`` in the same run.
 
 ``--match-prefix``: ``match_prefix`` of a fully stored 1,000-block chain over 2 workers
 in a loop: p50 / p99 milliseconds per call.
@@ -26,11 +27,11 @@ import numpy as np
 from rich.console import Console
 
 from kvstore.cluster import LocalCluster
-from kvstore.config import format_size
+from kvstore.config import format_size, parse_size
 from kvstore_client import Client
 
 from . import ceilings
-from .peers import cpu_seconds
+from .peers import MooncakeServer, MooncakeStoreAdapter, PeerUnavailable, cpu_seconds
 
 GIB = float(1 << 30)
 NS = "bench/samehost/b0/tp0of1"
@@ -96,10 +97,63 @@ def parts_points(
                     r = _timed(fn, reps, batch * block, pids)
                     out.append({"transport": tr, "op": op, "parts": n, "block": block, **r})
                 c.remove(NS, stored)
+    return _relative(out)
+
+
+def mooncake_parts_points(
+    counts: list[int], block: int, batch: int, total: int, dram: int
+) -> list[dict[str, Any]]:
+    """Mooncake's multi-buffer calls on the same part lists (one segment host, TCP);
+    PeerUnavailable when Mooncake is not installed or does not start."""
+    engine = np.random.default_rng(1).integers(0, 255, (batch, block), dtype=np.uint8)
+    reps = max(4, total // (batch * block))
+    out: list[dict[str, Any]] = []
+    errors = [0]  # blocks a call failed, per point
+    with (
+        MooncakeServer(segment_size=dram) as server,
+        MooncakeStoreAdapter(server.master_address) as mc,
+    ):
+        mc.register(engine)
+        base = int(engine.ctypes.data)
+        for n in counts:
+            cut = [j * block // n for j in range(n + 1)]
+            ptrs = [[base + i * block + cut[j] for j in range(n)] for i in range(batch)]
+            sizes = [[cut[j + 1] - cut[j] for j in range(n)] for _ in range(batch)]
+            stored = [os.urandom(16).hex() for _ in range(batch)]
+            mc.store.batch_put_from_multi_buffers(stored, ptrs, sizes)
+
+            def put(ptrs: list[list[int]] = ptrs, sizes: list[list[int]] = sizes) -> None:
+                keys = [os.urandom(16).hex() for _ in range(batch)]
+                got = mc.store.batch_put_from_multi_buffers(keys, ptrs, sizes)
+                errors[0] += sum(r != 0 for r in got)
+                mc.store.batch_remove(keys, True)
+
+            def get(
+                ptrs: list[list[int]] = ptrs,
+                sizes: list[list[int]] = sizes,
+                keys: list[str] = stored,
+            ) -> None:
+                got = mc.store.batch_get_into_multi_buffers(keys, ptrs, sizes)
+                errors[0] += sum(r != block for r in got)
+
+            for op, fn in (("put", put), ("get", get)):
+                errors[0] = 0
+                r = _timed(fn, reps, batch * block, server.pids)
+                out.append(
+                    {"transport": "mooncake", "op": op, "parts": n, "block": block, **r}
+                    | {"errors": errors[0]}
+                )
+            mc.store.batch_remove(stored, True)
+        mc.unregister(engine)
+    return _relative(out)
+
+
+def _relative(out: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each point's GiB/s over its one-part point (itself when 1 was not measured)."""
     for p in out:
         one = next(
             q for q in out if (q["transport"], q["op"], q["parts"]) == (p["transport"], p["op"], 1)
-        ) if 1 in counts else p  # fmt: skip
+        ) if any(q["parts"] == 1 for q in out) else p  # fmt: skip
         p["x_one_part"] = p["gib_s"] / one["gib_s"]
     return out
 
@@ -129,7 +183,7 @@ def lookup_point(cluster: LocalCluster, blocks: int = 1000, calls: int = 3000) -
 
 def main(
     transports: list[str], parts: list[int], match_prefix: bool, block: int, batch: int,
-    total: int, dram: str | None, out_dir: str,
+    total: int, dram: str | None, out_dir: str, vs: list[str],
 ) -> None:  # fmt: skip
     """``kvstore bench transfer --parts / --match-prefix``: a table and a JSON file."""
     console = Console()
@@ -143,6 +197,11 @@ def main(
         ceil = result["ceilings"] = ceilings_3x(total)
         with LocalCluster(workers=1, dram_size=dram or "1GiB") as cluster:
             pts = result["parts"] = parts_points(cluster, transports, parts, block, batch, total)
+        if "mooncake" in vs:
+            try:
+                pts += mooncake_parts_points(parts, block, batch, total, parse_size(dram or "1GiB"))
+            except PeerUnavailable as e:
+                console.print(f"[yellow]note:[/] mooncake skipped: {e}")
         console.print("ceilings, 3 runs each: memcpy " + ", ".join(
             f"{x:.2f}" for x in ceil["memcpy_gib_s"]) + " GiB/s; socket " + ", ".join(
             f"{x:.2f}" for x in ceil["socket_gib_s"]) + " GiB/s")  # fmt: skip
@@ -150,7 +209,8 @@ def main(
             console.print(f"{p['transport']:>4} {p['op']} {format_size(p['block'])} in "
                           f"{p['parts']:>3} parts: {p['gib_s']:.2f} GiB/s "
                           f"({p['x_one_part']:.0%} of one part), "
-                          f"{p['cpu_s_per_gib']:.2f} CPU s/GiB")  # fmt: skip
+                          f"{p['cpu_s_per_gib']:.2f} CPU s/GiB"
+                          + (f", {p['errors']} failed" if p.get("errors") else ""))  # fmt: skip
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"transfer-samehost-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -688,7 +688,8 @@ def transfer_cmd(
 
         counts = _list(parts, int) if parts else []
         trs = _names(transports, TRANSPORTS, "transport")
-        return same_host(trs, counts, match_prefix, blk, bat, total, dram_size, out_dir)
+        vs_ = _names(peers, PEERS, "peer")
+        return same_host(trs, counts, match_prefix, blk, bat, total, dram_size, out_dir, vs_)
     grid = QUICK_GRID if quick else FULL_GRID
     dram = dram_size or ("256MiB" if quick else "1GiB")
     plan = Plan(
