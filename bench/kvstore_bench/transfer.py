@@ -670,13 +670,26 @@ def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:
     help="Directory of the JSON and PNG.",
 )
 @click.option("--log-dir", default=None, help="Keep the daemons' logs here.")
+@click.option("--parts", default=None, help="Only the multi-part points: part counts, e.g. 1,8,80.")
+@click.option("--match-prefix", is_flag=True, help="Only match_prefix latency (1,000 blocks).")
 def transfer_cmd(
     transports: str, peers: str, quick: bool, total_bytes: str | None, max_seconds: float | None,
     block_sizes: str | None, batch_sizes: str | None, concurrency: str | None, repeat: int,
     dram_size: str | None, aggregate_workers: int, out_dir: str, log_dir: str | None,
+    parts: str | None, match_prefix: bool,
 ) -> None:  # fmt: skip
     """Remote put/get bandwidth per block size, batch and concurrency, against the
     ceilings (bare socket, memcpy) and optionally Mooncake Store over TCP."""
+    if parts or match_prefix:
+        blk = _list(block_sizes, parse_size)[0] if block_sizes else 1 << 20
+        bat = _list(batch_sizes, int)[0] if batch_sizes else 32
+        total = _list(total_bytes or "1GiB", parse_size)[0]
+        from .samehost import main as same_host
+
+        counts = _list(parts, int) if parts else []
+        trs = _names(transports, TRANSPORTS, "transport")
+        vs_ = _names(peers, PEERS, "peer")
+        return same_host(trs, counts, match_prefix, blk, bat, total, dram_size, out_dir, vs_)
     grid = QUICK_GRID if quick else FULL_GRID
     dram = dram_size or ("256MiB" if quick else "1GiB")
     plan = Plan(

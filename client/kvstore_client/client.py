@@ -22,20 +22,20 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
-import xxhash
 
 from . import wire
 from .errors import (
+    CallerError,
     InvalidArgument,
     KVStoreError,
-    PermissionDenied,
+    PeerError,
     QuotaExceeded,
     ResourceExhausted,
-    Unauthenticated,
     Unavailable,
     from_rpc_error,
 )
 from .keys import HASH_LEN, check_hashes, check_namespace, leading_run
+from .parts import part_views
 from .proto import master_pb2, master_pb2_grpc, store_pb2, store_pb2_grpc
 from .replicas import (
     ReplicaStats,
@@ -48,6 +48,7 @@ from .replicas import (
 from .routing import Links, View, frames
 from .security import Tls, metadata, open_channel
 from .sharding import DEFAULT_VNODES_PER_GIB, build_ring
+from .transport import BlockView
 from .transport.tcp import GetResult, TcpConnection, TcpPool
 from .transport.ucx import available as ucx_available
 
@@ -268,6 +269,47 @@ class Client:
         if len(values) != len(hashes):
             raise InvalidArgument(f"{len(hashes)} hashes but {len(values)} values")
         views = _byte_views(values, "value")
+        sizes = [v.nbytes for v in views]
+        view = self._view
+        for i, n in enumerate(sizes):
+            if view is not None and view.max_value and n > view.max_value:
+                raise InvalidArgument(f"value {i} is {n} bytes; the limit is {view.max_value}")
+        blocks: list[wire.Block] = list(views)
+        return self._put_blocks(ns, nsb, hashes, blocks, sizes, replicas)
+
+    def batch_put_parts(
+        self,
+        ns: str,
+        hashes: list[bytes],
+        parts: Sequence[Sequence[Any]],
+        *,
+        replicas: int | None = None,
+    ) -> list[bool]:
+        """:meth:`batch_put` of blocks given as parts: ``parts[i]`` is the ordered list
+        of buffers (bytes-like, C-contiguous) whose concatenation is block ``i``. The
+        parts are sent without being joined; the stored value (and its checksum) is
+        that of the concatenation, so it reads whole with :meth:`batch_get` too.
+
+        Same result and errors as :meth:`batch_put`; InvalidArgument (nothing stored)
+        when the part lists do not match the hashes, a block has no parts or zero
+        bytes, or a block is above the workers' max value size.
+        """
+        nsb = self._check(ns, hashes)
+        view = self._view
+        blocks, sizes = part_views(
+            parts, len(hashes), writable=False, max_value=view.max_value if view else 0
+        )
+        return self._put_blocks(ns, nsb, hashes, list(blocks), sizes, replicas)
+
+    def _put_blocks(
+        self,
+        ns: str,
+        nsb: bytes,
+        hashes: list[bytes],
+        views: list[wire.Block],
+        sizes: list[int],
+        replicas: int | None,
+    ) -> list[bool]:
         view, groups = self._groups(hashes)
         r = self._copies(view, ns, replicas)
         if r > 1 and groups:
@@ -280,20 +322,18 @@ class Client:
             ]
         else:
             extra = []
-        for i, v in enumerate(views):
-            if view.max_value and v.nbytes > view.max_value:
-                raise InvalidArgument(
-                    f"value {i} is {v.nbytes} bytes; the limit is {view.max_value}"
-                )
+        for i, n in enumerate(sizes):
+            if view.max_value and n > view.max_value:
+                raise InvalidArgument(f"value {i} is {n} bytes; the limit is {view.max_value}")
         result = [False] * len(hashes)
         if not groups:
             return result
-        sums = [xxhash.xxh3_64_intdigest(v) for v in views]
+        sums = [wire.block_checksum(v) for v in views]
         tasks: list[Callable[[], Any]] = []
         parts: list[np.ndarray] = []
         primaries = 0
         for k, (w, idx) in enumerate([*groups, *extra]):
-            for chunk in frames(idx, [views[i].nbytes for i in idx]):
+            for chunk in frames(idx, [sizes[i] for i in idx]):
                 hs = [hashes[i] for i in chunk]
                 vs = [views[i] for i in chunk]
                 cs = [sums[i] for i in chunk]
@@ -305,7 +345,7 @@ class Client:
 
         def on_error(t: int, e: KVStoreError) -> None:
             if t >= primaries:
-                if isinstance(e, InvalidArgument | PermissionDenied | Unauthenticated):
+                if isinstance(e, CallerError):
                     full.append(e)
                 return  # a copy beyond the primary: counted below, never raised
             if not isinstance(e, Unavailable | TimeoutError):
@@ -396,7 +436,7 @@ class Client:
                 out[idx] |= conn.recv_exists()  # any copy counts (replicas)
             except (OSError, KVStoreError) as e:
                 conn.close()
-                if isinstance(e, InvalidArgument | PermissionDenied | Unauthenticated):
+                if isinstance(e, CallerError):
                     error = error or e
                 continue
             pool.give(conn)
@@ -466,14 +506,39 @@ class Client:
         for i, v in enumerate(views):
             if v.readonly:
                 raise InvalidArgument(f"buffer {i} is read-only")
-        nsb = ns.encode()
-        view, groups = self._groups(hashes)
+        view = self._view
+        limit = view.max_value if view is not None else 0
         for i, v in enumerate(views):
-            if v.nbytes == 0 or (view.max_value and v.nbytes > view.max_value):
+            if v.nbytes == 0 or (limit and v.nbytes > limit):
                 raise InvalidArgument(
                     f"buffer {i} is {v.nbytes} bytes: no block can fill it (blocks are "
-                    f"1..{view.max_value or 'max-value-size'} bytes)"
+                    f"1..{limit or 'max-value-size'} bytes)"
                 )
+        return self._get_into_blocks(ns, hashes, list(views))
+
+    def batch_get_into_parts(
+        self, ns: str, hashes: list[bytes], parts: Sequence[Sequence[Any]]
+    ) -> cf.Future[list[bool]]:
+        """:meth:`batch_get_into` into blocks given as parts: ``parts[i]`` is the ordered
+        list of writable buffers that block ``i`` is scattered into (no intermediate
+        copy). A block is a hit only if its stored size equals the sum of its parts'
+        sizes and its checksum (over the parts) matches; it may have been written whole
+        or in any other split. InvalidArgument at once (nothing read) for part lists
+        that do not match the hashes, a block with no parts or zero bytes, a read-only
+        part, or a block above the workers' max value size.
+        """
+        self._check(ns, hashes)
+        view = self._view
+        blocks, _ = part_views(
+            parts, len(hashes), writable=True, max_value=view.max_value if view else 0
+        )
+        return self._get_into_blocks(ns, hashes, list(blocks))
+
+    def _get_into_blocks(
+        self, ns: str, hashes: list[bytes], views: list[BlockView]
+    ) -> cf.Future[list[bool]]:
+        nsb = ns.encode()
+        view, groups = self._groups(hashes)
         result = [False] * len(hashes)
         done: cf.Future[list[bool]] = cf.Future()
         if not groups:
@@ -492,10 +557,10 @@ class Client:
                 res = fut.result()
                 for j, i in enumerate(idx):
                     result[int(i)] = res.found[j]
-            except (InvalidArgument, PermissionDenied, Unauthenticated) as e:
+            except CallerError as e:
                 if not done.done():
                     done.set_exception(e)
-            except KVStoreError:
+            except PeerError:
                 pass
             except Exception as e:  # a bug: surface it rather than hang the caller
                 if not done.done():
@@ -522,7 +587,7 @@ class Client:
         view: View,
         nsb: bytes,
         hashes: list[bytes],
-        bufs: list[memoryview] | None,
+        bufs: list[BlockView] | None,
         r: int,
     ) -> tuple[np.ndarray, list[bytes | None]]:
         """Read keys with ``r`` owners: round k asks each missing key's k-th owner
@@ -583,7 +648,7 @@ class Client:
         fix = repairs(owners, found_at, present)
         if fix:
             src = {
-                int(i): bytes(values[int(i)] or b"") if bufs is None else bytes(bufs[int(i)])
+                int(i): bytes(values[int(i)] or b"") if bufs is None else _joined(bufs[int(i)])
                 for _, idx in fix
                 for i in idx
             }
@@ -600,14 +665,14 @@ class Client:
     ) -> None:
         """Write the copies that a read found missing (background, best effort)."""
         for w, idx in fix:
-            vs = [memoryview(src[int(i)]) for i in idx]
+            vs: list[wire.Block] = [memoryview(src[int(i)]) for i in idx]
             try:
                 status = view.workers[w].put(
                     self.timeout,
                     nsb,
                     [hashes[i] for i in idx],
                     vs,
-                    [xxhash.xxh3_64_intdigest(v) for v in vs],
+                    [wire.block_checksum(v) for v in vs],
                 )
             except KVStoreError:
                 self.replica_stats.add(copies_failed=len(idx))
@@ -702,7 +767,11 @@ def _byte_views(items: Sequence[Any], what: str) -> list[memoryview]:
     return out
 
 
+def _joined(b: BlockView) -> bytes:
+    return b"".join(b) if isinstance(b, list) else bytes(b)
+
+
 def _misses_only(_: int, e: KVStoreError) -> None:
     """Worker trouble becomes misses; the caller's own mistakes are raised."""
-    if isinstance(e, InvalidArgument | PermissionDenied | Unauthenticated):
+    if isinstance(e, CallerError):
         raise e

@@ -33,13 +33,23 @@ class KVStoreError(Exception):
     code: Code = Code.INTERNAL
 
 
-class InvalidArgument(KVStoreError, ValueError):
+class CallerError(KVStoreError):
+    """The caller's fault (bad input, no permission, bad credentials, no such key):
+    retrying the same call elsewhere will not help. Batch calls raise these."""
+
+
+class PeerError(KVStoreError):
+    """The peer's fault or state (down, too slow, full, broken frames, a bug there):
+    another worker or a later try may succeed. Batch calls turn these into misses."""
+
+
+class InvalidArgument(CallerError, ValueError):
     """Malformed request: bad hash length, value over the size limit, bad namespace."""
 
     code = Code.INVALID_ARGUMENT
 
 
-class NotFound(KVStoreError, KeyError):
+class NotFound(CallerError, KeyError):
     """A single-key call found nothing (batch calls report misses in their result)."""
 
     code = Code.NOT_FOUND
@@ -48,7 +58,7 @@ class NotFound(KVStoreError, KeyError):
         return str(self.args[0]) if self.args else "not found"
 
 
-class ResourceExhausted(KVStoreError):
+class ResourceExhausted(PeerError):
     """A tier is full and nothing could be evicted, or a quota is used up."""
 
     code = Code.RESOURCE_EXHAUSTED
@@ -58,37 +68,37 @@ class QuotaExceeded(ResourceExhausted):
     """A pinned namespace or a tenant is over its byte quota."""
 
 
-class PermissionDenied(KVStoreError):
+class PermissionDenied(CallerError):
     """The caller may not touch this namespace."""
 
     code = Code.PERMISSION_DENIED
 
 
-class Unauthenticated(KVStoreError):
+class Unauthenticated(CallerError):
     """Missing or wrong credentials."""
 
     code = Code.UNAUTHENTICATED
 
 
-class Unavailable(KVStoreError):
+class Unavailable(PeerError):
     """Worker draining, master not the leader, peer down: try another or later."""
 
     code = Code.UNAVAILABLE
 
 
-class DeadlineExceeded(KVStoreError, TimeoutError):
+class DeadlineExceeded(PeerError, TimeoutError):
     """A call ran past its deadline."""
 
     code = Code.DEADLINE_EXCEEDED
 
 
-class ProtocolError(KVStoreError):
+class ProtocolError(PeerError):
     """A transfer frame broke the protocol; the connection is closed."""
 
     code = Code.INVALID_ARGUMENT
 
 
-class Internal(KVStoreError):
+class Internal(PeerError):
     """A bug or an unexpected failure inside a daemon."""
 
     code = Code.INTERNAL
@@ -134,3 +144,20 @@ def from_rpc_error(err: grpc.RpcError) -> KVStoreError:
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return Unavailable(details or "unavailable")
     return from_code(code.value[0], details or code.name)
+
+
+def from_transport_error(exc: BaseException, where: str) -> BaseException:
+    """The one place a transfer call's low-level failure is mapped into this tree.
+
+    A broken frame from the peer -> Unavailable; a socket timeout -> DeadlineExceeded;
+    any other OSError (refused, reset, closed) or UCX error -> Unavailable. Errors the
+    peer answered (already KVStoreError) are returned as they are, and so is anything
+    that is not an Exception (cancellation, KeyboardInterrupt).
+    """
+    if isinstance(exc, ProtocolError):
+        return Unavailable(f"{where}: {exc}")
+    if isinstance(exc, KVStoreError) or not isinstance(exc, Exception):
+        return exc
+    if isinstance(exc, TimeoutError):
+        return DeadlineExceeded(f"{where} did not answer in time")
+    return Unavailable(f"{where}: {exc!r}" if not isinstance(exc, OSError) else f"{where}: {exc}")

@@ -10,37 +10,24 @@ its lock.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
+from . import wire
 from .proto import master_pb2
 from .security import Tls
 from .sharding import Ring
-from .transport import shm
-from .transport.shm import ShmArena
-from .transport.tcp import GetResult, TcpConnection, TcpPool, parse_tcp_url
+from .transport import BlockView, GetResult, Transfer, shm
+from .transport.shm import ShmArena, ShmTransfer
+from .transport.tcp import TcpPool, TcpTransfer, parse_tcp_url
 from .transport.ucx import UcxPool, find_ucx_url, parse_ucx_url
 
 # A batch for one worker is cut into frames of at most this many payload bytes (one
 # value at least), so big batches stream over several connections at once.
 FRAME_BYTES = 32 << 20
-
-
-def runs(sizes: Sequence[int], limit: int) -> list[tuple[int, int]]:
-    """Cut consecutive items into (start, end) runs of at most ``limit`` bytes each,
-    and at least one item each."""
-    out: list[tuple[int, int]] = []
-    start, acc = 0, 0
-    for j, s in enumerate(sizes):
-        if j > start and acc + s > limit:
-            out.append((start, j))
-            start, acc = j, 0
-        acc += s
-    if start < len(sizes):
-        out.append((start, len(sizes)))
-    return out
+runs = wire.runs
 
 
 def frames(idx: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
@@ -48,49 +35,54 @@ def frames(idx: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
     return [idx[a:b] for a, b in runs(sizes, FRAME_BYTES)]
 
 
+def pick_transfer(
+    info: master_pb2.WorkerInfo, pool: TcpPool, arena: ShmArena | None, ucx: UcxPool | None
+) -> Transfer:
+    """The one place a worker's transport is chosen: ucx:// when the client asked for
+    it and the worker advertises it, shm:// when its arena is mapped (same host), else
+    tcp://."""
+    if ucx is not None:
+        return ucx
+    if arena is not None:
+        return ShmTransfer(pool, arena, info.max_value_bytes)
+    return TcpTransfer(pool)
+
+
 @dataclass(slots=True)
 class WorkerLink:
-    """One worker of the map and how to reach it: tcp://, shm:// when mapped, or ucx://
-    when the client asked for it and the worker advertises it."""
+    """One worker of the map and how to reach it (``transfer``, see :func:`pick_transfer`).
+    ``pool`` is its tcp:// pool (also used for EXISTS fan-outs without threads)."""
 
     info: master_pb2.WorkerInfo
     pool: TcpPool
     arena: ShmArena | None = None
     ucx: UcxPool | None = None
+    transfer: Transfer | None = None
+
+    def __post_init__(self) -> None:
+        if self.transfer is None:
+            self.transfer = pick_transfer(self.info, self.pool, self.arena, self.ucx)
+
+    @property
+    def via(self) -> Transfer:
+        assert self.transfer is not None
+        return self.transfer
 
     def put(
-        self, timeout: float, ns: bytes, hs: list[bytes], vs: list[memoryview], cs: list[int]
+        self, timeout: float, ns: bytes, hs: list[bytes], vs: list[wire.Block], cs: list[int]
     ) -> bytes:
-        if self.ucx is not None:
-            return self.ucx.put(timeout, ns, hs, vs, cs)
-        if self.arena is not None and not self.arena.stale:
-            # A worker lets one connection hold at least two values' worth of shm
-            # reservations at a time: cut the batch into requests that always fit.
-            limit = 2 * max(self.info.max_value_bytes, 1)
-            out = bytearray()
-            for a, b in runs([v.nbytes for v in vs], limit):
-                out += self.pool.call(timeout, shm.put, self.arena, ns, hs[a:b], vs[a:b], cs[a:b])
-            return bytes(out)
-        return self.pool.call(timeout, TcpConnection.put, ns, hs, vs, cs)
+        return self.via.put(timeout, ns, hs, vs, cs)
 
     def get(
-        self, timeout: float, ns: bytes, hs: list[bytes], bufs: list[memoryview] | None
+        self, timeout: float, ns: bytes, hs: list[bytes], bufs: list[BlockView] | None
     ) -> GetResult:
-        if self.ucx is not None:
-            return self.ucx.get(timeout, ns, hs, bufs)
-        if self.arena is not None and not self.arena.stale:
-            return self.pool.call(timeout, shm.get, self.arena, ns, hs, bufs)
-        return self.pool.call(timeout, TcpConnection.get, ns, hs, bufs)
+        return self.via.get(timeout, ns, hs, bufs)
 
     def exists(self, timeout: float, ns: bytes, hs: list[bytes]) -> list[bool]:
-        if self.ucx is not None:
-            return self.ucx.exists(timeout, ns, hs)
-        return self.pool.call(timeout, TcpConnection.exists, ns, hs)
+        return self.via.exists(timeout, ns, hs)
 
     def remove(self, timeout: float, ns: bytes, hs: list[bytes]) -> int:
-        if self.ucx is not None:
-            return self.ucx.remove(timeout, ns, hs)
-        return self.pool.call(timeout, TcpConnection.remove, ns, hs)
+        return self.via.remove(timeout, ns, hs)
 
 
 @dataclass(slots=True)

@@ -47,8 +47,16 @@ import ssl
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
+
+import xxhash
 
 from .errors import ProtocolError
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
+# A block as the transports take it: one buffer, or an ordered list of parts
+# (byte views) that the wire carries as one value of their total size.
+Block: TypeAlias = Buffer | list[memoryview]
 
 REQ_MAGIC = b"KVQ1"
 ANS_MAGIC = b"KVA1"
@@ -90,6 +98,64 @@ SHM_HELLO = struct.Struct("<4s8sQ")
 
 MAX_BATCH = 1 << 16
 IOV_MAX = 1024
+
+# Request flag (ucx:// only): blocks travel as several messages, one per part; the
+# body then carries a part count per block and a part-size table follows (see
+# kvstore_client.transport.ucx).
+FLAG_PARTS = 1
+MAX_PARTS = 4096  # parts per block
+PART_COUNT = struct.Struct("<I")
+
+
+def runs(sizes: Sequence[int], limit: int) -> list[tuple[int, int]]:
+    """Cut consecutive items into (start, end) runs of at most ``limit`` bytes each,
+    and at least one item each."""
+    out: list[tuple[int, int]] = []
+    start, acc = 0, 0
+    for j, s in enumerate(sizes):
+        if j > start and acc + s > limit:
+            out.append((start, j))
+            start, acc = j, 0
+        acc += s
+    if start < len(sizes):
+        out.append((start, len(sizes)))
+    return out
+
+
+def block_size(b: Block) -> int:
+    """Bytes of a block (the sum of its parts' sizes)."""
+    if isinstance(b, list):
+        return sum(p.nbytes for p in b)
+    return b.nbytes if isinstance(b, memoryview) else len(b)
+
+
+def block_parts(b: Block) -> Sequence[Buffer]:
+    """A block's buffers, in order (one for a whole value)."""
+    return b if isinstance(b, list) else (b,)
+
+
+def block_checksum(b: Block) -> int:
+    """xxh3-64 of a block's bytes; over parts it is computed incrementally and equals
+    the checksum of the joined value."""
+    if not isinstance(b, list):
+        return xxhash.xxh3_64_intdigest(b)
+    if len(b) == 1:
+        return xxhash.xxh3_64_intdigest(b[0])
+    h = xxhash.xxh3_64()
+    for p in b:
+        h.update(p)
+    return h.intdigest()
+
+
+def flat_buffers(blocks: Sequence[Block]) -> list[Buffer]:
+    """Every block's buffers in order, for one ``sendmsg`` (no copies)."""
+    out: list[Buffer] = []
+    for b in blocks:
+        if isinstance(b, list):
+            out.extend(b)
+        else:
+            out.append(b)
+    return out
 
 
 @dataclass(slots=True, frozen=True)
@@ -175,6 +241,29 @@ def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
         if r == 0:
             raise ConnectionError("peer closed the connection mid-frame")
         got += r
+
+
+def recv_into_parts(sock: socket.socket, parts: Sequence[memoryview]) -> None:
+    """Fill every part completely, in order: scattered by ``recvmsg_into`` (no copy,
+    no join), one ``recv_into`` per part on TLS sockets."""
+    if isinstance(sock, ssl.SSLSocket) or len(parts) == 1:
+        for p in parts:
+            recv_into_exact(sock, p)
+        return
+    views = [p for p in parts if p.nbytes]
+    i = 0
+    while i < len(views):
+        got = sock.recvmsg_into(views[i : i + IOV_MAX])[0]
+        if got == 0:
+            raise ConnectionError("peer closed the connection mid-frame")
+        while got > 0:  # advance past what landed; a partial part keeps its tail
+            head = views[i]
+            if got >= head.nbytes:
+                got -= head.nbytes
+                i += 1
+            else:
+                views[i] = head[got:]
+                got = 0
 
 
 def discard(sock: socket.socket, n: int, scratch: memoryview) -> None:

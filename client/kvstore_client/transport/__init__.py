@@ -1,0 +1,59 @@
+"""Client halves of the transfer plane, behind one :class:`Transfer` protocol.
+
+Each worker link holds one Transfer, picked by the URL scheme of the worker's
+endpoints in one place (:mod:`kvstore_client.routing`): tcp:// (:class:`~.tcp.TcpTransfer`),
+shm:// (:class:`~.shm.ShmTransfer`, same host) or ucx:// (:class:`~.ucx.UcxPool`).
+Every method takes a deadline (``timeout`` seconds) and is thread-safe; worker
+trouble raises a :class:`~kvstore_client.errors.PeerError` (the client turns it into
+misses), the caller's own mistakes a :class:`~kvstore_client.errors.CallerError`.
+Lower-level socket and UCX errors are translated in one place:
+:func:`kvstore_client.errors.from_transport_error`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from .. import wire
+from .tcp import GetResult
+
+BlockView = memoryview | list[memoryview]  # a destination: one view, or its parts
+
+
+class Transfer(Protocol):
+    """Batched block calls to one worker, each within ``timeout`` seconds."""
+
+    def put(
+        self,
+        timeout: float,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        values: Sequence[wire.Block],
+        checksums: Sequence[int],
+    ) -> bytes:
+        """Store blocks that are absent (a block may be a list of parts, sent as one
+        value); one ``wire.PUT_*`` status byte per block."""
+        ...
+
+    def get(
+        self,
+        timeout: float,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        buffers: Sequence[BlockView] | None,
+    ) -> GetResult:
+        """Read blocks, into ``buffers`` when given (a block whose stored size differs
+        from its buffer's, or whose checksum fails, is a miss)."""
+        ...
+
+    def exists(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> list[bool]:
+        """Per hash, whether the worker holds it."""
+        ...
+
+    def remove(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> int:
+        """Remove blocks; how many were present."""
+        ...
+
+
+__all__ = ["BlockView", "GetResult", "Transfer"]

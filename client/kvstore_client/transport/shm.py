@@ -31,7 +31,7 @@ import xxhash
 
 from .. import wire
 from ..errors import KVStoreError, Unavailable
-from .tcp import GetResult, TcpConnection
+from .tcp import GetResult, TcpConnection, TcpPool, TcpTransfer
 
 SOCKET_PREFIX = "kvstore-"
 
@@ -81,6 +81,7 @@ class ShmArena:
         self.id = arena_id
         self.tag = int(arena_id[:4], 16)
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
+        self.view = memoryview(self._mm)  # small per-part copies: slice assignment
         self.stale = False
 
     def check(self, tag: int) -> None:
@@ -92,6 +93,8 @@ class ShmArena:
 
     def close(self) -> None:
         self.array = np.empty(0, dtype=np.uint8)
+        with contextlib.suppress(BufferError):
+            self.view.release()
         with contextlib.suppress(BufferError):
             self._mm.close()
 
@@ -146,67 +149,141 @@ def _as_array(buf: memoryview) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8)
 
 
+# A batch is cut into pipelined pieces of about this many bytes (at most PIECES): all
+# location requests go out at once, and the worker answers piece k+1 while the client
+# copies piece k. Measured on a loaded 2-core host, pieces of 1 MiB made 64 KiB and
+# 1 MiB batches slower (more frames for the worker, no idle core to overlap on), so
+# only very large batches are cut (docs/BENCHMARKS.md).
+PIECE_BYTES = 64 << 20
+PIECES = 8
+# Parts below this size are copied by memoryview slice assignment (less per-call
+# overhead than numpy); larger ones by numpy.copyto, which ran 3-4x faster than
+# memoryview assignment for 128 KiB-1 MiB copies on the development VM.
+SMALL_PART = 64 << 10
+
+
+def pieces(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, end) runs of a batch for pipelining: about PIECE_BYTES each, at most
+    PIECES of them (one for a small batch)."""
+    total = sum(sizes)
+    per = max(PIECE_BYTES, -(-total // PIECES))
+    return wire.runs(sizes, per)
+
+
 def get(
     conn: TcpConnection,
     arena: ShmArena,
     ns: bytes,
     hashes: Sequence[bytes],
-    buffers: Sequence[memoryview] | None,
+    buffers: Sequence[memoryview | list[memoryview]] | None,
 ) -> GetResult:
-    """Read blocks through the mapping (inline for blocks outside the arena)."""
-    conn._req += 1
-    req = conn._req
+    """Read blocks through the mapping (inline for blocks outside the arena); a block
+    given as parts gets one copy per part. Pipelined: every piece's GET_LOC is sent at
+    once, and each piece is released (one-way RELEASE) as soon as it is copied."""
+    n = len(hashes)
+    if buffers is not None:
+        cuts = pieces([wire.block_size(b) for b in buffers])
+    else:
+        cuts = [(a, min(a + 32, n)) for a in range(0, n, 32)] if n > 32 else [(0, n)]
     sock = conn.sock
-    head = wire.encode_request_header(wire.OP_GET_LOC, ns, len(hashes), req)
-    wire.send_buffers(sock, [head, b"".join(hashes)])
+    reqs: list[int] = []
+    out: list[bytes | bytearray | memoryview] = []
+    for a, b in cuts:
+        conn._req += 1
+        reqs.append(conn._req)
+        out += [wire.encode_request_header(wire.OP_GET_LOC, ns, b - a, conn._req)]
+        out += [b"".join(hashes[a:b])]
+    wire.send_buffers(sock, out)
+    found = [False] * n
+    values: list[bytearray | None] = [None] * n
+    total = 0
+    for (a, b), req in zip(cuts, reqs, strict=True):
+        total += _get_piece(conn, arena, ns, req, a, b - a, buffers, found, values)
+    return GetResult(found, values, total)
+
+
+def _get_piece(
+    conn: TcpConnection,
+    arena: ShmArena,
+    ns: bytes,
+    req: int,
+    first: int,
+    count: int,
+    buffers: Sequence[memoryview | list[memoryview]] | None,
+    found: list[bool],
+    values: list[bytearray | None],
+) -> int:
+    """Read one GET_LOC answer (blocks first..first+count), copy, release; returns the
+    payload bytes found."""
+    sock = conn.sock
     h = conn._answer(wire.OP_GET_LOC, req)
     try:
         arena.check(h.ns_len)
+        if h.count != count:
+            raise Unavailable(f"{h.count} locations for {count} hashes")
     except Unavailable:
         conn.close()  # the answer's body is unread: this connection is done
         raise
     meta = wire.recv_exact(sock, h.count * wire.LOC_ENTRY.size)
     entries = list(wire.LOC_ENTRY.iter_unpack(meta))
-    found = [False] * h.count
-    values: list[bytearray | None] = [None] * h.count
     total = 0
     try:
         # Inline payloads come first on the wire, in order.
-        for i, (status, size, checksum, _) in enumerate(entries):
+        for j, (status, size, checksum, _) in enumerate(entries):
             if status != wire.LOC_INLINE:
                 continue
+            i = first + j
             total += size
             if buffers is None:
                 buf = bytearray(size)
                 wire.recv_into_exact(sock, memoryview(buf))
                 if xxhash.xxh3_64_intdigest(buf) == checksum:
                     values[i], found[i] = buf, True
-            elif buffers[i].nbytes != size:
+                continue
+            dest = buffers[i]
+            if wire.block_size(dest) != size:
                 wire.discard(sock, size, conn._scratch)
+            elif isinstance(dest, list):
+                wire.recv_into_parts(sock, dest)
+                found[i] = wire.block_checksum(dest) == checksum
             else:
-                wire.recv_into_exact(sock, buffers[i])
-                found[i] = xxhash.xxh3_64_intdigest(buffers[i]) == checksum
+                wire.recv_into_exact(sock, dest)
+                found[i] = xxhash.xxh3_64_intdigest(dest) == checksum
         src = arena.array
-        for i, (status, size, checksum, off) in enumerate(entries):
-            if status != wire.LOC_ARENA or off + size > len(src):
+        mv = arena.view
+        limit = len(src)
+        for j, (status, size, checksum, off) in enumerate(entries):
+            if status != wire.LOC_ARENA or off + size > limit:
                 continue
+            i = first + j
             total += size
-            if buffers is None:
-                buf = bytearray(size)
-                dst = _as_array(memoryview(buf))
-            elif buffers[i].nbytes != size:
+            out = buffers[i] if buffers is not None else None
+            if out is not None and wire.block_size(out) != size:
                 continue
+            # Verify the pinned slot, then copy it (the copy reads it from cache).
+            block = src[off : off + size]
+            if xxhash.xxh3_64_intdigest(block.data) != checksum:
+                continue
+            if out is None:
+                buf = bytearray(size)
+                np.copyto(_as_array(memoryview(buf)), block)
+                values[i] = buf
+            elif isinstance(out, list):
+                at = off
+                for p in out:
+                    k = p.nbytes
+                    if k < SMALL_PART:
+                        p[:] = mv[at : at + k]
+                    else:
+                        np.copyto(_as_array(p), src[at : at + k])
+                    at += k
             else:
-                dst = _as_array(buffers[i])
-            np.copyto(dst, src[off : off + size])
-            if xxhash.xxh3_64_intdigest(dst.data) == checksum:
-                found[i] = True
-                if buffers is None:
-                    values[i] = buf
+                np.copyto(_as_array(out), block)
+            found[i] = True
     finally:
         # One-way: the worker unpins; no answer to wait for.
         wire.send_buffers(sock, [wire.encode_request_header(wire.OP_RELEASE, ns, 0, req)])
-    return GetResult(found, values, total)
+    return total
 
 
 def put(
@@ -214,38 +291,112 @@ def put(
     arena: ShmArena,
     ns: bytes,
     hashes: Sequence[bytes],
-    values: Sequence[memoryview],
+    values: Sequence[memoryview | list[memoryview]],
     checksums: Sequence[int],
 ) -> bytes:
-    """Write blocks through the mapping; returns one wire.PUT_* status per block."""
-    conn._req += 1
-    req = conn._req
+    """Write blocks through the mapping; returns one wire.PUT_* status per block. A
+    block given as parts gets one copy per part into its slot. Pipelined: every
+    piece's PUT_LOC is sent at once; each piece is copied and committed as its slots
+    arrive, and the commit answers are read at the end."""
+    sizes = [wire.block_size(v) for v in values]
+    cuts = pieces(sizes)
     sock = conn.sock
-    entries = bytearray(len(hashes) * wire.PUT_ENTRY.size)
-    for i, (key, v, c) in enumerate(zip(hashes, values, checksums, strict=True)):
-        wire.PUT_ENTRY.pack_into(entries, i * wire.PUT_ENTRY.size, key, v.nbytes, c)
-    head = wire.encode_request_header(wire.OP_PUT_LOC, ns, len(hashes), req)
-    wire.send_buffers(sock, [head, entries])
-    h = conn._answer(wire.OP_PUT_LOC, req)
-    try:
-        arena.check(h.ns_len)
-    except Unavailable:
-        conn.close()
-        raise
-    locs = list(wire.PUT_LOC_ENTRY.iter_unpack(wire.recv_exact(sock, h.count * 16)))
+    reqs: list[int] = []
+    out: list[bytes | bytearray | memoryview] = []
+    for a, b in cuts:
+        conn._req += 1
+        reqs.append(conn._req)
+        entries = bytearray((b - a) * wire.PUT_ENTRY.size)
+        for j in range(a, b):
+            wire.PUT_ENTRY.pack_into(
+                entries, (j - a) * wire.PUT_ENTRY.size, hashes[j], sizes[j], checksums[j]
+            )
+        out += [wire.encode_request_header(wire.OP_PUT_LOC, ns, b - a, conn._req), entries]
+    wire.send_buffers(sock, out)
     dst = arena.array
-    flags = bytearray(h.count)
-    for i, (status, off) in enumerate(locs):
-        if status == wire.PUT_LOC_SLOT:
-            n = values[i].nbytes
-            if off + n <= len(dst):
-                np.copyto(dst[off : off + n], _as_array(values[i]))
-                flags[i] = 1
-    commit = wire.encode_request_header(wire.OP_PUT_COMMIT, ns, h.count, req)
-    wire.send_buffers(sock, [commit, flags])
-    h = conn._answer(wire.OP_PUT_COMMIT, req)
-    status = bytes(wire.recv_exact(sock, h.count))
+    mv = arena.view
+    all_locs: list[tuple[int, int]] = []
+    for (a, b), req in zip(cuts, reqs, strict=True):
+        h = conn._answer(wire.OP_PUT_LOC, req)
+        try:
+            arena.check(h.ns_len)
+            if h.count != b - a:
+                raise Unavailable(f"{h.count} slots for {b - a} blocks")
+        except Unavailable:
+            conn.close()
+            raise
+        locs = list(wire.PUT_LOC_ENTRY.iter_unpack(wire.recv_exact(sock, h.count * 16)))
+        flags = bytearray(h.count)
+        for j, (status, off) in enumerate(locs):
+            if status != wire.PUT_LOC_SLOT:
+                continue
+            v = values[a + j]
+            n = sizes[a + j]
+            if off + n > len(dst):
+                continue
+            if isinstance(v, list):
+                for p in v:
+                    k = p.nbytes
+                    if k < SMALL_PART:
+                        mv[off : off + k] = p
+                    else:
+                        np.copyto(dst[off : off + k], _as_array(p))
+                    off += k
+            else:
+                np.copyto(dst[off : off + n], _as_array(v))
+            flags[j] = 1
+        commit = wire.encode_request_header(wire.OP_PUT_COMMIT, ns, h.count, req)
+        wire.send_buffers(sock, [commit, flags])
+        all_locs += locs
+    status = bytearray()
+    for req in reqs:
+        h = conn._answer(wire.OP_PUT_COMMIT, req)
+        status += wire.recv_exact(sock, h.count)
     # Entries refused at PUT_LOC keep their PUT_LOC status (present / full).
     return bytes(
-        s if loc[0] == wire.PUT_LOC_SLOT else loc[0] for s, loc in zip(status, locs, strict=True)
+        s if loc[0] == wire.PUT_LOC_SLOT else loc[0]
+        for s, loc in zip(status, all_locs, strict=True)
     )
+
+
+class ShmTransfer(TcpTransfer):
+    """The :class:`~kvstore_client.transport.Transfer` of a same-host worker whose arena
+    is mapped: gets and puts copy through the mapping (control over a pooled tcp://
+    connection); exists and remove are plain tcp:// frames. Once the mapping is stale
+    (the worker restarted), every call goes over tcp://."""
+
+    def __init__(self, pool: TcpPool, arena: ShmArena, max_value: int) -> None:
+        super().__init__(pool)
+        self.arena = arena
+        # A worker lets one connection hold at least two values' worth of shm
+        # reservations at a time: a put is cut into requests that always fit.
+        self.put_limit = 2 * max(max_value, 1)
+
+    def put(
+        self,
+        timeout: float,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        values: Sequence[wire.Block],
+        checksums: Sequence[int],
+    ) -> bytes:
+        if self.arena.stale:
+            return super().put(timeout, ns, hashes, values, checksums)
+        vs = [v if isinstance(v, list | memoryview) else memoryview(v) for v in values]
+        out = bytearray()
+        for a, b in wire.runs([wire.block_size(v) for v in vs], self.put_limit):
+            out += self.pool.call(
+                timeout, put, self.arena, ns, hashes[a:b], vs[a:b], checksums[a:b]
+            )
+        return bytes(out)
+
+    def get(
+        self,
+        timeout: float,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        buffers: Sequence[memoryview | list[memoryview]] | None,
+    ) -> GetResult:
+        if self.arena.stale:
+            return super().get(timeout, ns, hashes, buffers)
+        return self.pool.call(timeout, get, self.arena, ns, hashes, buffers)

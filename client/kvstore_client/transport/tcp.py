@@ -22,7 +22,7 @@ import numpy as np
 import xxhash
 
 from .. import wire
-from ..errors import DeadlineExceeded, KVStoreError, ProtocolError, Unavailable, from_code
+from ..errors import KVStoreError, ProtocolError, Unavailable, from_code, from_transport_error
 from ..keys import HASH_LEN
 from ..security import Tls, wrap_client_socket
 
@@ -84,16 +84,17 @@ class TcpConnection:
         self,
         ns: bytes,
         hashes: Sequence[bytes],
-        values: Sequence[bytes | bytearray | memoryview],
+        values: Sequence[wire.Block],
         checksums: Sequence[int],
     ) -> bytes:
-        """Send one PUT frame; returns one wire.PUT_* status byte per block."""
+        """Send one PUT frame; returns one wire.PUT_* status byte per block. A block given
+        as parts goes out as one value (``sendmsg`` over the part list, no join)."""
         self._req += 1
         entries = bytearray(len(hashes) * wire.PUT_ENTRY.size)
         for i, (key, v, c) in enumerate(zip(hashes, values, checksums, strict=True)):
-            wire.PUT_ENTRY.pack_into(entries, i * wire.PUT_ENTRY.size, key, len(v), c)
+            wire.PUT_ENTRY.pack_into(entries, i * wire.PUT_ENTRY.size, key, wire.block_size(v), c)
         head = wire.encode_request_header(wire.OP_PUT, ns, len(hashes), self._req)
-        wire.send_buffers(self.sock, [head, entries, *values])
+        wire.send_buffers(self.sock, [head, entries, *wire.flat_buffers(values)])
         h = self._answer(wire.OP_PUT, self._req)
         return bytes(wire.recv_exact(self.sock, h.count))
 
@@ -101,10 +102,11 @@ class TcpConnection:
         self,
         ns: bytes,
         hashes: Sequence[bytes],
-        buffers: Sequence[memoryview] | None,
+        buffers: Sequence[memoryview | list[memoryview]] | None,
     ) -> GetResult:
-        """One GET frame. With ``buffers``, hits land in them (a hit whose size differs
-        from its buffer is read and dropped, and reported as a miss)."""
+        """One GET frame. With ``buffers`` (per block one view, or a list of part views),
+        hits land in them (a hit whose size differs from its buffer's total is read and
+        dropped, and reported as a miss); a block's checksum is checked over its parts."""
         self._req += 1
         head = wire.encode_request_header(wire.OP_GET, ns, len(hashes), self._req)
         wire.send_buffers(self.sock, [head, b"".join(hashes)])
@@ -126,15 +128,22 @@ class TcpConnection:
                 ok = xxhash.xxh3_64_intdigest(view) == checksum
                 values.append(buf if ok else None)
                 found.append(ok)
-            else:
-                dest = buffers[i]
-                if dest.nbytes != size:
+                continue
+            dest = buffers[i]
+            if isinstance(dest, list):
+                if wire.block_size(dest) != size:
                     wire.discard(self.sock, size, self._scratch)
                     found.append(False)
                 else:
-                    wire.recv_into_exact(self.sock, dest)
-                    found.append(xxhash.xxh3_64_intdigest(dest) == checksum)
-                values.append(None)
+                    wire.recv_into_parts(self.sock, dest)
+                    found.append(wire.block_checksum(dest) == checksum)
+            elif dest.nbytes != size:
+                wire.discard(self.sock, size, self._scratch)
+                found.append(False)
+            else:
+                wire.recv_into_exact(self.sock, dest)
+                found.append(xxhash.xxh3_64_intdigest(dest) == checksum)
+            values.append(None)
         return GetResult(found, values, total)
 
     def exists(self, ns: bytes, hashes: Sequence[bytes]) -> list[bool]:
@@ -216,17 +225,12 @@ class TcpPool:
         conn.sock.settimeout(max(timeout, 0.001))
         try:
             result = fn(conn, *args)
-        except KVStoreError as e:
+        except (KVStoreError, OSError) as e:  # TimeoutError is an OSError
             conn.close()
-            if isinstance(e, ProtocolError):
-                raise Unavailable(f"{self.host}:{self.port}: {e}") from e
-            raise
-        except TimeoutError as e:
-            conn.close()
-            raise DeadlineExceeded(f"{self.host}:{self.port} did not answer in time") from e
-        except OSError as e:
-            conn.close()
-            raise Unavailable(f"{self.host}:{self.port}: {e}") from e
+            err = from_transport_error(e, f"{self.host}:{self.port}")
+            if err is e:
+                raise
+            raise err from e
         self.give(conn)
         return result
 
@@ -255,4 +259,37 @@ def parse_tcp_url(url: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-__all__ = ["HASH_LEN", "GetResult", "TcpConnection", "TcpPool", "parse_tcp_url"]
+class TcpTransfer:
+    """The :class:`~kvstore_client.transport.Transfer` of a tcp:// worker: one pooled
+    connection per call."""
+
+    def __init__(self, pool: TcpPool) -> None:
+        self.pool = pool
+
+    def put(
+        self,
+        timeout: float,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        values: Sequence[wire.Block],
+        checksums: Sequence[int],
+    ) -> bytes:
+        return self.pool.call(timeout, TcpConnection.put, ns, hashes, values, checksums)
+
+    def get(
+        self,
+        timeout: float,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        buffers: Sequence[memoryview | list[memoryview]] | None,
+    ) -> GetResult:
+        return self.pool.call(timeout, TcpConnection.get, ns, hashes, buffers)
+
+    def exists(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> list[bool]:
+        return self.pool.call(timeout, TcpConnection.exists, ns, hashes)
+
+    def remove(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> int:
+        return self.pool.call(timeout, TcpConnection.remove, ns, hashes)
+
+
+__all__ = ["HASH_LEN", "GetResult", "TcpConnection", "TcpPool", "TcpTransfer", "parse_tcp_url"]

@@ -41,15 +41,21 @@ import concurrent.futures as cf
 import contextlib
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
-import xxhash
-
 from .. import wire
-from ..errors import DeadlineExceeded, KVStoreError, ProtocolError, Unavailable, from_code
+from ..errors import (
+    DeadlineExceeded,
+    KVStoreError,
+    ProtocolError,
+    Unavailable,
+    from_code,
+    from_transport_error,
+)
 from ..keys import HASH_LEN, from_bitmap
 from .tcp import GetResult
 
@@ -70,11 +76,62 @@ _import_lock = threading.Lock()
 _import_error: str | None = None
 
 
-def body_len(op: int, count: int) -> int:
-    """Bytes of a request body after the namespace, for a served op and a count."""
+def body_len(op: int, count: int, flags: int = 0) -> int:
+    """Bytes of a request body after the namespace, for a served op and a count
+    (with wire.FLAG_PARTS, PUT and GET bodies end with a u32 part count per block)."""
+    per = wire.PART_COUNT.size if flags & wire.FLAG_PARTS else 0
     if op == wire.OP_PUT:
-        return count * wire.PUT_ENTRY.size
-    return count * HASH_LEN  # GET, EXISTS, REMOVE: the hashes
+        return count * (wire.PUT_ENTRY.size + per)
+    return count * (HASH_LEN + per)  # GET, EXISTS, REMOVE: the hashes
+
+
+MAX_PART_ENTRIES = 1 << 20  # parts in one frame
+
+
+def part_tables(blocks: Sequence[wire.Block | None]) -> tuple[bytes, bytes]:
+    """The two part tables of a FLAG_PARTS frame: a u32 part count per block (ends the
+    body), and the u32 size of every part (the message after the body). ``None`` (no
+    destination) and a whole buffer count as one part."""
+    counts = bytearray(len(blocks) * 4)
+    sizes: list[int] = []
+    for i, b in enumerate(blocks):
+        if isinstance(b, list):
+            wire.PART_COUNT.pack_into(counts, 4 * i, len(b))
+            sizes.extend(p.nbytes for p in b)
+        else:
+            wire.PART_COUNT.pack_into(counts, 4 * i, 1)
+            sizes.append(0 if b is None else wire.block_size(b))
+    return bytes(counts), struct.pack(f"<{len(sizes)}I", *sizes)
+
+
+def read_part_counts(raw: memoryview | bytes) -> list[int]:
+    """Per block its part count (the tail of a FLAG_PARTS body); ProtocolError when a
+    count is 0, above wire.MAX_PARTS, or the frame has too many parts in all."""
+    counts = list(struct.unpack(f"<{len(raw) // 4}I", raw))
+    if any(c < 1 or c > wire.MAX_PARTS for c in counts) or sum(counts) > MAX_PART_ENTRIES:
+        raise ProtocolError("bad part counts in a FLAG_PARTS frame")
+    return counts
+
+
+def split_sizes(counts: Sequence[int], raw: bytes | bytearray) -> list[list[int]]:
+    """Per block the sizes of its parts, from the part-size table."""
+    sizes = struct.unpack(f"<{len(raw) // 4}I", raw)
+    out: list[list[int]] = []
+    at = 0
+    for c in counts:
+        out.append(list(sizes[at : at + c]))
+        at += c
+    return out
+
+
+def slices(view: memoryview, sizes: Sequence[int]) -> list[memoryview]:
+    """``view`` cut into consecutive slices of ``sizes`` (which add up to its size)."""
+    out: list[memoryview] = []
+    at = 0
+    for n in sizes:
+        out.append(view[at : at + n])
+        at += n
+    return out
 
 
 def _import_ucxx() -> Any:
@@ -356,39 +413,61 @@ class UcxConnection:
         self,
         ns: bytes,
         hashes: Sequence[bytes],
-        values: Sequence[Buffer],
+        values: Sequence[wire.Block],
         checksums: Sequence[int],
     ) -> bytes:
-        """Send one PUT frame; returns one wire.PUT_* status byte per block."""
+        """Send one PUT frame; returns one wire.PUT_* status byte per block. Blocks given
+        as several parts go as one message per part (wire.FLAG_PARTS frame)."""
         self._req += 1
         entries = bytearray(len(hashes) * wire.PUT_ENTRY.size)
         for i, (key, v, c) in enumerate(zip(hashes, values, checksums, strict=True)):
-            wire.PUT_ENTRY.pack_into(entries, i * wire.PUT_ENTRY.size, key, len(v), c)
-        head = wire.HEADER.pack(wire.REQ_MAGIC, wire.OP_PUT, 0, len(ns), len(hashes), self._req)
-        h = await self._exchange(wire.OP_PUT, [head, ns + entries, *values])
+            wire.PUT_ENTRY.pack_into(entries, i * wire.PUT_ENTRY.size, key, wire.block_size(v), c)
+        flags = wire.FLAG_PARTS if _has_parts(values) else 0
+        head = wire.HEADER.pack(wire.REQ_MAGIC, wire.OP_PUT, flags, len(ns), len(hashes), self._req)
+        msgs: list[Buffer] = [head, ns + entries]
+        if flags:
+            counts, sizes = part_tables(values)
+            msgs = [head, ns + entries + counts, sizes]
+        h = await self._exchange(wire.OP_PUT, [*msgs, *wire.flat_buffers(values)])
         if h.count != len(hashes):
             raise ProtocolError(f"{h.count} statuses for {len(hashes)} blocks")
         return bytes(await self._body(h.count))
 
     async def get(
-        self, ns: bytes, hashes: Sequence[bytes], buffers: Sequence[memoryview] | None
+        self,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        buffers: Sequence[memoryview | list[memoryview]] | None,
     ) -> GetResult:
         """One GET frame. With ``buffers``, hits land in them (a hit whose size differs
-        from its buffer is received and dropped, and reported as a miss)."""
-        h = await self._simple(wire.OP_GET, ns, hashes)
+        from its buffer is received and dropped, and reported as a miss). Blocks given
+        as several parts: a FLAG_PARTS frame, so the worker sends a hit of the parts'
+        total size as one message per part, landing in the parts directly."""
+        if buffers is not None and _has_parts(buffers):
+            self._req += 1
+            counts, sizes = part_tables(buffers)
+            head = wire.HEADER.pack(
+                wire.REQ_MAGIC, wire.OP_GET, wire.FLAG_PARTS, len(ns), len(hashes), self._req
+            )
+            body = b"".join([ns, *hashes, counts])
+            h = await self._exchange(wire.OP_GET, [head, body, sizes])
+        else:
+            h = await self._simple(wire.OP_GET, ns, hashes)
         if h.count != len(hashes):
             raise ProtocolError(f"{h.count} entries for {len(hashes)} hashes")
         meta = await self._body(h.count * wire.GET_ENTRY.size)
         found: list[bool] = []
         values: list[bytearray | None] = []
         dests: list[memoryview | bytearray] = []
-        checks: list[tuple[int, memoryview | bytearray, int]] = []  # (index, landed, xxh3)
+        checks: list[tuple[int, wire.Block, int]] = []  # (index, landed, xxh3)
         total = 0
         biggest_drop = max(
             (
                 size
                 for i, (status, size, _) in enumerate(wire.GET_ENTRY.iter_unpack(meta))
-                if status == wire.GET_HIT and buffers is not None and buffers[i].nbytes != size
+                if status == wire.GET_HIT
+                and buffers is not None
+                and wire.block_size(buffers[i]) != size
             ),
             default=0,
         )
@@ -404,14 +483,18 @@ class UcxConnection:
                 dests.append(buf)
                 checks.append((i, buf, checksum))
                 values[i] = buf
-            elif buffers[i].nbytes != size:
+            elif wire.block_size(buffers[i]) != size:
                 dests.append(drop[:size])  # dropped: concurrent landings do not matter
             else:
-                dests.append(buffers[i])
-                checks.append((i, buffers[i], checksum))
+                dest = buffers[i]
+                if isinstance(dest, list):
+                    dests.extend(dest)
+                else:
+                    dests.append(dest)
+                checks.append((i, dest, checksum))
         await recv_all(self.ep, dests)
         for i, landed, checksum in checks:
-            ok = xxhash.xxh3_64_intdigest(landed) == checksum
+            ok = wire.block_checksum(landed) == checksum
             found[i] = ok
             if not ok:
                 values[i] = None
@@ -489,19 +572,12 @@ class UcxPool:
                 raise Unavailable(f"cannot connect to {where}: {e!r}") from e
         try:
             result = await asyncio.wait_for(fn(conn, *args), max(deadline - time.monotonic(), 0))
-        except KVStoreError as e:
-            conn.abort()
-            if isinstance(e, ProtocolError):
-                raise Unavailable(f"{where}: {e}") from e
-            raise
-        except TimeoutError as e:
-            conn.abort()
-            raise DeadlineExceeded(f"{where} did not answer in time") from e
         except BaseException as e:  # UCX errors, cancellation: the endpoint is unusable
             conn.abort()
-            if isinstance(e, Exception):
-                raise Unavailable(f"{where}: {e!r}") from e
-            raise
+            err = from_transport_error(e, where)
+            if err is e:
+                raise
+            raise err from e
         if not self._closed and len(self._idle) < self.max_idle:
             self._idle.append(conn)
         else:
@@ -513,7 +589,7 @@ class UcxPool:
         timeout: float,
         ns: bytes,
         hashes: Sequence[bytes],
-        values: Sequence[Buffer],
+        values: Sequence[wire.Block],
         checksums: Sequence[int],
     ) -> bytes:
         """PUT one batch: one wire.PUT_* status byte per block (see TcpConnection.put)."""
@@ -524,7 +600,7 @@ class UcxPool:
         timeout: float,
         ns: bytes,
         hashes: Sequence[bytes],
-        buffers: Sequence[memoryview] | None,
+        buffers: Sequence[memoryview | list[memoryview]] | None,
     ) -> GetResult:
         """GET one batch, into ``buffers`` when given (see TcpConnection.get)."""
         return self.call(timeout, UcxConnection.get, ns, hashes, buffers)
@@ -553,6 +629,10 @@ class UcxPool:
 
         with contextlib.suppress(Exception):
             rt.run(drain(), 5.0)
+
+
+def _has_parts(blocks: Sequence[object]) -> bool:
+    return any(isinstance(b, list) and len(b) != 1 for b in blocks)
 
 
 def parse_ucx_url(url: str) -> tuple[str, int]:
@@ -584,7 +664,11 @@ __all__ = [
     "body_len",
     "find_ucx_url",
     "parse_ucx_url",
+    "part_tables",
+    "read_part_counts",
     "recv_all",
     "send_all",
+    "slices",
+    "split_sizes",
     "ucx_url",
 ]

@@ -43,8 +43,11 @@ from kvstore_client.transport.ucx import (
     UcxRuntime,
     abort,
     body_len,
+    read_part_counts,
     recv_all,
     send_all,
+    slices,
+    split_sizes,
 )
 
 from ...auth import Tenant, Tenants
@@ -264,7 +267,11 @@ class UcxTransferServer:
         except InvalidArgument as e:
             await self._fail(ep, h, e)
             raise ProtocolError(str(e)) from e
-        body = bytearray(h.ns_len + body_len(h.op, h.count))
+        if h.flags_or_code & ~wire.FLAG_PARTS or (
+            h.flags_or_code and h.op not in (wire.OP_PUT, wire.OP_GET)
+        ):
+            raise ProtocolError(f"bad flags {h.flags_or_code} for op {h.op}")
+        body = bytearray(h.ns_len + body_len(h.op, h.count, h.flags_or_code))
         await ep.recv(body)
         try:
             ns = self.core.admit(tenant, body[: h.ns_len])
@@ -275,10 +282,18 @@ class UcxTransferServer:
             await self._dispatch(ep, h, ns, memoryview(body)[h.ns_len :])
 
     async def _dispatch(self, ep: Any, h: wire.Header, ns: str, rest: memoryview) -> None:
+        parts: list[list[int]] | None = None
+        if h.flags_or_code & wire.FLAG_PARTS:  # a part count per block, then the sizes
+            cut = len(rest) - 4 * h.count
+            counts = read_part_counts(rest[cut:])
+            rest = rest[:cut]
+            table = bytearray(4 * sum(counts))
+            await recv_all(ep, [table])
+            parts = split_sizes(counts, table)
         if h.op == wire.OP_PUT:
-            await self._put(ep, h, ns, rest)
+            await self._put(ep, h, ns, rest, parts)
         elif h.op == wire.OP_GET:
-            await self._get(ep, h, ns, _hashes(rest))
+            await self._get(ep, h, ns, _hashes(rest), parts)
         elif h.op == wire.OP_EXISTS:
             bitmap = to_bitmap(self.store.exists(ns, _hashes(rest)))
             await send_all(ep, [wire.encode_answer_header(h.op, 0, h.count, h.req_id), bitmap])
@@ -299,10 +314,18 @@ class UcxTransferServer:
             self._scratch = memoryview(bytearray(size))
         return self._scratch[:size]
 
-    async def _put(self, ep: Any, h: wire.Header, ns: str, raw: memoryview) -> None:
+    async def _put(
+        self, ep: Any, h: wire.Header, ns: str, raw: memoryview, parts: list[list[int]] | None
+    ) -> None:
+        """PUT; with ``parts`` (per block its part sizes, adding up to its size) each
+        block arrives as one message per part, landing in consecutive slot slices."""
         entries = list(wire.PUT_ENTRY.iter_unpack(raw))
         try:
             self.core.check_sizes([e[1] for e in entries])
+            if parts is not None and any(
+                sum(p) != e[1] for p, e in zip(parts, entries, strict=True)
+            ):
+                raise InvalidArgument("part sizes do not add up to their block's size")
         except InvalidArgument as e:
             await self._fail(ep, h, e)
             raise ProtocolError(str(e)) from e
@@ -324,12 +347,18 @@ class UcxTransferServer:
         total = 0
         try:
             dests: list[memoryview] = []
-            for (_, size, _), slot in zip(entries, slots, strict=True):
+            lands: list[memoryview] = []
+            for i, ((_, size, _), slot) in enumerate(zip(entries, slots, strict=True)):
                 total += size
-                dests.append(
+                dest = (
                     self.store.view(slot) if isinstance(slot, Block) else self._discard_buffer(size)
                 )
-            await recv_all(ep, dests)
+                dests.append(dest)
+                if parts is not None and len(parts[i]) > 1:
+                    lands.extend(slices(dest, parts[i]))
+                else:
+                    lands.append(dest)
+            await recv_all(ep, lands)
             for i, ((_, _, checksum), slot, dest) in enumerate(
                 zip(entries, slots, dests, strict=True)
             ):
@@ -354,7 +383,11 @@ class UcxTransferServer:
             self.on_bytes("ucx", "rx", total)
         await send_all(ep, [wire.encode_answer_header(h.op, 0, h.count, h.req_id), status])
 
-    async def _get(self, ep: Any, h: wire.Header, ns: str, keys: list[bytes]) -> None:
+    async def _get(
+        self, ep: Any, h: wire.Header, ns: str, keys: list[bytes], parts: list[list[int]] | None
+    ) -> None:
+        """GET; with ``parts`` (the reader's part sizes per block) a hit whose size is
+        their sum goes out as one message per part, any other hit as one message."""
         # DRAM blocks are verified by the reader against the checksum sent with them.
         reading = self.store.read(ns, keys, verify_dram=False)
         total = 0
@@ -364,9 +397,18 @@ class UcxTransferServer:
             except InvalidArgument as e:
                 await self._fail(ep, h, e)
                 raise ProtocolError(str(e)) from e
+            held = reading.held
             meta, views, total = wire.encode_get_entries(
-                [(x.view, x.checksum) if x is not None else None for x in reading.held]
+                [(x.view, x.checksum) if x is not None else None for x in held]
             )
+            if parts is not None:
+                views = []
+                for x, p in zip(held, parts, strict=True):
+                    if x is None:
+                        continue
+                    v = memoryview(x.view).cast("B")
+                    split = len(p) > 1 and sum(p) == v.nbytes
+                    views.extend(slices(v, p) if split else [v])
             head = wire.encode_answer_header(h.op, 0, h.count, h.req_id)
             await send_all(ep, [head, meta, *views])
         except BaseException:

@@ -1,0 +1,79 @@
+"""The part codec shared by the client and the worker: checksums over parts equal the
+whole value's, scatter reads fill parts exactly, and ucx:// part tables are checked."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import pytest
+import xxhash
+
+from kvstore_client import wire
+from kvstore_client.errors import ProtocolError
+from kvstore_client.transport import ucx
+
+
+def cut(value: bytes, sizes: list[int]) -> list[memoryview]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(memoryview(bytearray(value[at : at + n])))
+        at += n
+    return out
+
+
+def test_checksum_and_size_over_parts_equal_the_whole() -> None:
+    value = os.urandom(100_003)
+    for sizes in ([100_003], [1, 0, 100_002], [50_000, 50_000, 3], [1000] * 100 + [3]):
+        parts = cut(value, sizes)
+        assert wire.block_size(parts) == len(value)
+        assert wire.block_checksum(parts) == xxhash.xxh3_64_intdigest(value)
+    assert wire.flat_buffers([b"ab", cut(b"cdef", [1, 3])])[0] == b"ab"
+    assert len(wire.flat_buffers([b"ab", cut(b"cdef", [1, 3])])) == 3
+
+
+def test_recv_into_parts_scatters_across_partial_reads() -> None:
+    value = os.urandom(3 << 20)
+    sizes = [1, 4095, 0, 1 << 20, 7, 0]  # the last part takes the rest
+    sizes[-1] = len(value) - sum(sizes[:-1])
+    dest = [memoryview(bytearray(n)) for n in sizes]
+    a, b = socket.socketpair()
+    try:
+        sender = threading.Thread(
+            target=lambda: [a.sendall(value[i : i + 999]) for i in range(0, len(value), 999)]
+        )
+        sender.start()
+        wire.recv_into_parts(b, dest)
+        sender.join()
+    finally:
+        a.close()
+        b.close()
+    assert b"".join(bytes(d) for d in dest) == value
+
+
+def test_recv_into_parts_reports_a_closed_peer() -> None:
+    a, b = socket.socketpair()
+    a.sendall(b"abc")
+    a.close()
+    with pytest.raises(ConnectionError):
+        wire.recv_into_parts(b, [memoryview(bytearray(2)), memoryview(bytearray(5))])
+    b.close()
+
+
+def test_ucx_part_tables_round_trip_and_limits() -> None:
+    blocks: list[wire.Block | None] = [cut(b"abcdef", [2, 4]), memoryview(b"xyz"), None]
+    counts, sizes = ucx.part_tables(blocks)
+    got = ucx.read_part_counts(counts)
+    assert got == [2, 1, 1]
+    assert ucx.split_sizes(got, sizes) == [[2, 4], [3], [0]]
+    assert [bytes(s) for s in ucx.slices(memoryview(b"abcdef"), [2, 4])] == [b"ab", b"cdef"]
+    assert ucx.body_len(wire.OP_PUT, 3, wire.FLAG_PARTS) == 3 * (wire.PUT_ENTRY.size + 4)
+    assert ucx.body_len(wire.OP_GET, 3, wire.FLAG_PARTS) == 3 * (16 + 4)
+    assert ucx.body_len(wire.OP_GET, 3) == 48
+    for bad in ([0], [wire.MAX_PARTS + 1]):
+        with pytest.raises(ProtocolError):
+            ucx.read_part_counts(b"".join(wire.PART_COUNT.pack(c) for c in bad))
+    too_many = wire.PART_COUNT.pack(wire.MAX_PARTS) * (ucx.MAX_PART_ENTRIES // wire.MAX_PARTS + 1)
+    with pytest.raises(ProtocolError):
+        ucx.read_part_counts(too_many)
