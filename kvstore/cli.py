@@ -294,6 +294,15 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
 @click.option("--promote-window", default=None, help="Second-hit window [60s].")
 @click.option("--pin", multiple=True, help="Pinned namespace, NS or NS=QUOTA (repeatable).")
 @click.option("--drain-timeout", default=None, help="SIGTERM: bound on drain + demotion [30s].")
+@click.option(
+    "--session-budget", type=float, default=None, help="DRAM share for paused sessions [0.25]."
+)
+@click.option("--session-ttl", default=None, help="How long a paused session is kept [300s].")
+@click.option("--max-sessions", type=int, default=None, help="Live sessions per worker [4096].")
+@click.option(
+    "--kv-events", default=None, help="Publish KV events (vLLM format) on this ZMQ PUB endpoint."
+)
+@click.option("--kv-events-replay", default=None, help="ZMQ ROUTER endpoint for event replay.")
 @_security_options
 @click.option("--token", default=None, help="Bearer token for the master (admin tenant).")
 @click.pass_context
