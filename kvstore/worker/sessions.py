@@ -29,9 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore_client.errors import InvalidArgument
+from kvstore_client.sessions import MAX_SESSION_ID_BYTES, STATES
 
-STATES = ("active", "paused", "ended")
-MAX_SESSION_ID_BYTES = 256
 MAX_TTL = 7 * 86400.0
 
 Key = tuple[str, bytes]
