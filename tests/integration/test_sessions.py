@@ -6,6 +6,9 @@ tests/e2e/test_kv_events_vllm.py decodes the same messages with vLLM's classes.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -168,5 +171,14 @@ def test_session_hints_reach_every_worker_and_bad_hints_are_rejected(
                 )
             r = stub.Sessions(store_pb2.SessionsRequest(limit=5), timeout=5)
             assert len(r.sessions) == 5 and r.live == 301
+        out = subprocess.run(
+            [sys.executable, "-m", "kvstore", "status", "--master", c.address, "--sessions",
+             "--top", "3", "--json"],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout  # fmt: skip
+        doc = json.loads(out)
+        assert doc["sessions"][0]["session"] == "agent-1", "most blocks asked first"
+        assert doc["sessions"][0]["blocks"] == 40 and len(doc["sessions"]) == 3
+        assert doc["totals"]["live"] == 302
         cl.session_hint(NS, "agent-1", "ended")
         assert sum(t.retained_bytes for t in cl.sessions()) == 0
