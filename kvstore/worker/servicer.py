@@ -167,6 +167,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
                 demotions=s.demotions,
                 promotions=s.promotions,
                 ssd_evictions=s.ssd_evictions,
+                ssd_hits=s.ssd_hits,
             )
 
         return self._run("stats", context, go)

@@ -327,6 +327,7 @@ class StatsResponse(_message.Message):
     DEMOTIONS_FIELD_NUMBER: _builtins.int
     PROMOTIONS_FIELD_NUMBER: _builtins.int
     SSD_EVICTIONS_FIELD_NUMBER: _builtins.int
+    SSD_HITS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     capacity_bytes: _builtins.int
     used_bytes: _builtins.int
@@ -343,6 +344,8 @@ class StatsResponse(_message.Message):
     demotions: _builtins.int
     promotions: _builtins.int
     ssd_evictions: _builtins.int
+    ssd_hits: _builtins.int
+    """blocks read from the SSD tier"""
     def __init__(
         self,
         *,
@@ -362,10 +365,11 @@ class StatsResponse(_message.Message):
         demotions: _builtins.int = ...,
         promotions: _builtins.int = ...,
         ssd_evictions: _builtins.int = ...,
+        ssd_hits: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bad_frames", b"bad_frames", "capacity_bytes", b"capacity_bytes", "checksum_errors", b"checksum_errors", "demotions", b"demotions", "evictions", b"evictions", "hits", b"hits", "keys", b"keys", "misses", b"misses", "promotions", b"promotions", "puts", b"puts", "ssd_capacity_bytes", b"ssd_capacity_bytes", "ssd_evictions", b"ssd_evictions", "ssd_keys", b"ssd_keys", "ssd_used_bytes", b"ssd_used_bytes", "used_bytes", b"used_bytes", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bad_frames", b"bad_frames", "capacity_bytes", b"capacity_bytes", "checksum_errors", b"checksum_errors", "demotions", b"demotions", "evictions", b"evictions", "hits", b"hits", "keys", b"keys", "misses", b"misses", "promotions", b"promotions", "puts", b"puts", "ssd_capacity_bytes", b"ssd_capacity_bytes", "ssd_evictions", b"ssd_evictions", "ssd_hits", b"ssd_hits", "ssd_keys", b"ssd_keys", "ssd_used_bytes", b"ssd_used_bytes", "used_bytes", b"used_bytes", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
