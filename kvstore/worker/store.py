@@ -35,14 +35,16 @@ import xxhash
 
 from kvstore_client.errors import QuotaExceeded, ResourceExhausted
 
+from . import session_ops
 from .arena import Arena
 from .events import DRAM, SSD, EventSink
-from .sessions import SessionTable, check_hint
+from .sessions import SessionTable
 from .tiers.dram import Block, DramTier
 from .tiers.policy import (
     Aborted,
     DeleteSsd,
     Demote,
+    Event,
     Evicted,
     EvictFirst,
     Instruction,
@@ -56,7 +58,6 @@ from .tiers.policy import (
     Removed,
     Reserved,
     Retain,
-    SessionHint,
     SessionTick,
     SsdBad,
     SsdHit,
@@ -243,32 +244,19 @@ class BlockStore:
     def _looked(self, ns: str, keys: Sequence[bytes]) -> None:
         """A lookup may resume a paused session (and prefetch its blocks)."""
         if self.policy.sessions.paused:
-            with self.lock:
-                self._queue(self.policy.handle(Lookup(ns, tuple(keys), time.monotonic())))
-            self._execute()
+            self.handle(Lookup(ns, tuple(keys), time.monotonic()))
+
+    def handle(self, ev: Event) -> None:
+        """Feed the policy one event under the lock and execute what it says."""
+        with self.lock:
+            self._queue(self.policy.handle(ev))
+        self._execute()
 
     def session_hint(
         self, ns: str, session: str, state: str, keys: Sequence[bytes], ttl: float | None
     ) -> int:
-        """Apply a session hint (see :mod:`kvstore.worker.sessions`); returns how many
-        leading ``keys`` are present, counted as the session's hit rate when ``active``.
-        InvalidArgument for a bad state, id or TTL (nothing changes)."""
-        check_hint(session, state, ttl)
-        if self._demoter is None and time.monotonic() >= self._next_tick:
-            self.session_tick(time.monotonic())  # no demoter thread to expire sessions
-        hits = 0
-        if state == "active" and keys:
-            hits = self.match_prefix(ns, keys)
-        with self.lock:
-            self._queue(
-                self.policy.handle(
-                    SessionHint(ns, session, state, tuple(keys), ttl, time.monotonic())
-                )
-            )
-            if state == "active" and keys:
-                self.policy.sessions.record(ns, session, hits, len(keys))
-        self._execute()
-        return hits
+        """Apply a session hint; see :func:`kvstore.worker.session_ops.hint`."""
+        return session_ops.hint(self, ns, session, state, keys, ttl)
 
     def match_prefix(self, ns: str, keys: Sequence[bytes], state_ns: str = "") -> int:
         """Leading run of present keys; with ``state_ns`` the state at the last one too."""
@@ -559,27 +547,6 @@ class BlockStore:
             self.tier.abort(b)
         return False
 
-    def _prefetch(self) -> None:
-        """Copy SSD-only blocks of resumed sessions into DRAM (demoter thread)."""
-        with self.lock:
-            todo, self._todo.prefetch = self._todo.prefetch, []
-        if not todo or self.ssd is None:
-            return
-        txn = self.ssd.begin_read()
-        try:
-            for ns, keys in todo:
-                for k in keys:
-                    got = self.ssd.view(txn, ns, k)
-                    if got is None or self._stop.is_set():
-                        continue
-                    header, view = got
-                    if xxhash.xxh3_64_intdigest(view) != header.checksum:
-                        self._bad_ssd(ns, k)
-                    elif self._promote(ns, k, Held(view, header.checksum, None)):
-                        self.counters.prefetched += 1
-        finally:
-            txn.abort()
-
     # ---- instructions --------------------------------------------------------
 
     def _on_evict(self, b: Block) -> None:
@@ -747,7 +714,7 @@ class BlockStore:
             self._wake.clear()
             if time.monotonic() >= self._next_tick:
                 self.session_tick(time.monotonic())
-            self._prefetch()
+            session_ops.prefetch(self)
             with self.lock:
                 todo = self.policy.handle(Tick(self.tier.used_bytes, self.tier.capacity))
             for ins in todo:
@@ -760,9 +727,7 @@ class BlockStore:
     def session_tick(self, now: float) -> None:
         """Expire sessions (called every second by the demoter, or by a caller)."""
         self._next_tick = now + 1.0
-        with self.lock:
-            self._queue(self.policy.handle(SessionTick(now)))
-        self._execute()
+        self.handle(SessionTick(now))
 
     def _rebuild(self) -> None:
         """Index what LMDB holds (headers only); drop malformed entries."""
