@@ -303,6 +303,7 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
     "--kv-events", default=None, help="Publish KV events (vLLM format) on this ZMQ PUB endpoint."
 )
 @click.option("--kv-events-replay", default=None, help="ZMQ ROUTER endpoint for event replay.")
+@click.option("--kv-events-topic", default=None, help="Topic prefix of KV events [kvstore/].")
 @_security_options
 @click.option("--token", default=None, help="Bearer token for the master (admin tenant).")
 @click.pass_context
