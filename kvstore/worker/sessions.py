@@ -197,13 +197,16 @@ class SessionTable:
             s.lookup_blocks += lookups
 
     def lookup(self, ns: str, keys: Sequence[bytes], now: float) -> list[Change]:
-        """A lookup of ``keys``: the paused session that owns the most specific of them
-        (walking from the end of the chain) resumes, as if hinted ``active``."""
+        """A lookup of ``keys``: the paused session that alone holds the most specific
+        of them (walking back from the end of the chain, stopping at the first block
+        another live session shares) resumes, as if hinted ``active``."""
         if not self.paused:
             return []
         for k in reversed(keys):
             if (ns, k) not in self.paused_refs:
                 continue
+            if self.refs.get((ns, k), 0) > 1:
+                return []  # a shared block (a system prompt): names no one session
             s = self.by_sid.get(self.owner.get((ns, k), 0))
             if s is not None and s.state == "paused" and s.ns == ns:
                 self.counters.resumed_by_lookup += 1
