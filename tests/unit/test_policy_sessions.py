@@ -86,9 +86,8 @@ def test_lookup_of_a_paused_sessions_blocks_resumes_it() -> None:
     hint(p, "A", "paused", sys_prompt + a)
     hint(p, "B", "paused", sys_prompt + b)
     assert p.handle(Lookup(NS, ks("other", 3), 1.0)) == []
-    hint(p, "C", "active", sys_prompt + ks("c", 2))
     assert p.handle(Lookup(NS, sys_prompt + ks("c", 2), 1.0)) == [], (
-        "C's lookup shares only the system prompt: it resumes neither A nor B"
+        "a new session's lookup shares only the system prompt: it resumes neither A nor B"
     )
     out = p.handle(Lookup(NS, sys_prompt + a, 1.0))  # A's next turn looks up its chain
     assert out == [Prefetch(NS, a)]
