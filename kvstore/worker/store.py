@@ -190,6 +190,7 @@ class BlockStore:
             in_dram=self._held_outside_ssd,
             sessions=sessions,
             retain_budget=retain_budget,
+            ssd_retain_budget=(ssd.size * retain_budget) // max(arena.size, 1) if ssd else 0,
             dram_size=self.tier.size_of,
         )
         self.events = events  # KV events (stored / removed per tier), or None

@@ -50,6 +50,7 @@ def policy(dram: dict[tuple[str, bytes], int], budget: int = 1000, **table: int)
         dram_size=lambda ns, k: dram.get((ns, k), 0),
         sessions=SessionTable(paused_ttl=30, **table),
         retain_budget=budget,
+        ssd_retain_budget=4000,
     )
 
 
@@ -118,6 +119,11 @@ def test_ssd_evicts_a_paused_sessions_blocks_last() -> None:
     assert out.keys == tuple((NS, k) for k in other)  # type: ignore[union-attr]
     (out,) = p.handle(NeedSsdRoom(1, force=True))
     assert out.keys == ((NS, a[0]),), "when nothing else is left, protected blocks go"  # type: ignore[union-attr]
+    p.ssd_retain_budget = 2000  # spares one block of 2000 bytes: the next one goes
+    p.handle(SsdWritten(tuple((NS, k, 1000, 2000, True) for k in a + other)))
+    hint(p, "s2", "paused", a)
+    (out,) = p.handle(NeedSsdRoom(2000, force=True))
+    assert out.keys == ((NS, a[1]),), "a[0] is spared (budget), a[1] is not"  # type: ignore[union-attr]
 
 
 def test_paused_ttl_expires_and_releases() -> None:

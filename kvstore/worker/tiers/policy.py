@@ -142,20 +142,26 @@ class SsdIndex:
         return {n for n, _ in self.entries}
 
     def victims(
-        self, nbytes: int, keep: Callable[[str, bytes], bool] | None = None
+        self,
+        nbytes: int,
+        keep: Callable[[str, bytes], bool] | None = None,
+        keep_bytes: int = 0,
     ) -> list[tuple[str, bytes]]:
-        """Least recently used unpinned keys whose removal frees at least ``nbytes``;
-        keys for which ``keep(ns, key)`` holds are taken only if the others are not enough."""
+        """Least recently used unpinned keys whose removal frees at least ``nbytes``.
+
+        Up to ``keep_bytes`` of keys for which ``keep(ns, key)`` holds (a paused
+        session's) are passed over, taken only if the others are not enough."""
         out: list[tuple[str, bytes]] = []
         kept: list[tuple[str, bytes]] = []
-        freed = 0
+        freed = skipped = 0
         for k, e in self.entries.items():
             if freed >= nbytes:
                 return out
             if k[0] in self.pinned:
                 continue
-            if keep is not None and keep(*k):
+            if skipped < keep_bytes and keep is not None and keep(*k):
                 kept.append(k)
+                skipped += e.stored
                 continue
             out.append(k)
             freed += e.stored
@@ -439,6 +445,7 @@ class TierPolicy:
         in_dram: Callable[[str, bytes], bool] = lambda ns, key: False,
         sessions: SessionTable | None = None,
         retain_budget: int = 0,
+        ssd_retain_budget: int = 0,
         dram_size: Callable[[str, bytes], int] = lambda ns, key: 0,
     ) -> None:
         self.has_ssd = has_ssd
@@ -452,6 +459,7 @@ class TierPolicy:
         self.counters = PolicyCounters()
         self.sessions = sessions if sessions is not None else SessionTable()
         self.retain_budget = retain_budget
+        self.ssd_retain_budget = ssd_retain_budget  # SSD bytes of paused sessions spared
         self.dram_size = dram_size  # payload bytes of a block in DRAM, 0 when not there
         self.retained: dict[tuple[str, bytes], int] = {}  # DRAM blocks kept off the LRU
         self.retained_bytes = 0
@@ -516,7 +524,9 @@ class TierPolicy:
                 else self.ssd_marks.excess(self.ssd.used_bytes + ev.nbytes, self.ssd.capacity)
             )
             if excess > 0:
-                victims = self.ssd.victims(excess, self.sessions.is_protected)
+                victims = self.ssd.victims(
+                    excess, self.sessions.is_protected, self.ssd_retain_budget
+                )
                 self.ssd.evictions += len(victims)
                 return self._drop_ssd(victims)
         elif isinstance(ev, Tick) and self.has_ssd:
