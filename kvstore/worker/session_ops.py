@@ -43,13 +43,17 @@ def hint(
 
 def prefetch(store: BlockStore) -> None:
     """Copy the SSD-only blocks of resumed sessions into DRAM (the demoter thread):
-    each verified against its checksum, committed only if still on SSD."""
+    each verified against its checksum, committed only if still on SSD, and only
+    while DRAM is below its low watermark (a prefetch never evicts: when the cache is
+    full, promoting one session's blocks would push out another's)."""
     from .store import Held
 
     with store.lock:
         todo, store._todo.prefetch = store._todo.prefetch, []
     if not todo or store.ssd is None:
         return
+    tier = store.tier
+    room = int(store.policy.dram_marks.low * tier.capacity) - tier.used_bytes
     txn = store.ssd.begin_read()
     try:
         for ns, keys in todo:
@@ -58,6 +62,9 @@ def prefetch(store: BlockStore) -> None:
                 if got is None or store._stop.is_set():
                     continue
                 header, view = got
+                room -= len(view)
+                if room < 0:  # a prefetch never evicts: only into free DRAM
+                    return
                 if xxhash.xxh3_64_intdigest(view) != header.checksum:
                     store._bad_ssd(ns, k)
                 elif store._promote(ns, k, Held(view, header.checksum, None)):

@@ -214,7 +214,9 @@ def test_store_keeps_a_paused_session_in_dram_and_prefetches_on_resume(tmp_path:
             st.put_bytes(NS, [k], [value_for(k, MiB // 2)])
         assert not any(st.tier.contains(NS, k) for k in mine)
         assert all(st.policy.on_ssd(NS, k) for k in mine), "demoted, not lost"
-        # Pause then resume: the SSD-only blocks are prefetched into DRAM.
+        # Pause then resume: the SSD-only blocks are prefetched into DRAM, but only
+        # into free DRAM (a prefetch never evicts), so make room first.
+        assert st.remove(NS, [key(i, "flood") for i in range(80)]) > 0
         st.session_hint(NS, "s1", "paused", mine, None)
         assert st.session_hint(NS, "s1", "active", mine, None) == 3
         deadline = time.monotonic() + 5
