@@ -294,6 +294,16 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
 @click.option("--promote-window", default=None, help="Second-hit window [60s].")
 @click.option("--pin", multiple=True, help="Pinned namespace, NS or NS=QUOTA (repeatable).")
 @click.option("--drain-timeout", default=None, help="SIGTERM: bound on drain + demotion [30s].")
+@click.option(
+    "--session-budget", type=float, default=None, help="DRAM share for paused sessions [0.25]."
+)
+@click.option("--session-ttl", default=None, help="How long a paused session is kept [300s].")
+@click.option("--max-sessions", type=int, default=None, help="Live sessions per worker [4096].")
+@click.option(
+    "--kv-events", default=None, help="Publish KV events (vLLM format) on this ZMQ PUB endpoint."
+)
+@click.option("--kv-events-replay", default=None, help="ZMQ ROUTER endpoint for event replay.")
+@click.option("--kv-events-topic", default=None, help="Topic prefix of KV events [kvstore/].")
 @_security_options
 @click.option("--token", default=None, help="Bearer token for the master (admin tenant).")
 @click.pass_context
@@ -381,8 +391,11 @@ def up(workers: int, dram_size: str, max_value_size: str, master_port: int, host
 @click.option("--master", envvar="KVSTORE_MASTER", default="127.0.0.1:7700", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.option("--timeout", type=float, default=5.0, show_default=True)
-def status(master: str, as_json: bool, timeout: float) -> None:
-    """Show the cluster's workers, capacity, usage, keys and hit counts."""
+@click.option("--sessions", "sessions", is_flag=True, help="Top agent sessions by blocks asked.")
+@click.option("--top", type=int, default=10, show_default=True, help="Sessions to show.")
+def status(master: str, as_json: bool, timeout: float, sessions: bool, top: int) -> None:
+    """Show the cluster's workers, capacity, usage, keys and hit counts (with
+    --sessions: the top agent sessions, merged over workers, and session counters)."""
     import grpc
 
     from kvstore_client.client import parse_masters
@@ -417,6 +430,9 @@ def status(master: str, as_json: bool, timeout: float) -> None:
         }
         for w in st.workers
     ]
+    if sessions:
+        _print_sessions([w.info.grpc for w in st.workers], as_json, timeout, top)
+        return
     if as_json:
         click.echo(
             json.dumps(
@@ -425,6 +441,56 @@ def status(master: str, as_json: bool, timeout: float) -> None:
         )
         return
     print_status(addr, st.map_version, workers)
+
+
+def _print_sessions(addrs: list[str], as_json: bool, timeout: float, top: int) -> None:
+    """Ask every worker for its session table; merge a session's rows over workers."""
+    import grpc
+
+    from kvstore_client.proto import store_pb2, store_pb2_grpc
+    from kvstore_client.security import Tls, metadata, open_channel
+
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    totals = dict.fromkeys(("live", "dropped", "expired", "retained_bytes", "prefetched"), 0)
+    for a in addrs:
+        try:
+            with open_channel(a, Tls.from_env()) as ch:
+                resp = store_pb2_grpc.StoreStub(ch).Sessions(
+                    store_pb2.SessionsRequest(limit=max(1, min(top * 4, 1000))),
+                    timeout=timeout,
+                    metadata=metadata(os.environ.get("KVSTORE_TOKEN")),
+                )
+        except grpc.RpcError as e:
+            raise click.ClickException(f"worker {a}: {_rpc_text(e)}") from None
+        for k in totals:
+            totals[k] += getattr(resp, k)
+        for x in resp.sessions:
+            row = rows.setdefault(
+                (x.namespace, x.session_id),
+                {"namespace": x.namespace, "session": x.session_id, "state": x.state,
+                 "blocks": 0, "hit_blocks": 0, "lookup_blocks": 0},
+            )  # fmt: skip
+            for k in ("blocks", "hit_blocks", "lookup_blocks"):
+                row[k] += getattr(x, k)
+    best = sorted(rows.values(), key=lambda r: -r["lookup_blocks"])[: max(0, top)]
+    for r in best:
+        r["hit_rate"] = (
+            round(r["hit_blocks"] / r["lookup_blocks"], 4) if r["lookup_blocks"] else None
+        )
+    if as_json:
+        click.echo(json.dumps({"totals": totals, "sessions": best}, indent=2))
+        return
+    click.echo(
+        "sessions (per-worker rows; a session spans workers): "
+        + " ".join(f"{k}={v}" for k, v in totals.items())
+    )
+    click.echo(f"{'SESSION':<28} {'STATE':<7} {'BLOCKS':>7} {'ASKED':>8} {'HIT':>6}  NAMESPACE")
+    for r in best:
+        hit = f"{100 * r['hit_rate']:.1f}%" if r["hit_rate"] is not None else "-"
+        click.echo(
+            f"{r['session'][:28]:<28} {r['state']:<7} {r['blocks']:>7} "
+            f"{r['lookup_blocks']:>8} {hit:>6}  {r['namespace']}"
+        )
 
 
 def _short_endpoints(grpc_addr: str, endpoints: list[str]) -> str:

@@ -136,6 +136,16 @@ class WorkerConfig:
     tls_client_auth: bool = False  # mutual TLS: require client certificates
     tenants_file: str = ""  # YAML tenants (tokens, namespaces, quotas); empty: no auth
     token: str = ""  # this worker's token for the master (an admin tenant's)
+    # Agent sessions (worker/sessions.py): hints keep a paused session's blocks.
+    session_budget: float = 0.25  # share of DRAM a worker may retain for paused sessions
+    session_ttl: float = _dur("300s")  # how long a paused session's blocks are kept
+    session_idle_ttl: float = _dur("3600s")  # an active session with no hint leaves the table
+    max_sessions: int = 4096  # live sessions per worker (more push out the oldest)
+    max_session_blocks: int = 262144  # (session, block) pairs per worker
+    # KV events (worker/events.py): ZMQ PUB endpoint, e.g. tcp://0.0.0.0:5557; empty: off.
+    kv_events: str = ""
+    kv_events_replay: str = ""  # ZMQ ROUTER endpoint answering replay requests; empty: off
+    kv_events_topic: str = "kvstore/"  # topic prefix (then the namespace)
 
 
 @dataclass(slots=True)
@@ -303,6 +313,9 @@ def validate(cfg: Config) -> None:
         ("worker", "max_batch", w.max_batch),
         ("worker", "idle_timeout", w.idle_timeout),
         ("worker", "frame_timeout", w.frame_timeout),
+        ("worker", "session_ttl", w.session_ttl),
+        ("worker", "session_idle_ttl", w.session_idle_ttl),
+        ("worker", "max_sessions", w.max_sessions),
     ]
     for section, name, v in positive:
         if v <= 0:
@@ -317,6 +330,16 @@ def validate(cfg: Config) -> None:
         if not 0 < lw <= h <= 1:
             raise InvalidArgument(
                 f"worker.{lo} ({lw}) and worker.{hi} ({h}) need 0 < low <= high <= 1"
+            )
+    if not 0 <= w.session_budget <= 1:
+        raise InvalidArgument(f"worker.session_budget must be in [0, 1], got {w.session_budget}")
+    if w.max_session_blocks < 0:
+        raise InvalidArgument("worker.max_session_blocks must not be negative")
+    for name in ("kv_events", "kv_events_replay"):
+        ep = getattr(w, name)
+        if ep and not re.match(r"^(tcp://[^\s]+:\d+|ipc://\S+|inproc://\S+)$", ep):
+            raise InvalidArgument(
+                f"worker.{name} ({_flag(name)}) is {ep!r}: want tcp://HOST:PORT or ipc://PATH"
             )
     if w.promote not in ("always", "second-hit", "never"):
         raise InvalidArgument(f"worker.promote is {w.promote!r}: want always, second-hit or never")

@@ -66,6 +66,27 @@ TRANSFER_BYTES = Counter(
 BAD_FRAMES = Counter(
     "kvstore_bad_frames_total", "Transfer connections closed for a malformed frame", ["transport"]
 )
+SESSION_HIT_RATIO = Histogram(
+    "kvstore_session_hit_ratio",
+    "Per-session block hit ratio over its active hints, observed when it leaves the table "
+    "(one observation per session: no per-session labels)",
+    buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0),
+)
+TENANT_HIT_BLOCKS = Counter(
+    "kvstore_tenant_hit_blocks_total",
+    "Blocks found by lookups and inline reads, by tenant ('' without auth)",
+    ["tenant"],
+)
+TENANT_LOOKUP_BLOCKS = Counter(
+    "kvstore_tenant_lookup_blocks_total",
+    "Blocks asked about by lookups and inline reads, by tenant ('' without auth)",
+    ["tenant"],
+)
+TENANT_BYTES = Counter(
+    "kvstore_tenant_bytes_total",
+    "Inline (gRPC) payload bytes, by tenant and direction (in = put, out = get)",
+    ["tenant", "direction"],
+)
 # The master's own metrics: registered only by the master (enable_master_metrics), so
 # workers do not export a misleading kvstore_master_leader 0.
 LIVE_WORKERS = Gauge("kvstore_live_workers", "Workers in the shard map (master)", registry=None)
@@ -97,6 +118,25 @@ def enable_master_metrics() -> None:
         for m in _MASTER_METRICS:
             REGISTRY.register(m)
         _master_enabled = True
+
+
+def observe_session_hit_ratios(ratios: Iterable[float]) -> None:
+    """One histogram observation per session that left a worker's table."""
+    for r in ratios:
+        SESSION_HIT_RATIO.observe(r)
+
+
+def count_tenant(
+    tenant: str, *, hits: int = 0, lookups: int = 0, nin: int = 0, nout: int = 0
+) -> None:
+    """Per-tenant hits and bytes (tenants come from the tenants file: a bounded set)."""
+    if lookups:
+        TENANT_LOOKUP_BLOCKS.labels(tenant).inc(lookups)
+        TENANT_HIT_BLOCKS.labels(tenant).inc(hits)
+    if nin:
+        TENANT_BYTES.labels(tenant, "in").inc(nin)
+    if nout:
+        TENANT_BYTES.labels(tenant, "out").inc(nout)
 
 
 def observe_request(op: str, code: str, seconds: float) -> None:
@@ -134,6 +174,13 @@ class StatsCollector(Collector):
                 keys.add_metric([tier], s.get(f"{tier}_keys", 0))
         yield from (used, cap, keys)
         for name, key, doc in (
+            ("kvstore_sessions", "sessions", "Agent sessions in the worker's table"),
+            ("kvstore_session_retained_bytes", "retained_bytes", "DRAM kept for paused sessions"),
+        ):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], s.get(key, 0))
+            yield g
+        for name, key, doc in (
             ("kvstore_hit_blocks", "hits", "Blocks found by reads"),
             ("kvstore_miss_blocks", "misses", "Blocks missed by reads"),
             ("kvstore_evictions", "evictions", "Blocks evicted from DRAM"),
@@ -142,6 +189,7 @@ class StatsCollector(Collector):
             ("kvstore_ssd_evictions", "ssd_evictions", "Blocks evicted from SSD"),
             ("kvstore_checksum_errors", "checksum_errors", "Blocks dropped for a bad checksum"),
             ("kvstore_stored_blocks", "puts", "Blocks stored"),
+            ("kvstore_prefetched_blocks", "prefetched", "Blocks prefetched for resumed sessions"),
         ):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], s.get(key, 0))

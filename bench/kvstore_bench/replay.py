@@ -82,6 +82,7 @@ class ReplayConfig:
     retain: bool = True
     verify: bool = True
     buffer_bytes: int = 32 << 20
+    sessions_aware: bool = False  # send session hints (see _Hints)
 
 
 @dataclass(slots=True)
@@ -225,6 +226,7 @@ class _Replay:
         self.failure: BaseException | None = None
         self.stop = threading.Event()
         self.t0 = time.perf_counter()
+        self.hints = _Hints(backend) if cfg.sessions_aware else None
 
     # -- scheduling --
 
@@ -286,13 +288,13 @@ class _Replay:
         children = deque(s.children)
         buf = self.buffers.acquire()
         try:
-            for req in s.requests:
+            for i, req in enumerate(s.requests):
                 while children and children[0].start <= req.t:
                     self._fork(children.popleft())
                 if self.stop.is_set():
                     return
                 self._wait_until(req.t, begin, s.start)
-                self._request(req, buf)
+                self._request(req, buf, last=i == len(s.requests) - 1)
         finally:
             self.buffers.release(buf)
         while children:
@@ -306,12 +308,16 @@ class _Replay:
 
     # -- one request --
 
-    def _request(self, req: Request, buf: tuple[np.ndarray, list[memoryview]]) -> None:
+    def _request(
+        self, req: Request, buf: tuple[np.ndarray, list[memoryview]], last: bool = False
+    ) -> None:
         arr, views = buf
         rows = arr.shape[0]
         b, cfg, bb = self.b, self.cfg, self.block_bytes
         hashes = request_hashes(req, self.hash_cache)
         n = len(hashes)
+        if self.hints is not None:  # the turn starts: the session resumes
+            self.hints.send(req.session, "active", hashes)
 
         t = time.perf_counter()
         if cfg.batched_lookup:
@@ -353,6 +359,8 @@ class _Replay:
             failed += bad
         if not cfg.retain:
             b.remove(hashes)
+        if self.hints is not None:  # a pause for tools until the next turn, or the end
+            self.hints.send(req.session, "ended" if last else "paused", hashes)
 
         bt = self.block_tokens
         rec = RequestRecord(
@@ -427,6 +435,45 @@ def run_replay(
         capacity_blocks=capacity,
         label=label,
     )
+
+
+# --------------------------------------------------------------------------- sessions
+
+
+class _Hints:
+    """``--sessions-aware on``: the hints a connector sends, driven from the trace (a
+    turn starts: ``active``; it ends with a next turn to come: ``paused``; the last
+    turn: ``ended``), with the turn's block chain. Only the kvstore backend takes
+    hints; they are advice, so a failed hint is counted, not raised."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.client = getattr(backend, "client", None)
+        self.ns = str(getattr(backend, "ns", ""))
+        self.failed = 0
+
+    def send(self, session: str, state: str, hashes: list[bytes]) -> None:
+        if self.client is None or not hasattr(self.client, "session_hint"):
+            return
+        try:
+            self.client.session_hint(self.ns, session[:256], state, hashes=hashes)
+        except Exception:
+            self.failed += 1
+
+
+def ssd_read_blocks(backend: Backend) -> int | None:
+    """Blocks the kvstore workers served from SSD so far (None for other backends)."""
+    from kvstore_client.proto import store_pb2, store_pb2_grpc
+    from kvstore_client.security import open_channel
+
+    client = getattr(backend, "client", None)
+    if client is None or not hasattr(client, "workers"):
+        return None
+    total = 0
+    for w in client.workers():
+        with open_channel(w.grpc, client.tls) as ch:
+            st = store_pb2_grpc.StoreStub(ch).Stats(store_pb2.StatsRequest(), timeout=10)
+        total += st.ssd_hits
+    return total
 
 
 # --------------------------------------------------------------------------- traces
@@ -544,6 +591,13 @@ def _parse_sessions(text: str) -> list[int]:
     help="Mooncake read lease (its default, 10 s, pins a small cache).",
 )
 @click.option(
+    "--sessions-aware",
+    type=click.Choice(["on", "off", "both"]),
+    default="off",
+    show_default=True,
+    help="Send session hints from the trace (kvstore); both: off then on, one table.",
+)
+@click.option(
     "--transport",
     type=click.Choice(["auto", "tcp", "shm"]),
     default="auto",
@@ -575,6 +629,7 @@ def replay_cmd(
     progress: bool,
     mooncake_lease_ms: int,
     transport: str,
+    sessions_aware: str,
 ) -> None:
     """Replay TRACE_FILES against kvstore (and Mooncake, Redis) and score the cache.
 
@@ -650,6 +705,13 @@ def replay_cmd(
             console.print(f"[yellow]skipping {kind}[/]: {reason}")
             continue
         plan = _plan(kind, levels, ablate, cfg)
+        if sessions_aware != "off" and kind == "kvstore":
+            modes = [False, True] if sessions_aware == "both" else [True]
+            plan = [
+                (f"{lb}, sessions {'on' if m else 'off'}", dataclasses.replace(c, sessions_aware=m))
+                for lb, c in plan
+                for m in modes
+            ]
         try:
             results += _run_backend(console, kind, plan, sessions, spec, n_req, progress)
         except click.ClickException as e:
@@ -709,13 +771,20 @@ def _run_backend(
             for i, (label, cfg) in enumerate(plan):
                 if i:
                     clear(b, sessions)
+                ssd0 = ssd_read_blocks(b)
                 with report.progress(console, label, n_req, show) as tick:
                     res = run_replay(sessions, b, cfg, label=label, on_request=tick)
                 s = res.summary()
+                ssd1 = ssd_read_blocks(b)
+                ssd = (
+                    f", {(ssd1 - ssd0) * res.block_bytes / 2**20:.1f} MiB read from SSD"
+                    if ssd0 is not None and ssd1 is not None
+                    else ""
+                )
                 console.print(
                     f"  {label}: token hit rate {report.pct(s['hit_rate_tokens'])} (ideal "
                     f"{report.pct(s['ideal_hit_rate_tokens'])}, LRU "
-                    f"{report.pct(s['lru_hit_rate_tokens'])}), {res.wall_s:.1f} s"
+                    f"{report.pct(s['lru_hit_rate_tokens'])}), {res.wall_s:.1f} s{ssd}"
                 )
                 out.append(res)
     except Exception as e:

@@ -47,6 +47,7 @@ from .replicas import (
 )
 from .routing import Links, View, frames
 from .security import Tls, metadata, open_channel
+from .sessions import SessionHints
 from .sharding import DEFAULT_VNODES_PER_GIB, build_ring
 from .transport import BlockView
 from .transport.tcp import GetResult, TcpConnection, TcpPool
@@ -116,6 +117,7 @@ class Client:
         self._channel: grpc.Channel | None = None
         self._watch_call: Any = None  # the open WatchShardMap call, to cancel on close
         self.replica_stats = ReplicaStats()
+        self._hints: SessionHints | None = None
         try:
             self._apply_map(self._fetch_map())
         except BaseException:
@@ -725,6 +727,34 @@ class Client:
         except grpc.RpcError as e:
             raise from_rpc_error(e) from e
 
+    # ---- sessions ------------------------------------------------------------
+
+    def session_hint(
+        self,
+        ns: str,
+        session_id: str,
+        state: str,
+        ttl: float | None = None,
+        *,
+        hashes: Sequence[bytes] = (),
+    ) -> int:
+        """Tell every worker that agent session ``session_id`` of ``ns`` is now ``state``
+        (``active`` | ``paused`` | ``ended``), with ``hashes`` its block chain; returns
+        how many workers took it. See :mod:`kvstore_client.sessions`."""
+        if self._closed.is_set():
+            raise InvalidArgument("this Client is closed")
+        with self._lock:
+            if self._hints is None:
+                self._hints = SessionHints(self)
+        return self._hints.hint(ns, session_id, state, ttl, hashes)
+
+    def sessions(self, limit: int = 10) -> list[store_pb2.SessionsResponse]:
+        """Each worker's top ``limit`` sessions and session counters."""
+        with self._lock:
+            if self._hints is None:
+                self._hints = SessionHints(self)
+        return self._hints.sessions(limit)
+
     # ---- lifetime ------------------------------------------------------------
 
     def close(self) -> None:
@@ -740,6 +770,8 @@ class Client:
         self._executor.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             self._links.close()
+            if self._hints is not None:
+                self._hints.close()
 
     def __enter__(self) -> Client:
         return self

@@ -31,9 +31,11 @@ from ..auth import Tenants
 from ..config import WorkerConfig
 from ..errors import InvalidArgument, RejectUndecodable
 from .arena import Arena
+from .events import SSD, KvEventPublisher
 from .masterlink import IdInUse, MasterLink
 from .requests import Limits, RequestCore
 from .servicer import StoreServicer
+from .sessions import SessionTable
 from .store import BlockStore, StoreStats
 from .tiers.policy import Promoter, QuotaBook, Watermarks, parse_pins
 from .tiers.ssd import SsdStore
@@ -88,7 +90,20 @@ class Worker:
                     if self.tenants
                     else None
                 ),
+                sessions=SessionTable(
+                    max_sessions=cfg.max_sessions,
+                    max_blocks=cfg.max_session_blocks,
+                    paused_ttl=cfg.session_ttl,
+                    idle_ttl=cfg.session_idle_ttl,
+                ),
+                retain_budget=int(cfg.session_budget * cfg.dram_size),
             )
+            self.events: KvEventPublisher | None = None
+            if cfg.kv_events:
+                self.events = KvEventPublisher(
+                    cfg.kv_events, replay=cfg.kv_events_replay, topic=cfg.kv_events_topic
+                )
+                self.store.events = self.events.sink
             n = cfg.shm_entries_per_connection
             self.core = RequestCore(
                 Limits.for_arena(
@@ -195,6 +210,10 @@ class Worker:
         if grpc_server is not None:
             with contextlib.suppress(Exception):
                 grpc_server.stop(0)
+        events = getattr(self, "events", None)
+        if events is not None:
+            with contextlib.suppress(Exception):
+                events.close()
         share = getattr(self, "share", None)
         if share is not None:
             with contextlib.suppress(Exception):
@@ -233,6 +252,12 @@ class Worker:
         return self.store.stats()
 
     def start(self) -> None:
+        if self.events is not None:  # a clean slate, then what the SSD tier still holds
+            self.events.start(cleared=True)
+            with self.store.lock:
+                held = list(self.store.ssd_index.entries)
+            for i in range(0, len(held), 4096):
+                self.events.sink.add(True, SSD, held[i : i + 4096])
         self.tcp.start()
         if self.ucx is not None:
             self.ucx.start()
@@ -292,6 +317,8 @@ class Worker:
         try:
             self.store.close(demote_timeout=self.cfg.drain_timeout)
         finally:
+            if self.events is not None:
+                self.events.close()
             self.share.close()
             self.arena.close()
 

@@ -67,6 +67,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         def go(tenant: Tenant | None) -> store_pb2.ExistsResponse:
             ns, keys = self._keys(tenant, request.namespace, request.hashes)
             flags = self.store.exists(ns, keys)
+            metrics.count_tenant(_name(tenant), hits=sum(flags), lookups=len(flags))
             return store_pb2.ExistsResponse(bitmap=to_bitmap(flags), count=len(flags))
 
         return self._run("exists", context, go)
@@ -79,7 +80,9 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             state = request.state_namespace
             if state:
                 self._ns(tenant, state)
-            return store_pb2.MatchPrefixResponse(matched=self.store.match_prefix(ns, keys, state))
+            matched = self.store.match_prefix(ns, keys, state)
+            metrics.count_tenant(_name(tenant), hits=matched, lookups=len(keys))
+            return store_pb2.MatchPrefixResponse(matched=matched)
 
         return self._run("match_prefix", context, go)
 
@@ -93,6 +96,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
                 raise InvalidArgument(f"{len(keys)} hashes but {len(values)} values")
             self.core.check_sizes([len(v) for v in values])
             stored = self.store.put_bytes(ns, keys, values)
+            metrics.count_tenant(_name(tenant), nin=sum(len(v) for v in values))
             return store_pb2.PutResponse(stored_bitmap=to_bitmap(stored))
 
         return self._run("put", context, go)
@@ -105,6 +109,13 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             # Bounded before anything is copied: one hash repeated must not cost gigabytes.
             self.core.check_answer(self.store.sizes(ns, keys), inline=True)
             vals = self.store.get_bytes(ns, keys)
+            found = [v for v in vals if v is not None]
+            metrics.count_tenant(
+                _name(tenant),
+                hits=len(found),
+                lookups=len(vals),
+                nout=sum(len(v) for v in found),
+            )
             return store_pb2.GetResponse(
                 found_bitmap=to_bitmap([v is not None for v in vals]),
                 values=[v if v is not None else b"" for v in vals],
@@ -156,6 +167,66 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
                 demotions=s.demotions,
                 promotions=s.promotions,
                 ssd_evictions=s.ssd_evictions,
+                ssd_hits=s.ssd_hits,
             )
 
         return self._run("stats", context, go)
+
+    def SessionHint(
+        self, request: store_pb2.SessionHintRequest, context: grpc.ServicerContext
+    ) -> store_pb2.SessionHintResponse:
+        def go(tenant: Tenant | None) -> store_pb2.SessionHintResponse:
+            ns, keys = self._keys(tenant, request.namespace, request.hashes)
+            ttl = request.ttl_seconds if request.ttl_seconds > 0 else None
+            if request.ttl_seconds < 0:
+                raise InvalidArgument(
+                    f"ttl_seconds must not be negative, got {request.ttl_seconds}"
+                )
+            matched = self.store.session_hint(ns, request.session_id, request.state, keys, ttl)
+            with self.store.lock:
+                table = self.store.policy.sessions
+                closed, table.closed_rates = table.closed_rates, []
+            metrics.observe_session_hit_ratios(closed)
+            return store_pb2.SessionHintResponse(matched=matched)
+
+        return self._run("session_hint", context, go)
+
+    def Sessions(
+        self, request: store_pb2.SessionsRequest, context: grpc.ServicerContext
+    ) -> store_pb2.SessionsResponse:
+        def go(tenant: Tenant | None) -> store_pb2.SessionsResponse:
+            now = time.monotonic()
+            limit = min(request.limit or 10, 1000)
+            with self.store.lock:
+                table = self.store.policy.sessions
+                mine = [s for s in table.top(len(table)) if tenant is None or tenant.owns(s.ns)]
+                infos = [
+                    store_pb2.SessionInfo(
+                        namespace=s.ns,
+                        session_id=s.name,
+                        state=s.state,
+                        blocks=len(s.keys),
+                        hit_blocks=s.hit_blocks,
+                        lookup_blocks=s.lookup_blocks,
+                        expires_in_seconds=max(0.0, s.expires - now),
+                    )
+                    for s in mine[:limit]
+                ]
+                c = table.counters
+                return store_pb2.SessionsResponse(
+                    worker_id=self.worker_id,
+                    sessions=infos,
+                    live=len(mine),
+                    dropped=c.dropped,
+                    expired=c.expired,
+                    retained_bytes=self.store.policy.retained_bytes,
+                    retain_budget_bytes=self.store.policy.retain_budget,
+                    prefetched=self.store.counters.prefetched,
+                    blocks_refused=c.blocks_refused,
+                )
+
+        return self._run("sessions", context, go)
+
+
+def _name(tenant: Tenant | None) -> str:
+    return tenant.name if tenant is not None else ""

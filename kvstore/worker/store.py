@@ -35,20 +35,30 @@ import xxhash
 
 from kvstore_client.errors import QuotaExceeded, ResourceExhausted
 
+from . import session_ops
 from .arena import Arena
+from .events import DRAM, SSD, EventSink
+from .sessions import SessionTable
 from .tiers.dram import Block, DramTier
 from .tiers.policy import (
     Aborted,
     DeleteSsd,
     Demote,
+    Event,
     Evicted,
+    EvictFirst,
     Instruction,
+    Lookup,
     NeedSsdRoom,
+    Prefetch,
     Promote,
     Promoter,
     QuotaBook,
+    Release,
     Removed,
     Reserved,
+    Retain,
+    SessionTick,
     SsdBad,
     SsdHit,
     SsdWriteFailed,
@@ -73,6 +83,7 @@ class StoreCounters:
     demotions: int = 0
     promotions: int = 0
     ssd_hits: int = 0
+    prefetched: int = 0  # blocks copied SSD -> DRAM for a resumed session
 
 
 @dataclass(slots=True, frozen=True)
@@ -98,6 +109,9 @@ class StoreStats:
     ssd_keys: int = 0
     ssd_evictions: int = 0
     ssd_write_errors: int = 0
+    sessions: int = 0
+    retained_bytes: int = 0
+    prefetched: int = 0
 
 
 @dataclass(slots=True)
@@ -137,6 +151,7 @@ class _Todo:
 
     deletes: list[tuple[str, bytes]] = field(default_factory=list)
     write_staged: bool = False
+    prefetch: list[tuple[str, tuple[bytes, ...]]] = field(default_factory=list)
 
 
 class BlockStore:
@@ -154,6 +169,9 @@ class BlockStore:
         pins: dict[str, int] | None = None,
         tenant_quota: QuotaBook | None = None,
         slice_keys: int = SLICE_KEYS,
+        sessions: SessionTable | None = None,
+        retain_budget: int = 0,
+        events: EventSink | None = None,
     ) -> None:
         self.arena = arena
         self.quota = QuotaBook(pins or {})
@@ -170,7 +188,12 @@ class BlockStore:
             pinned=self.quota.quotas,
             charge_of=self.tier.slot_size_for,
             in_dram=self._held_outside_ssd,
+            sessions=sessions,
+            retain_budget=retain_budget,
+            ssd_retain_budget=(ssd.size * retain_budget) // max(arena.size, 1) if ssd else 0,
+            dram_size=self.tier.size_of,
         )
+        self.events = events  # KV events (stored / removed per tier), or None
         self.ssd_index = self.policy.ssd
         self.slice_keys = max(1, slice_keys)
         self.lock = threading.Lock()
@@ -178,6 +201,7 @@ class BlockStore:
         self.ssd = ssd
         self._staged: dict[tuple[str, bytes], _Staged] = {}
         self._todo = _Todo()
+        self._next_tick = 0.0  # next session expiry (without a demoter thread)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._demoter: threading.Thread | None = None
@@ -215,7 +239,25 @@ class BlockStore:
         for s in self._slices(len(keys)):
             with self.lock:
                 out += self._present_many(ns, keys[s])
+        self._looked(ns, keys)
         return out
+
+    def _looked(self, ns: str, keys: Sequence[bytes]) -> None:
+        """A lookup may resume a paused session (and prefetch its blocks)."""
+        if self.policy.sessions.paused:
+            self.handle(Lookup(ns, tuple(keys), time.monotonic()))
+
+    def handle(self, ev: Event) -> None:
+        """Feed the policy one event under the lock and execute what it says."""
+        with self.lock:
+            self._queue(self.policy.handle(ev))
+        self._execute()
+
+    def session_hint(
+        self, ns: str, session: str, state: str, keys: Sequence[bytes], ttl: float | None
+    ) -> int:
+        """Apply a session hint; see :func:`kvstore.worker.session_ops.hint`."""
+        return session_ops.hint(self, ns, session, state, keys, ttl)
 
     def match_prefix(self, ns: str, keys: Sequence[bytes], state_ns: str = "") -> int:
         """Leading run of present keys; with ``state_ns`` the state at the last one too."""
@@ -227,6 +269,7 @@ class BlockStore:
             n += run
             if run < len(flags):
                 break
+        self._looked(ns, keys)
         if state_ns and n:
             # Walk back to the last boundary whose state is present (one slice at a time).
             while n:
@@ -252,6 +295,7 @@ class BlockStore:
                     size = b.size if b is not None else len(staged.data) if staged else 0
                     if b is not None:
                         self.tier.remove(ns, k)
+                        self._ev(False, DRAM, [(ns, k)])
                     present = in_dram or self.policy.on_ssd(ns, k)
                     if present:
                         n += 1
@@ -324,6 +368,12 @@ class BlockStore:
                     else:
                         self.tier.abort(b)
                         self.policy.handle(Aborted(b.ns, b.size))
+                if self.events is not None:
+                    self._ev(
+                        True,
+                        DRAM,
+                        [(b.ns, b.key) for b, g in zip(blocks[s], ok[s], strict=True) if g],
+                    )
 
     def put_bytes(self, ns: str, keys: Sequence[bytes], values: Sequence[bytes]) -> list[bool]:
         """Inline put (gRPC path): True = stored now, False = already present."""
@@ -461,6 +511,7 @@ class BlockStore:
             self.tier.counters.misses += 1
             if h.block is not None:
                 self.tier.remove(ns, key)
+                self._ev(False, DRAM, [(ns, key)])
                 self.tier.release(h.block)
                 self._queue(self.policy.handle(Removed(ns, key, True, h.block.size)))
                 h.block = None
@@ -476,41 +527,61 @@ class BlockStore:
             self._queue(self.policy.handle(SsdBad(ns, key)))
         self._execute()
 
-    def _promote(self, ns: str, key: bytes, h: Held) -> None:
+    def _promote(self, ns: str, key: bytes, h: Held) -> bool:
         with self.lock:
             if self.tier.contains(ns, key) or not self.policy.on_ssd(ns, key):
-                return
+                return False
             try:
                 b = self.tier.reserve(ns, key, len(h.view), h.checksum)
             except ResourceExhausted:
                 b = None
         self._execute()
         if b is None:
-            return
+            return False
         self.view(b)[:] = h.view
         with self.lock:
             if self.policy.on_ssd(ns, key):  # still stored: not removed meanwhile
                 self.tier.commit(b)
                 self.counters.promotions += 1
-            else:
-                self.tier.abort(b)
+                self._ev(True, DRAM, [(ns, key)])
+                return True
+            self.tier.abort(b)
+        return False
 
     # ---- instructions --------------------------------------------------------
 
     def _on_evict(self, b: Block) -> None:
         """DRAM evicts on demand (under the lock, before the slot is reused)."""
+        self._ev(False, DRAM, [(b.ns, b.key)])
         for ins in self.policy.handle(Evicted(b.ns, b.key, b.size)):
             if isinstance(ins, WriteSsd):
                 # Copy now: the slot is handed to the new block as soon as this returns.
                 self._staged[(b.ns, b.key)] = _Staged(bytes(self.view(b)), b.checksum)
                 self._todo.write_staged = True
 
+    def _ev(self, stored: bool, medium: str, items: Sequence[tuple[str, bytes]]) -> None:
+        """Report blocks stored in / removed from a tier to the KV-event publisher
+        (an append under the lock; encoding and sending happen on its own thread)."""
+        if self.events is not None and items:
+            self.events.add(stored, medium, items)
+
     def _queue(self, instructions: Sequence[Instruction]) -> None:
-        """Keep instructions for :meth:`_execute` (caller holds the lock)."""
+        """Keep instructions for :meth:`_execute` (caller holds the lock); session
+        instructions on DRAM bookkeeping run now (each is a few array operations)."""
         for ins in instructions:
             if isinstance(ins, DeleteSsd):
                 self._todo.deletes.extend(ins.keys)
+                self._ev(False, SSD, ins.keys)
             elif isinstance(ins, Demote):
+                self._wake.set()
+            elif isinstance(ins, Retain | Release):
+                for k in ins.keys:
+                    self.tier.retain(ins.ns, k, isinstance(ins, Retain))
+            elif isinstance(ins, EvictFirst):
+                for k in ins.keys:
+                    self.tier.make_oldest(ins.ns, k)
+            elif isinstance(ins, Prefetch):
+                self._todo.prefetch.append((ins.ns, ins.keys))
                 self._wake.set()
             elif isinstance(ins, WriteSsd | Promote):  # pragma: no cover - not queued
                 raise AssertionError(f"{ins} is handled where it is produced")
@@ -553,6 +624,7 @@ class BlockStore:
                         del self._staged[(ns, key)]
                     done.append((ns, key, size, stored, live))
                 self._queue(self.policy.handle(SsdWritten(tuple(done))))
+                self._ev(True, SSD, [(d[0], d[1]) for d in done if d[4]])
                 self.counters.demotions += len(done)
         self._execute()
 
@@ -624,11 +696,13 @@ class BlockStore:
                         for (ns, key, size, stored), ok in zip(written, live, strict=True)
                     )
                     self._queue(self.policy.handle(SsdWritten(done)))
+                    self._ev(True, SSD, [(d[0], d[1]) for d in done if d[4]])
                     self.counters.demotions += sum(live)
                 for b in batch:
                     self.tier.release(b)
                     if written is not None and b.ready and not b.doomed:
                         self.tier.remove(b.ns, b.key)  # now on SSD: not a removal
+                        self._ev(False, DRAM, [(b.ns, b.key)])
                         moved += b.size
             self._execute()
             if written is None:
@@ -639,6 +713,9 @@ class BlockStore:
         while not self._stop.is_set():
             self._wake.wait(0.05)
             self._wake.clear()
+            if time.monotonic() >= self._next_tick:
+                self.session_tick(time.monotonic())
+            session_ops.prefetch(self)
             with self.lock:
                 todo = self.policy.handle(Tick(self.tier.used_bytes, self.tier.capacity))
             for ins in todo:
@@ -647,6 +724,11 @@ class BlockStore:
                         self.demote(ins.nbytes)
                     except Exception:
                         log.exception("demotion failed")
+
+    def session_tick(self, now: float) -> None:
+        """Expire sessions (called every second by the demoter, or by a caller)."""
+        self._next_tick = now + 1.0
+        self.handle(SessionTick(now))
 
     def _rebuild(self) -> None:
         """Index what LMDB holds (headers only); drop malformed entries."""
@@ -694,6 +776,9 @@ class BlockStore:
             ssd_keys=len(self.ssd_index),
             ssd_evictions=self.ssd_index.evictions,
             ssd_write_errors=pc.ssd_write_errors,
+            sessions=len(self.policy.sessions),
+            retained_bytes=self.policy.retained_bytes,
+            prefetched=self.counters.prefetched,
         )
 
     def close(self, demote_timeout: float = 30.0) -> None:

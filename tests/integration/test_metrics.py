@@ -25,7 +25,8 @@ from tests.helpers import key, value_for
 
 NS = "metrics/bf16/b16/tp0of1"
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kvstore.json"
-ALLOWED_LABELS = {"op", "code", "tier", "transport", "direction", "version", "le"}
+# "tenant": the tenants of the tenants file (a bounded set, like "op").
+ALLOWED_LABELS = {"op", "code", "tier", "transport", "direction", "version", "le", "tenant"}
 
 
 def free_port() -> int:

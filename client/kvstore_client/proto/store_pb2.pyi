@@ -327,6 +327,7 @@ class StatsResponse(_message.Message):
     DEMOTIONS_FIELD_NUMBER: _builtins.int
     PROMOTIONS_FIELD_NUMBER: _builtins.int
     SSD_EVICTIONS_FIELD_NUMBER: _builtins.int
+    SSD_HITS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     capacity_bytes: _builtins.int
     used_bytes: _builtins.int
@@ -343,6 +344,8 @@ class StatsResponse(_message.Message):
     demotions: _builtins.int
     promotions: _builtins.int
     ssd_evictions: _builtins.int
+    ssd_hits: _builtins.int
+    """blocks read from the SSD tier"""
     def __init__(
         self,
         *,
@@ -362,11 +365,178 @@ class StatsResponse(_message.Message):
         demotions: _builtins.int = ...,
         promotions: _builtins.int = ...,
         ssd_evictions: _builtins.int = ...,
+        ssd_hits: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bad_frames", b"bad_frames", "capacity_bytes", b"capacity_bytes", "checksum_errors", b"checksum_errors", "demotions", b"demotions", "evictions", b"evictions", "hits", b"hits", "keys", b"keys", "misses", b"misses", "promotions", b"promotions", "puts", b"puts", "ssd_capacity_bytes", b"ssd_capacity_bytes", "ssd_evictions", b"ssd_evictions", "ssd_keys", b"ssd_keys", "ssd_used_bytes", b"ssd_used_bytes", "used_bytes", b"used_bytes", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bad_frames", b"bad_frames", "capacity_bytes", b"capacity_bytes", "checksum_errors", b"checksum_errors", "demotions", b"demotions", "evictions", b"evictions", "hits", b"hits", "keys", b"keys", "misses", b"misses", "promotions", b"promotions", "puts", b"puts", "ssd_capacity_bytes", b"ssd_capacity_bytes", "ssd_evictions", b"ssd_evictions", "ssd_hits", b"ssd_hits", "ssd_keys", b"ssd_keys", "ssd_used_bytes", b"ssd_used_bytes", "used_bytes", b"used_bytes", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatsResponse: _TypeAlias = StatsResponse  # noqa: Y015
+
+@_typing.final
+class SessionHintRequest(_message.Message):
+    """A session hint (see kvstore/worker/sessions.py): the session `session_id` of
+    `namespace` is now `state` ("active", "paused" or "ended"); `hashes` are its
+    blocks that this worker owns (16*N bytes, the chain in order). ttl_seconds > 0
+    overrides the worker's TTL of a paused session (or the idle timeout of an
+    active one). Unknown state, an id over 256 bytes or a TTL over 7 days:
+    INVALID_ARGUMENT. `matched`: leading hashes present (an active hint's hit count).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    HASHES_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    session_id: _builtins.str
+    state: _builtins.str
+    hashes: _builtins.bytes
+    ttl_seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        state: _builtins.str = ...,
+        hashes: _builtins.bytes = ...,
+        ttl_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "namespace", b"namespace", "session_id", b"session_id", "state", b"state", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionHintRequest: _TypeAlias = SessionHintRequest  # noqa: Y015
+
+@_typing.final
+class SessionHintResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MATCHED_FIELD_NUMBER: _builtins.int
+    matched: _builtins.int
+    def __init__(
+        self,
+        *,
+        matched: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["matched", b"matched"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionHintResponse: _TypeAlias = SessionHintResponse  # noqa: Y015
+
+@_typing.final
+class SessionsRequest(_message.Message):
+    """The sessions a worker tracks: the `limit` that asked about the most blocks."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LIMIT_FIELD_NUMBER: _builtins.int
+    limit: _builtins.int
+    def __init__(
+        self,
+        *,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionsRequest: _TypeAlias = SessionsRequest  # noqa: Y015
+
+@_typing.final
+class SessionInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    HIT_BLOCKS_FIELD_NUMBER: _builtins.int
+    LOOKUP_BLOCKS_FIELD_NUMBER: _builtins.int
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    session_id: _builtins.str
+    state: _builtins.str
+    blocks: _builtins.int
+    hit_blocks: _builtins.int
+    lookup_blocks: _builtins.int
+    expires_in_seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        state: _builtins.str = ...,
+        blocks: _builtins.int = ...,
+        hit_blocks: _builtins.int = ...,
+        lookup_blocks: _builtins.int = ...,
+        expires_in_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "expires_in_seconds", b"expires_in_seconds", "hit_blocks", b"hit_blocks", "lookup_blocks", b"lookup_blocks", "namespace", b"namespace", "session_id", b"session_id", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionInfo: _TypeAlias = SessionInfo  # noqa: Y015
+
+@_typing.final
+class SessionsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    LIVE_FIELD_NUMBER: _builtins.int
+    DROPPED_FIELD_NUMBER: _builtins.int
+    EXPIRED_FIELD_NUMBER: _builtins.int
+    RETAINED_BYTES_FIELD_NUMBER: _builtins.int
+    RETAIN_BUDGET_BYTES_FIELD_NUMBER: _builtins.int
+    PREFETCHED_FIELD_NUMBER: _builtins.int
+    BLOCKS_REFUSED_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    live: _builtins.int
+    """sessions in the table"""
+    dropped: _builtins.int
+    """pushed out of a full table"""
+    expired: _builtins.int
+    retained_bytes: _builtins.int
+    """DRAM kept for paused sessions ..."""
+    retain_budget_bytes: _builtins.int
+    """... out of this budget"""
+    prefetched: _builtins.int
+    """blocks copied SSD -> DRAM for resumed sessions"""
+    blocks_refused: _builtins.int
+    """hashes over the table's block cap, ignored"""
+    @_builtins.property
+    def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionInfo]: ...
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        sessions: _abc.Iterable[Global___SessionInfo] | None = ...,
+        live: _builtins.int = ...,
+        dropped: _builtins.int = ...,
+        expired: _builtins.int = ...,
+        retained_bytes: _builtins.int = ...,
+        retain_budget_bytes: _builtins.int = ...,
+        prefetched: _builtins.int = ...,
+        blocks_refused: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_refused", b"blocks_refused", "dropped", b"dropped", "expired", b"expired", "live", b"live", "prefetched", b"prefetched", "retain_budget_bytes", b"retain_budget_bytes", "retained_bytes", b"retained_bytes", "sessions", b"sessions", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionsResponse: _TypeAlias = SessionsResponse  # noqa: Y015

@@ -69,6 +69,16 @@ class StoreStub:
                 request_serializer=store__pb2.StatsRequest.SerializeToString,
                 response_deserializer=store__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.SessionHint = channel.unary_unary(
+                '/kvstore.v1.Store/SessionHint',
+                request_serializer=store__pb2.SessionHintRequest.SerializeToString,
+                response_deserializer=store__pb2.SessionHintResponse.FromString,
+                _registered_method=True)
+        self.Sessions = channel.unary_unary(
+                '/kvstore.v1.Store/Sessions',
+                request_serializer=store__pb2.SessionsRequest.SerializeToString,
+                response_deserializer=store__pb2.SessionsResponse.FromString,
+                _registered_method=True)
 
 
 class StoreServicer:
@@ -116,6 +126,18 @@ class StoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SessionHint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Sessions(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +175,16 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=store__pb2.StatsRequest.FromString,
                     response_serializer=store__pb2.StatsResponse.SerializeToString,
+            ),
+            'SessionHint': grpc.unary_unary_rpc_method_handler(
+                    servicer.SessionHint,
+                    request_deserializer=store__pb2.SessionHintRequest.FromString,
+                    response_serializer=store__pb2.SessionHintResponse.SerializeToString,
+            ),
+            'Sessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sessions,
+                    request_deserializer=store__pb2.SessionsRequest.FromString,
+                    response_serializer=store__pb2.SessionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +376,60 @@ class Store:
             '/kvstore.v1.Store/Stats',
             store__pb2.StatsRequest.SerializeToString,
             store__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SessionHint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Store/SessionHint',
+            store__pb2.SessionHintRequest.SerializeToString,
+            store__pb2.SessionHintResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Store/Sessions',
+            store__pb2.SessionsRequest.SerializeToString,
+            store__pb2.SessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

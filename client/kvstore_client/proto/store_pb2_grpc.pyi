@@ -42,6 +42,8 @@ class StoreStub:
     Remove: _grpc.UnaryUnaryMultiCallable[_store_pb2.RemoveRequest, _store_pb2.RemoveResponse]
     RemoveNamespace: _grpc.UnaryUnaryMultiCallable[_store_pb2.RemoveNamespaceRequest, _store_pb2.RemoveNamespaceResponse]
     Stats: _grpc.UnaryUnaryMultiCallable[_store_pb2.StatsRequest, _store_pb2.StatsResponse]
+    SessionHint: _grpc.UnaryUnaryMultiCallable[_store_pb2.SessionHintRequest, _store_pb2.SessionHintResponse]
+    Sessions: _grpc.UnaryUnaryMultiCallable[_store_pb2.SessionsRequest, _store_pb2.SessionsResponse]
 
 @_typing.type_check_only
 class StoreAsyncStub(StoreStub):
@@ -53,6 +55,8 @@ class StoreAsyncStub(StoreStub):
     Remove: _aio.UnaryUnaryMultiCallable[_store_pb2.RemoveRequest, _store_pb2.RemoveResponse]  # type: ignore[assignment]
     RemoveNamespace: _aio.UnaryUnaryMultiCallable[_store_pb2.RemoveNamespaceRequest, _store_pb2.RemoveNamespaceResponse]  # type: ignore[assignment]
     Stats: _aio.UnaryUnaryMultiCallable[_store_pb2.StatsRequest, _store_pb2.StatsResponse]  # type: ignore[assignment]
+    SessionHint: _aio.UnaryUnaryMultiCallable[_store_pb2.SessionHintRequest, _store_pb2.SessionHintResponse]  # type: ignore[assignment]
+    Sessions: _aio.UnaryUnaryMultiCallable[_store_pb2.SessionsRequest, _store_pb2.SessionsResponse]  # type: ignore[assignment]
 
 class StoreServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -103,5 +107,19 @@ class StoreServicer(metaclass=_abc_1.ABCMeta):
         request: _store_pb2.StatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_store_pb2.StatsResponse, _abc.Awaitable[_store_pb2.StatsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def SessionHint(
+        self,
+        request: _store_pb2.SessionHintRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.SessionHintResponse, _abc.Awaitable[_store_pb2.SessionHintResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Sessions(
+        self,
+        request: _store_pb2.SessionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.SessionsResponse, _abc.Awaitable[_store_pb2.SessionsResponse]]: ...
 
 def add_StoreServicer_to_server(servicer: StoreServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -326,6 +326,52 @@ class DramTier(SlotIndex):
         """The block's tag; 0 when never set or the handle is stale."""
         return self.tag[b.slot] if self.gen[b.slot] == b.gen else 0
 
+    def size_of(self, ns: str, key: bytes) -> int:
+        """Payload bytes of a ready block, 0 when it is not here."""
+        s = self._find(ns, key)
+        return self.size[s] if s >= 0 and self.state[s] == READY else 0
+
+    def retain(self, ns: str, key: bytes, on: bool) -> bool:
+        """Keep a ready block off (``on``) or put it back on the evictable LRU list.
+
+        A retained block is never evicted nor returned by :meth:`oldest` (like a
+        block of a pinned namespace) until it is released, which puts it at the most
+        recently used end. False when the block is not here.
+        """
+        s = self._find(ns, key)
+        if s < 0 or self.state[s] != READY:
+            return False
+        x = self.lst[s]
+        want = 1 if on or self._ns_pinned[self.nsid[s]] else 0
+        if x & 1 == want:
+            return True
+        if self.pins[s]:
+            self.lst[s] = (x & ~1) | want  # joins that list on its last release
+        else:
+            self._unlink(s)
+            self.lst[s] = (x & ~1) | want
+            self._link(s)
+        return True
+
+    def make_oldest(self, ns: str, key: bytes) -> bool:
+        """Move an evictable, unpinned block to the evicting end of its LRU list."""
+        s = self._find(ns, key)
+        if s < 0 or self.state[s] != READY or self.pins[s] or self.lst[s] & 1:
+            return False
+        self._unlink(s)
+        x = self.lst[s]
+        self.slab_evictable[self.off[s] // self.slab_size] += 1
+        self.tick[s] = 0  # older than any use: LRU walks stay in tick order
+        h = self._head[x]
+        self.prev[s] = -1
+        self.next[s] = h
+        if h >= 0:
+            self.prev[h] = s
+        else:
+            self._tail[x] = s
+        self._head[x] = s
+        return True
+
     # ---- writes --------------------------------------------------------------
 
     def reserve(self, ns: str, key: bytes, size: int, checksum: int) -> Block | None:

@@ -18,6 +18,16 @@ The worker alone decides where blocks live:
 Blocks of pinned namespaces are never demoted or evicted; each pinned namespace
 has a byte quota.
 
+Sessions (hints from the engine, bookkept by :class:`~kvstore.worker.sessions.SessionTable`):
+- a paused session's blocks are *retained*: kept out of DRAM's LRU lists (so neither
+  evicted nor demoted) within ``retain_budget`` bytes of DRAM, the leading blocks of
+  its chain first; the rest are demoted to SSD like any block, and on SSD a paused
+  session's blocks are evicted only when nothing else is left to evict;
+- an ended session's blocks that no live session holds go to the evicting end of
+  the DRAM and SSD LRU orders (first eviction candidates);
+- when a paused session resumes (an ``active`` hint, or a lookup of its blocks) its
+  blocks on SSD only are prefetched into DRAM (up to ``retain_budget`` bytes).
+
 The tiers are inclusive: a promoted block keeps its SSD copy, so demoting it
 again costs nothing.
 """
@@ -29,6 +39,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore_client.errors import InvalidArgument
+
+from ..sessions import Change, SessionTable
 
 PROMOTE_MODES = ("always", "second-hit", "never")
 
@@ -129,18 +141,41 @@ class SsdIndex:
     def namespaces(self) -> set[str]:
         return {n for n, _ in self.entries}
 
-    def victims(self, nbytes: int) -> list[tuple[str, bytes]]:
-        """Least recently used unpinned keys whose removal frees at least ``nbytes``."""
+    def victims(
+        self,
+        nbytes: int,
+        keep: Callable[[str, bytes], bool] | None = None,
+        keep_bytes: int = 0,
+    ) -> list[tuple[str, bytes]]:
+        """Least recently used unpinned keys whose removal frees at least ``nbytes``.
+
+        Up to ``keep_bytes`` of keys for which ``keep(ns, key)`` holds (a paused
+        session's) are passed over, taken only if the others are not enough."""
         out: list[tuple[str, bytes]] = []
-        freed = 0
+        kept: list[tuple[str, bytes]] = []
+        freed = skipped = 0
         for k, e in self.entries.items():
             if freed >= nbytes:
-                break
+                return out
             if k[0] in self.pinned:
+                continue
+            if skipped < keep_bytes and keep is not None and keep(*k):
+                kept.append(k)
+                skipped += e.stored
                 continue
             out.append(k)
             freed += e.stored
+        for k in kept:
+            if freed >= nbytes:
+                break
+            out.append(k)
+            freed += self.entries[k].stored
         return out
+
+    def make_oldest(self, ns: str, key: bytes) -> None:
+        """Move a key to the evicting end of the LRU order."""
+        if (ns, key) in self.entries:
+            self.entries.move_to_end((ns, key), last=False)
 
 
 class QuotaBook:
@@ -275,6 +310,34 @@ class Tick:
     dram_capacity: int
 
 
+@dataclass(frozen=True, slots=True)
+class SessionHint:
+    """A session hint (validated by the caller with :func:`check_hint`)."""
+
+    ns: str
+    session: str
+    state: str
+    keys: tuple[bytes, ...]
+    ttl: float | None
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """Blocks were looked up (exists / match_prefix): may resume a paused session."""
+
+    ns: str
+    keys: tuple[bytes, ...]
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class SessionTick:
+    """Periodic: expire sessions."""
+
+    now: float
+
+
 Event = (
     Reserved
     | Aborted
@@ -286,6 +349,9 @@ Event = (
     | SsdBad
     | NeedSsdRoom
     | Tick
+    | SessionHint
+    | Lookup
+    | SessionTick
 )
 
 # ... and instructions (what the store must do, outside its lock).
@@ -315,13 +381,46 @@ class Demote:
     nbytes: int
 
 
-Instruction = WriteSsd | DeleteSsd | Promote | Demote
+@dataclass(frozen=True, slots=True)
+class Retain:
+    """Keep these DRAM blocks out of the LRU lists (a paused session holds them)."""
+
+    ns: str
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Put these retained DRAM blocks back on the LRU lists (most recently used end)."""
+
+    ns: str
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EvictFirst:
+    """Move these DRAM blocks to the evicting end of their LRU list."""
+
+    ns: str
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetch:
+    """Copy these SSD-only blocks into DRAM (outside the lock)."""
+
+    ns: str
+    keys: tuple[bytes, ...]
+
+
+Instruction = WriteSsd | DeleteSsd | Promote | Demote | Retain | Release | EvictFirst | Prefetch
 
 
 @dataclass(slots=True)
 class PolicyCounters:
     ssd_write_errors: int = 0
     evicted_lost: int = 0  # DRAM evictions that left no SSD copy
+    retain_refused: int = 0  # paused sessions' DRAM blocks over the retain budget
 
 
 class TierPolicy:
@@ -344,6 +443,10 @@ class TierPolicy:
         pinned: Iterable[str] = (),
         charge_of: Callable[[int], int] = lambda n: n,
         in_dram: Callable[[str, bytes], bool] = lambda ns, key: False,
+        sessions: SessionTable | None = None,
+        retain_budget: int = 0,
+        ssd_retain_budget: int = 0,
+        dram_size: Callable[[str, bytes], int] = lambda ns, key: 0,
     ) -> None:
         self.has_ssd = has_ssd
         self.ssd = SsdIndex(ssd_capacity if has_ssd else 0, pinned=pinned)
@@ -354,6 +457,12 @@ class TierPolicy:
         self.charge_of = charge_of
         self.in_dram = in_dram
         self.counters = PolicyCounters()
+        self.sessions = sessions if sessions is not None else SessionTable()
+        self.retain_budget = retain_budget
+        self.ssd_retain_budget = ssd_retain_budget  # SSD bytes of paused sessions spared
+        self.dram_size = dram_size  # payload bytes of a block in DRAM, 0 when not there
+        self.retained: dict[tuple[str, bytes], int] = {}  # DRAM blocks kept off the LRU
+        self.retained_bytes = 0
 
     # ---- queries -----------------------------------------------------------------
 
@@ -381,6 +490,7 @@ class TierPolicy:
             self.counters.evicted_lost += 1
             self._charge(ev.ns, ev.size, -1)
         elif isinstance(ev, Removed):
+            self._unretain(ev.ns, ev.key)
             e = self.ssd.remove(ev.ns, ev.key)
             if ev.in_dram or e is not None:
                 self._charge(ev.ns, ev.size if ev.in_dram or e is None else e.size, -1)
@@ -414,14 +524,70 @@ class TierPolicy:
                 else self.ssd_marks.excess(self.ssd.used_bytes + ev.nbytes, self.ssd.capacity)
             )
             if excess > 0:
-                victims = self.ssd.victims(excess)
+                victims = self.ssd.victims(
+                    excess, self.sessions.is_protected, self.ssd_retain_budget
+                )
                 self.ssd.evictions += len(victims)
                 return self._drop_ssd(victims)
         elif isinstance(ev, Tick) and self.has_ssd:
             excess = self.dram_marks.excess(ev.dram_used, ev.dram_capacity)
             if excess > 0:
                 return [Demote(excess)]
+        elif isinstance(ev, SessionHint):
+            return self._changes(
+                self.sessions.hint(ev.ns, ev.session, ev.state, ev.keys, ev.ttl, ev.now)
+            )
+        elif isinstance(ev, Lookup):
+            return self._changes(self.sessions.lookup(ev.ns, ev.keys, ev.now))
+        elif isinstance(ev, SessionTick):
+            return self._changes(self.sessions.tick(ev.now))
         return []
+
+    def _changes(self, changes: Sequence[Change]) -> list[Instruction]:
+        """Session changes -> retain / release / evict-first / prefetch instructions."""
+        out: list[Instruction] = []
+        for ch in changes:
+            ns = ch.ns
+            released = [k for k in ch.unprotect if self._unretain(ns, k)]
+            if released:
+                out.append(Release(ns, tuple(released)))
+            keep: list[bytes] = []
+            for k in ch.protect:
+                size = self.dram_size(ns, k)
+                if not size or (ns, k) in self.retained:
+                    continue
+                if self.retained_bytes + size > self.retain_budget:
+                    self.counters.retain_refused += 1
+                    continue
+                self.retained[(ns, k)] = size
+                self.retained_bytes += size
+                keep.append(k)
+            if keep:
+                out.append(Retain(ns, tuple(keep)))
+            if ch.orphaned:
+                for k in ch.orphaned:
+                    self.ssd.make_oldest(ns, k)
+                out.append(EvictFirst(ns, tuple(ch.orphaned)))
+            fetch: list[bytes] = []
+            room = self.retain_budget
+            for k in ch.resumed:
+                e = self.ssd.get(ns, k)
+                if e is None or self.in_dram(ns, k):
+                    continue
+                if e.size > room:
+                    break
+                room -= e.size
+                fetch.append(k)
+            if fetch:
+                out.append(Prefetch(ns, tuple(fetch)))
+        return out
+
+    def _unretain(self, ns: str, key: bytes) -> bool:
+        size = self.retained.pop((ns, key), None)
+        if size is None:
+            return False
+        self.retained_bytes -= size
+        return True
 
     def _drop_ssd(self, keys: Sequence[tuple[str, bytes]]) -> list[Instruction]:
         gone: list[tuple[str, bytes]] = []

@@ -1,0 +1,145 @@
+"""Session hints: tell the workers which blocks belong to an agent session and its state.
+
+A hint is advice (a store that gets none is a plain LRU cache): ``paused`` keeps the
+session's blocks (retained in DRAM within a budget, demoted rather than evicted),
+``active`` resumes it (its blocks on SSD are prefetched into DRAM), ``ended`` makes
+its blocks that no other live session holds the first eviction candidates. See
+``kvstore/worker/sessions.py`` for the worker's side.
+
+The hint goes to every worker of the map (a session spans workers), each with the
+hashes it owns (grouped like ``batch_exists``); the data plane carries nothing new.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import grpc
+import numpy as np
+
+from .errors import (
+    InvalidArgument,
+    KVStoreError,
+    PermissionDenied,
+    Unauthenticated,
+    from_rpc_error,
+)
+from .keys import check_hashes, check_namespace
+from .proto import store_pb2, store_pb2_grpc
+from .security import open_channel
+
+if TYPE_CHECKING:
+    from .client import Client
+
+STATES = ("active", "paused", "ended")
+MAX_SESSION_ID_BYTES = 256
+
+
+def check_hint(session_id: str, state: str, ttl: float | None) -> None:
+    """InvalidArgument for a hint every worker would refuse (checked before sending)."""
+    if state not in STATES:
+        raise InvalidArgument(f"session state must be one of {', '.join(STATES)}, got {state!r}")
+    if not isinstance(session_id, str) or not session_id:
+        raise InvalidArgument("a session id is a non-empty string")
+    if len(session_id.encode()) > MAX_SESSION_ID_BYTES:
+        raise InvalidArgument(f"a session id is at most {MAX_SESSION_ID_BYTES} bytes")
+    if ttl is not None and not ttl > 0:
+        raise InvalidArgument(f"a session ttl must be positive, got {ttl}")
+
+
+class SessionHints:
+    """Sends hints for one :class:`~kvstore_client.client.Client` (one gRPC channel per
+    worker, kept until :meth:`close`)."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def _stub(self, address: str) -> store_pb2_grpc.StoreStub:
+        with self._lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = open_channel(address, self._client.tls)
+        return store_pb2_grpc.StoreStub(ch)
+
+    def hint(
+        self,
+        ns: str,
+        session_id: str,
+        state: str,
+        ttl: float | None = None,
+        hashes: Sequence[bytes] = (),
+    ) -> int:
+        """Send the hint to every worker; returns how many workers took it.
+
+        Blocks until every worker answered or the client's timeout passed. Raises
+        InvalidArgument / PermissionDenied for a hint the caller got wrong; an
+        unreachable worker is skipped (hints are advice), so the result may be short.
+        """
+        c = self._client
+        check_namespace(ns)
+        check_hint(session_id, state, ttl)
+        hashes = list(hashes)
+        check_hashes(hashes)
+        view, groups = c._copy_groups(ns, hashes)
+        owned = {w: idx for w, idx in groups}
+        empty = np.zeros(0, dtype=np.int64)
+        tasks: list[Callable[[], int]] = []
+        for w, link in enumerate(view.workers):
+            idx = owned.get(w, empty)
+            req = store_pb2.SessionHintRequest(
+                namespace=ns,
+                session_id=session_id,
+                state=state,
+                hashes=b"".join(hashes[i] for i in idx),
+                ttl_seconds=ttl or 0.0,
+            )
+            tasks.append(self._task(link.info.grpc, req))
+        errors: list[KVStoreError] = []
+
+        def on_error(_: int, e: KVStoreError) -> None:
+            errors.append(e)
+
+        took = sum(1 for r in c._fan_out(tasks, on_error) if r is not None)
+        for e in errors:
+            if isinstance(e, InvalidArgument | PermissionDenied | Unauthenticated):
+                raise e
+        return took
+
+    def _task(self, address: str, req: store_pb2.SessionHintRequest) -> Callable[[], int]:
+        def call() -> int:
+            try:
+                self._stub(address).SessionHint(
+                    req, timeout=self._client.timeout, metadata=self._client._md
+                )
+            except grpc.RpcError as e:
+                raise from_rpc_error(e) from e
+            return 1
+
+        return call
+
+    def sessions(self, limit: int = 10) -> list[store_pb2.SessionsResponse]:
+        """Every reachable worker's session table (top ``limit`` sessions each)."""
+        out = []
+        view = self._client._view
+        for link in view.workers if view else []:
+            try:
+                out.append(
+                    self._stub(link.info.grpc).Sessions(
+                        store_pb2.SessionsRequest(limit=limit),
+                        timeout=self._client.timeout,
+                        metadata=self._client._md,
+                    )
+                )
+            except grpc.RpcError as e:
+                raise from_rpc_error(e) from e
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()

@@ -1,0 +1,285 @@
+"""Agent sessions on one worker: a bounded table of live sessions and the blocks they hold.
+
+Pure bookkeeping (no I/O, no clock: callers pass ``now``), owned by the tier policy
+(:mod:`kvstore.worker.tiers.policy`) and run under the store's lock. An engine (or
+any client) sends hints: ``(namespace, session id, state, block hashes, ttl)``.
+
+- A session is named by ``(namespace, session id)`` and gets a small integer id
+  (1..``max_sessions``) while it is in the table.
+- States: ``active`` (its blocks are plain LRU blocks), ``paused`` (a tool call is
+  running: its blocks are *protected* until its TTL ends), ``ended`` (its blocks
+  that no other live session holds are *orphaned*: the first eviction candidates).
+- A block held by several live sessions (a shared system prompt) counts one
+  reference per session; it is protected while any of them is paused and orphaned
+  only when the last of them ends.
+- Memory is bounded: at most ``max_sessions`` sessions (a new one pushes out the
+  oldest ended session, else the least recently hinted one, counted in
+  ``counters.dropped``) and ``max_blocks`` (session, block) pairs in all (hashes
+  beyond it are ignored, counted in ``counters.blocks_refused``).
+
+Every call returns :class:`Change` records saying which blocks changed protection,
+which were orphaned and which belong to a session that just resumed (to prefetch);
+the policy turns them into tier instructions.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvstore_client.errors import InvalidArgument
+from kvstore_client.sessions import MAX_SESSION_ID_BYTES, STATES
+
+MAX_TTL = 7 * 86400.0
+
+Key = tuple[str, bytes]
+
+
+@dataclass(slots=True)
+class Session:
+    sid: int  # small integer id, unique among the table's sessions
+    name: str
+    ns: str
+    state: str
+    expires: float  # paused: end of its TTL; active: idle timeout; ended: leaves the table
+    keys: dict[bytes, None] = field(default_factory=dict)  # ordered set of its block hashes
+    hit_blocks: int = 0  # over its active hints: leading blocks present ...
+    lookup_blocks: int = 0  # ... of the blocks asked about
+    last: float = 0.0  # last hint
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_blocks / self.lookup_blocks if self.lookup_blocks else 0.0
+
+
+@dataclass(slots=True)
+class Change:
+    """What one transition did to the blocks of namespace ``ns``."""
+
+    ns: str
+    protect: list[bytes] = field(default_factory=list)  # first paused session holds them
+    unprotect: list[bytes] = field(default_factory=list)  # no paused session holds them now
+    orphaned: list[bytes] = field(default_factory=list)  # no live session holds them now
+    resumed: list[bytes] = field(default_factory=list)  # a paused session resumed: prefetch
+
+    def __bool__(self) -> bool:
+        return bool(self.protect or self.unprotect or self.orphaned or self.resumed)
+
+
+@dataclass(slots=True)
+class SessionCounters:
+    hints: int = 0
+    dropped: int = 0  # sessions pushed out of a full table
+    expired: int = 0  # paused sessions whose TTL ended, idle active ones
+    resumed_by_lookup: int = 0
+    blocks_refused: int = 0  # hashes over the block cap, ignored
+
+
+def check_hint(name: str, state: str, ttl: float | None) -> None:
+    """InvalidArgument for a hint no table would accept (before anything changes)."""
+    if state not in STATES:
+        raise InvalidArgument(f"session state must be one of {', '.join(STATES)}, got {state!r}")
+    if not name:
+        raise InvalidArgument("a session id is a non-empty string")
+    if len(name.encode()) > MAX_SESSION_ID_BYTES:
+        raise InvalidArgument(
+            f"a session id is at most {MAX_SESSION_ID_BYTES} bytes, got {len(name.encode())}"
+        )
+    if ttl is not None and not 0 < ttl <= MAX_TTL:
+        raise InvalidArgument(f"a session ttl is in (0, {MAX_TTL:.0f}] seconds, got {ttl}")
+
+
+class SessionTable:
+    """The live sessions of one worker (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        max_sessions: int = 4096,
+        max_blocks: int = 1 << 18,
+        paused_ttl: float = 300.0,
+        idle_ttl: float = 3600.0,
+        ended_keep: float = 60.0,
+    ) -> None:
+        if max_sessions < 1 or max_blocks < 0:
+            raise InvalidArgument("max_sessions must be >= 1 and max_blocks >= 0")
+        self.max_sessions = max_sessions
+        self.max_blocks = max_blocks
+        self.paused_ttl = paused_ttl
+        self.idle_ttl = idle_ttl
+        self.ended_keep = ended_keep
+        self.sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()  # by last hint
+        self.by_sid: dict[int, Session] = {}
+        self._free_sids = list(range(max_sessions, 0, -1))
+        self.refs: dict[Key, int] = {}  # live (active or paused) sessions holding a block
+        self.paused_refs: dict[Key, int] = {}  # paused sessions holding a block
+        self.owner: dict[Key, int] = {}  # sid of the last session that listed the block
+        self.blocks = 0  # (session, block) pairs held
+        self.paused = 0  # sessions in the paused state
+        self.counters = SessionCounters()
+        self.closed_rates: list[float] = []  # hit rates of sessions that left (drained by metrics)
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    # ---- queries -------------------------------------------------------------
+
+    def is_protected(self, ns: str, key: bytes) -> bool:
+        """Does a paused session hold this block?"""
+        return (ns, key) in self.paused_refs
+
+    def get(self, ns: str, name: str) -> Session | None:
+        return self.sessions.get((ns, name))
+
+    def top(self, k: int) -> list[Session]:
+        """The ``k`` sessions that asked about the most blocks."""
+        return sorted(self.sessions.values(), key=lambda s: -s.lookup_blocks)[: max(0, k)]
+
+    # ---- transitions ---------------------------------------------------------
+
+    def hint(
+        self,
+        ns: str,
+        name: str,
+        state: str,
+        keys: Sequence[bytes] = (),
+        ttl: float | None = None,
+        now: float = 0.0,
+    ) -> list[Change]:
+        """Apply a hint: add ``keys`` to the session, then move it to ``state``.
+
+        InvalidArgument for an unknown state, an empty or oversized id or a TTL out of
+        range. An ``ended`` hint for an unknown session does nothing.
+        """
+        check_hint(name, state, ttl)
+        self.counters.hints += 1
+        out: list[Change] = []
+        s = self.sessions.get((ns, name))
+        if s is None:
+            if state == "ended":
+                return out
+            s = self._new(ns, name, now, out)
+        else:
+            self.sessions.move_to_end((ns, name))
+        s.last = now
+        ch = Change(ns)
+        room = self.max_blocks - self.blocks
+        for k in keys:
+            if k in s.keys:
+                continue
+            if room <= 0:
+                self.counters.blocks_refused += 1
+                continue
+            room -= 1
+            s.keys[k] = None
+            self.blocks += 1
+            self.owner[(ns, k)] = s.sid
+            self._ref(s.state, ns, k, +1, ch, orphan=False)
+        if state != s.state:
+            if s.state == "paused" and state == "active":
+                ch.resumed.extend(s.keys)
+            self._move(s, state, ch, orphan=True)
+        if state == "paused":
+            s.expires = now + (ttl if ttl is not None else self.paused_ttl)
+        elif state == "active":
+            s.expires = now + (ttl if ttl is not None else self.idle_ttl)
+        else:
+            s.expires = now + self.ended_keep
+        out.append(ch)
+        return out
+
+    def record(self, ns: str, name: str, hits: int, lookups: int) -> None:
+        """Count a lookup of the session's chain: ``hits`` leading blocks of ``lookups``."""
+        s = self.sessions.get((ns, name))
+        if s is not None:
+            s.hit_blocks += hits
+            s.lookup_blocks += lookups
+
+    def lookup(self, ns: str, keys: Sequence[bytes], now: float) -> list[Change]:
+        """A lookup of ``keys``: the paused session that alone holds the most specific
+        of them (walking back from the end of the chain, stopping at the first block
+        another live session shares) resumes, as if hinted ``active``."""
+        if not self.paused:
+            return []
+        for k in reversed(keys):
+            if (ns, k) not in self.paused_refs:
+                continue
+            if self.refs.get((ns, k), 0) > 1:
+                return []  # a shared block (a system prompt): names no one session
+            s = self.by_sid.get(self.owner.get((ns, k), 0))
+            if s is not None and s.state == "paused" and s.ns == ns:
+                self.counters.resumed_by_lookup += 1
+                return self.hint(ns, s.name, "active", (), None, now)
+        return []
+
+    def tick(self, now: float) -> list[Change]:
+        """Expire sessions: paused past their TTL and idle active ones leave the table
+        (their blocks become plain LRU blocks); ended ones leave after ``ended_keep``."""
+        out: list[Change] = []
+        for s in [s for s in self.sessions.values() if s.expires <= now]:
+            if s.state != "ended":
+                self.counters.expired += 1
+            out.extend(self._drop(s))
+        return out
+
+    # ---- internals -------------------------------------------------------------
+
+    def _new(self, ns: str, name: str, now: float, out: list[Change]) -> Session:
+        while not self._free_sids:
+            victim = next((v for v in self.sessions.values() if v.state == "ended"), None)
+            if victim is None:
+                victim = next(iter(self.sessions.values()))
+            self.counters.dropped += 1
+            out.extend(self._drop(victim))
+        s = Session(self._free_sids.pop(), name, ns, "active", now + self.idle_ttl, last=now)
+        self.sessions[(ns, name)] = s
+        self.by_sid[s.sid] = s
+        return s
+
+    def _drop(self, s: Session) -> list[Change]:
+        ch = Change(s.ns)
+        self._move(s, "ended", ch, orphan=False)
+        del self.sessions[(s.ns, s.name)]
+        del self.by_sid[s.sid]
+        self._free_sids.append(s.sid)
+        if s.lookup_blocks and len(self.closed_rates) < 10_000:
+            self.closed_rates.append(s.hit_rate)
+        return [ch] if ch else []
+
+    def _move(self, s: Session, state: str, ch: Change, *, orphan: bool) -> None:
+        old = s.state
+        if old == state:
+            return
+        s.state = state
+        self.paused += (state == "paused") - (old == "paused")
+        for k in s.keys:
+            self._ref(state, s.ns, k, +1, ch, orphan=orphan)  # new first: no false orphans
+            self._ref(old, s.ns, k, -1, ch, orphan=orphan)
+        if state == "ended":  # an ended session keeps its counters, not its blocks
+            for k in s.keys:
+                if self.owner.get((s.ns, k)) == s.sid:
+                    del self.owner[(s.ns, k)]
+            self.blocks -= len(s.keys)
+            s.keys = {}
+
+    def _ref(self, state: str, ns: str, k: bytes, sign: int, ch: Change, *, orphan: bool) -> None:
+        if state == "ended":
+            return
+        key = (ns, k)
+        n = self.refs.get(key, 0) + sign
+        if n > 0:
+            self.refs[key] = n
+        else:
+            self.refs.pop(key, None)
+            if orphan:
+                ch.orphaned.append(k)
+        if state == "paused":
+            p = self.paused_refs.get(key, 0) + sign
+            if p > 0:
+                self.paused_refs[key] = p
+                if p == 1 and sign > 0:
+                    ch.protect.append(k)
+            else:
+                self.paused_refs.pop(key, None)
+                ch.unprotect.append(k)

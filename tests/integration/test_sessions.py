@@ -1,0 +1,184 @@
+"""Session hints and KV events against real worker processes.
+
+KV events are decoded with msgpack alone (what a router in any language does);
+tests/e2e/test_kv_events_vllm.py decodes the same messages with vLLM's classes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import msgpack  # type: ignore[import-untyped]
+import pytest
+import zmq
+
+from kvstore.cluster import LocalCluster, free_port
+from kvstore_client import Client, InvalidArgument
+from kvstore_client.proto import store_pb2, store_pb2_grpc
+from tests.helpers import key, value_for
+
+NS = "m/bf16/b16/tp0of1"
+
+
+class Sub:
+    """A msgpack-only KV-event subscriber: (topic, seq, [ts, events])."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(endpoint)
+
+    def messages(self, until: Callable[[list[Any]], bool], timeout: float = 10.0) -> list[Any]:
+        out: list[Any] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not until(out):
+            if self.sock.poll(100):
+                topic, seq, payload = self.sock.recv_multipart()
+                out.append((topic.decode(), int.from_bytes(seq, "big"), msgpack.unpackb(payload)))
+        return out
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def replay(endpoint: str, start: int) -> list[tuple[bytes, int, bytes]]:
+    """vLLM's replay protocol from a DEALER: send (b"", start seq); read
+    (b"", topic, seq, payload) until seq == -1."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart((b"", start.to_bytes(8, "big")))
+        out = []
+        while sock.poll(5000):
+            _, topic, seq, payload = sock.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                return out
+            out.append((topic, int.from_bytes(seq, "big"), payload))
+        raise AssertionError("replay did not end")
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def hashes_of(msgs: list[Any], kind: str, medium: str) -> set[bytes]:
+    return {
+        h
+        for _, _, (_, events, *_) in msgs
+        for ev in events
+        if ev["type"] == kind and ev["medium"] == medium
+        for h in ev["block_hashes"]
+    }
+
+
+@pytest.fixture
+def events_cluster(make_cluster: Callable[..., LocalCluster]) -> tuple[LocalCluster, str, str]:
+    pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    c = make_cluster(
+        workers=1,
+        dram_size="64MiB",
+        max_value_size="1MiB",
+        extra_worker_args=["--kv-events", pub, "--kv-events-replay", rep],
+    )
+    return c, pub, rep
+
+
+def test_kv_events_msgpack_batched_and_replayed(
+    events_cluster: tuple[LocalCluster, str, str],
+) -> None:
+    c, pub, rep = events_cluster
+    sub = Sub(pub)
+    time.sleep(0.3)  # PUB/SUB slow joiner
+    try:
+        with Client(c.address) as cl:
+            keys = [key(i, "ev") for i in range(300)]
+            for i in range(0, 300, 10):  # a burst of 30 puts
+                cl.batch_put(NS, keys[i : i + 10], [value_for(k, 1000) for k in keys[i : i + 10]])
+            msgs = sub.messages(lambda m: hashes_of(m, "BlockStored", "CPU") >= set(keys))
+            assert hashes_of(msgs, "BlockStored", "CPU") == set(keys)
+            assert len(msgs) < 30, f"a burst of 30 puts became {len(msgs)} messages"
+            topic, _, (ts, events, *_) = msgs[0]
+            assert topic == "kvstore/" + NS and abs(ts - time.time()) < 60
+            ev = events[0]
+            assert ev["block_size"] == 16 and ev["parent_block_hash"] is None
+            assert all(len(h) == 16 for h in ev["block_hashes"])
+            assert cl.remove(NS, keys[:5]) == 5
+            msgs = sub.messages(lambda m: hashes_of(m, "BlockRemoved", "CPU") >= set(keys[:5]))
+            assert hashes_of(msgs, "BlockRemoved", "CPU") == set(keys[:5])
+        # A subscriber that missed everything replays from 0: AllBlocksCleared first.
+        got = replay(rep, 0)
+        assert got[0][1] == 0 and got[0][0] == b"kvstore/"
+        first = msgpack.unpackb(got[0][2])
+        assert first[1] == [{"type": "AllBlocksCleared"}]
+        assert [s for _, s, _ in got] == list(range(len(got))), "sequence numbers count up"
+    finally:
+        sub.close()
+
+
+def test_session_hints_reach_every_worker_and_bad_hints_are_rejected(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    c = make_cluster(workers=2, dram_size="64MiB", max_value_size="1MiB")
+    with Client(c.address) as cl:
+        chain = [key(i, "sess") for i in range(40)]
+        cl.batch_put(NS, chain, [value_for(k, 1000) for k in chain])
+        assert cl.session_hint(NS, "agent-1", "active", hashes=chain) == 2
+        assert cl.session_hint(NS, "agent-1", "paused", ttl=60, hashes=chain) == 2
+        tables = cl.sessions()
+        assert len(tables) == 2
+        rows = [s for t in tables for s in t.sessions]
+        assert {s.state for s in rows} == {"paused"}
+        assert sum(s.blocks for s in rows) == 40, "each worker holds the hashes it owns"
+        assert sum(s.hit_blocks for s in rows) > 0
+        assert all(0 < s.expires_in_seconds <= 60 for s in rows)
+        assert sum(t.retained_bytes for t in tables) == 40 * 1000
+        for bad in (
+            ("agent-1", "sleeping", None),
+            ("x" * 300, "paused", None),
+            ("a", "paused", -1),
+        ):
+            with pytest.raises(InvalidArgument):
+                cl.session_hint(NS, *bad)
+        w = cl.workers()[0]
+        with grpc.insecure_channel(w.grpc) as ch:  # the worker checks too
+            stub = store_pb2_grpc.StoreStub(ch)
+            for req in (
+                store_pb2.SessionHintRequest(namespace=NS, session_id="a", state="zombie"),
+                store_pb2.SessionHintRequest(namespace=NS, session_id="y" * 10_000, state="active"),
+                store_pb2.SessionHintRequest(
+                    namespace=NS, session_id="a", state="paused", ttl_seconds=1e12
+                ),
+                store_pb2.SessionHintRequest(
+                    namespace=NS, session_id="a", state="active", hashes=b"x" * 17
+                ),
+            ):
+                with pytest.raises(grpc.RpcError) as ei:
+                    stub.SessionHint(req, timeout=5)
+                assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            # A flood of sessions is bounded by the table (4096 by default): sample 300.
+            for i in range(300):
+                stub.SessionHint(
+                    store_pb2.SessionHintRequest(namespace=NS, session_id=f"f{i}", state="paused"),
+                    timeout=5,
+                )
+            r = stub.Sessions(store_pb2.SessionsRequest(limit=5), timeout=5)
+            assert len(r.sessions) == 5 and r.live == 301
+        out = subprocess.run(
+            [sys.executable, "-m", "kvstore", "status", "--master", c.address, "--sessions",
+             "--top", "3", "--json"],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout  # fmt: skip
+        doc = json.loads(out)
+        assert doc["sessions"][0]["session"] == "agent-1", "most blocks asked first"
+        assert doc["sessions"][0]["blocks"] == 40 and len(doc["sessions"]) == 3
+        assert doc["totals"]["live"] == 302
+        cl.session_hint(NS, "agent-1", "ended")
+        assert sum(t.retained_bytes for t in cl.sessions()) == 0

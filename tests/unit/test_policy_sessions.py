@@ -1,0 +1,230 @@
+"""Sessions in the tier policy, as a pure state machine: hints in, instructions out.
+
+Also the two DRAM primitives the instructions use (retain, make_oldest) and one
+BlockStore run on a real arena and LMDB: a paused session survives pressure that
+an LRU would evict it under, and comes back into DRAM when it resumes.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstore.worker.arena import Arena
+from kvstore.worker.sessions import SessionTable
+from kvstore.worker.store import BlockStore
+from kvstore.worker.tiers.dram import DramTier
+from kvstore.worker.tiers.policy import (
+    EvictFirst,
+    Lookup,
+    NeedSsdRoom,
+    Prefetch,
+    Release,
+    Retain,
+    SessionHint,
+    SessionTick,
+    SsdWritten,
+    TierPolicy,
+    Watermarks,
+)
+from kvstore.worker.tiers.ssd import SsdStore
+from kvstore_client.errors import InvalidArgument
+from tests.helpers import key, value_for
+
+NS = "m/bf16/b16/tp0of1"
+MiB = 1 << 20
+
+
+def ks(name: str, n: int) -> tuple[bytes, ...]:
+    return tuple(key(i, name) for i in range(n))
+
+
+def policy(dram: dict[tuple[str, bytes], int], budget: int = 1000, **table: int) -> TierPolicy:
+    return TierPolicy(
+        has_ssd=True,
+        ssd_capacity=10_000,
+        ssd_marks=Watermarks(0.9, 0.5),
+        in_dram=lambda ns, k: (ns, k) in dram,
+        dram_size=lambda ns, k: dram.get((ns, k), 0),
+        sessions=SessionTable(paused_ttl=30, **table),
+        retain_budget=budget,
+        ssd_retain_budget=4000,
+    )
+
+
+def hint(p: TierPolicy, sid: str, state: str, keys: tuple[bytes, ...] = (), now: float = 0.0):
+    return p.handle(SessionHint(NS, sid, state, keys, None, now))
+
+
+def test_pause_retains_leading_blocks_within_the_budget() -> None:
+    a = ks("a", 4)
+    p = policy({(NS, k): 300 for k in a}, budget=700)
+    assert hint(p, "s1", "active", a) == []
+    out = hint(p, "s1", "paused")
+    assert out == [Retain(NS, a[:2])], "the chain's leading blocks first, up to 700 bytes"
+    assert p.retained_bytes == 600 and p.counters.retain_refused == 2
+    assert p.sessions.is_protected(NS, a[3]), "over-budget blocks stay protected on SSD"
+
+
+def test_resume_releases_and_prefetches_ssd_only_blocks() -> None:
+    a = ks("a", 3)
+    dram = {(NS, a[0]): 100}
+    p = policy(dram)
+    p.handle(SsdWritten(tuple((NS, k, 100, 120, True) for k in a[1:])))
+    hint(p, "s1", "paused", a)
+    assert p.retained == {(NS, a[0]): 100}
+    out = hint(p, "s1", "active", (), now=1)
+    assert out == [Release(NS, (a[0],)), Prefetch(NS, a[1:])]
+    assert p.retained_bytes == 0 and not p.sessions.is_protected(NS, a[1])
+
+
+def test_lookup_of_a_paused_sessions_blocks_resumes_it() -> None:
+    sys_prompt, a, b = ks("sys", 2), ks("a", 2), ks("b", 2)
+    p = policy({})
+    p.handle(SsdWritten(tuple((NS, k, 10, 20, True) for k in a)))
+    hint(p, "A", "paused", sys_prompt + a)
+    hint(p, "B", "paused", sys_prompt + b)
+    assert p.handle(Lookup(NS, ks("other", 3), 1.0)) == []
+    assert p.handle(Lookup(NS, sys_prompt + ks("c", 2), 1.0)) == [], (
+        "a new session's lookup shares only the system prompt: it resumes neither A nor B"
+    )
+    out = p.handle(Lookup(NS, sys_prompt + a, 1.0))  # A's next turn looks up its chain
+    assert out == [Prefetch(NS, a)]
+    assert p.sessions.get(NS, "A").state == "active"  # type: ignore[union-attr]
+    assert p.sessions.get(NS, "B").state == "paused"  # type: ignore[union-attr]
+    assert p.sessions.is_protected(NS, sys_prompt[0]), "B still holds the shared prompt"
+
+
+def test_ended_session_orphans_only_blocks_no_live_session_holds() -> None:
+    shared, a = ks("sys", 2), ks("a", 2)
+    p = policy({})
+    p.handle(SsdWritten(tuple((NS, k, 10, 20, True) for k in shared + a)))
+    hint(p, "A", "active", shared + a)
+    hint(p, "B", "active", shared)
+    assert hint(p, "A", "ended") == [EvictFirst(NS, a)]
+    # SSD evicts them first, the chain's tail (least shareable) before its head.
+    assert list(p.ssd.entries)[:2] == [(NS, a[1]), (NS, a[0])]
+    assert hint(p, "B", "ended") == [EvictFirst(NS, shared)]
+    assert p.sessions.refs == {} and p.sessions.blocks == 0
+
+
+def test_ssd_evicts_a_paused_sessions_blocks_last() -> None:
+    a, other = ks("a", 2), ks("o", 2)
+    p = policy({})
+    p.handle(SsdWritten(tuple((NS, k, 1000, 2000, True) for k in a + other)))
+    hint(p, "s1", "paused", a)
+    (out,) = p.handle(NeedSsdRoom(3000, force=True))
+    assert out.keys == tuple((NS, k) for k in other)  # type: ignore[union-attr]
+    (out,) = p.handle(NeedSsdRoom(1, force=True))
+    assert out.keys == ((NS, a[0]),), "when nothing else is left, protected blocks go"  # type: ignore[union-attr]
+    p.ssd_retain_budget = 2000  # spares one block of 2000 bytes: the next one goes
+    p.handle(SsdWritten(tuple((NS, k, 1000, 2000, True) for k in a + other)))
+    hint(p, "s2", "paused", a)
+    (out,) = p.handle(NeedSsdRoom(2000, force=True))
+    assert out.keys == ((NS, a[1]),), "a[0] is spared (budget), a[1] is not"  # type: ignore[union-attr]
+
+
+def test_paused_ttl_expires_and_releases() -> None:
+    a = ks("a", 2)
+    p = policy({(NS, k): 10 for k in a})
+    hint(p, "s1", "paused", a, now=0)
+    assert p.handle(SessionTick(29.0)) == []
+    assert p.handle(SessionTick(31.0)) == [Release(NS, a)]
+    assert len(p.sessions) == 0 and p.sessions.counters.expired == 1
+    assert p.retained_bytes == 0 and p.sessions.refs == {} and p.sessions.owner == {}
+
+
+def test_bad_hints_are_invalid_argument_and_change_nothing() -> None:
+    p = policy({})
+    for sid, state, ttl in (
+        ("s", "sleeping", None),
+        ("x" * 257, "active", None),
+        ("", "active", None),
+        ("s", "paused", 0.0),
+        ("s", "paused", 1e9),
+    ):
+        with pytest.raises(InvalidArgument):
+            p.handle(SessionHint(NS, sid, state, (), ttl, 0.0))
+    assert len(p.sessions) == 0
+    assert hint(p, "never-seen", "ended") == [] and len(p.sessions) == 0
+
+
+def test_a_flood_of_sessions_stays_bounded() -> None:
+    p = policy({}, max_sessions=8, max_blocks=20)
+    hint(p, "old-ended", "active", ks("e", 1))
+    hint(p, "old-ended", "ended")
+    for i in range(1000):
+        hint(p, f"s{i}", "paused", ks(f"s{i}", 3), now=float(i))
+    t = p.sessions
+    assert len(t) == 8 and t.counters.dropped == 1000 - 8 + 1
+    assert t.get(NS, "old-ended") is None, "ended sessions are pushed out first"
+    assert t.blocks <= 20 and len(t.refs) <= 20 and len(t.owner) <= 20
+    assert sorted(s.sid for s in t.sessions.values()) == sorted(t.by_sid), "small ids reused"
+    assert max(t.by_sid) <= 8
+
+
+def test_dram_retain_and_make_oldest() -> None:
+    t = DramTier(4 * 256, 256)
+    blocks = []
+    for i in range(4):
+        b = t.reserve(NS, key(i), 200, 0)
+        assert b is not None
+        t.commit(b)
+        blocks.append(b)
+    assert t.retain(NS, key(0), True) and t.size_of(NS, key(0)) == 200
+    assert t.make_oldest(NS, key(3))
+    b = t.reserve(NS, key(10), 200, 0)  # full: evicts one block
+    assert b is not None
+    assert not t.contains(NS, key(3)), "make_oldest: evicted first"
+    for i in range(11, 14):
+        nb = t.reserve(NS, key(i), 200, 0)
+        assert nb is not None
+        t.commit(nb)
+    assert t.contains(NS, key(0)), "a retained block is never evicted"
+    assert t.oldest(1 << 20) and all(x.key != key(0) for x in t.oldest(1 << 20))
+    assert t.retain(NS, key(0), False)
+    assert not t.retain(NS, key(99), True)
+
+
+def test_store_keeps_a_paused_session_in_dram_and_prefetches_on_resume(tmp_path: Path) -> None:
+    arena = Arena(8 * MiB)
+    st = BlockStore(
+        arena,
+        MiB,
+        ssd=SsdStore(str(tmp_path / "ssd"), 64 * MiB),
+        sessions=SessionTable(),
+        retain_budget=4 * MiB,
+    )
+    try:
+        mine = ks("mine", 3)
+        for k in mine:
+            st.put_bytes(NS, [k], [value_for(k, MiB // 2)])
+        st.session_hint(NS, "s1", "paused", mine, None)
+        for i in range(40):  # 20 MiB of other traffic through an 8 MiB arena
+            k = key(i, "flood")
+            st.put_bytes(NS, [k], [value_for(k, MiB // 2)])
+        assert all(st.tier.contains(NS, k) for k in mine), "retained in DRAM"
+        assert st.stats().retained_bytes == 3 * (MiB // 2)
+        # Without the hint the same blocks leave DRAM.
+        st.session_hint(NS, "s1", "active", (), None)
+        for i in range(40, 80):
+            k = key(i, "flood")
+            st.put_bytes(NS, [k], [value_for(k, MiB // 2)])
+        assert not any(st.tier.contains(NS, k) for k in mine)
+        assert all(st.policy.on_ssd(NS, k) for k in mine), "demoted, not lost"
+        # Pause then resume: the SSD-only blocks are prefetched into DRAM, but only
+        # into free DRAM (a prefetch never evicts), so make room first.
+        assert st.remove(NS, [key(i, "flood") for i in range(80)]) > 0
+        st.session_hint(NS, "s1", "paused", mine, None)
+        assert st.session_hint(NS, "s1", "active", mine, None) == 3
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not all(st.tier.contains(NS, k) for k in mine):
+            time.sleep(0.02)
+        assert all(st.tier.contains(NS, k) for k in mine), "prefetched on resume"
+        assert st.stats().prefetched == 3
+        assert st.get_bytes(NS, list(mine)) == [value_for(k, MiB // 2) for k in mine]
+    finally:
+        st.close()
+        arena.close()
