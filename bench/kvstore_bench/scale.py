@@ -62,6 +62,7 @@ class ScaleConfig:
     fail_fraction: float = 0.01
     ring_keys: int = 2_000_000
     ha: bool = True
+    unary: bool = False  # heartbeats as unary calls (the old protocol) instead of streams
 
 
 # ---------------------------------------------------------------- simulated workers
@@ -115,15 +116,50 @@ async def worker_rpc(w: SimWorker, *, register: bool) -> int:
     return int(reg.map_version)
 
 
-async def _heartbeat_loop(w: SimWorker, interval: float) -> None:
+async def _heartbeat_loop(w: SimWorker, interval: float, unary: bool = False) -> None:
+    """Heartbeat as ``kvstore.worker.masterlink`` does: on one HeartbeatStream (or,
+    with ``unary``, one Heartbeat call each); when the master forgot the worker (it
+    expired while paused), register again after a jittered pause and reopen."""
     await asyncio.sleep(random.random() * interval)  # spread the phases
-    nxt = time.monotonic()
     while True:
-        nxt += interval
-        if not w.paused:
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await worker_rpc(w, register=False)
-        await asyncio.sleep(max(0.0, nxt - time.monotonic()))
+        if unary:
+            nxt = time.monotonic()
+            while True:
+                nxt += interval
+                if not w.paused:
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        await worker_rpc(w, register=False)
+                await asyncio.sleep(max(0.0, nxt - time.monotonic()))
+        call = w.stub.HeartbeatStream()  # type: ignore[call-arg]
+        reader = asyncio.create_task(_read_answers(call))
+        try:
+            nxt = time.monotonic()
+            while not reader.done():
+                if not w.paused:
+                    await call.write(
+                        master_pb2.HeartbeatRequest(
+                            worker_id=w.info.id, stats=master_pb2.WorkerStats(), instance=w.instance
+                        )
+                    )
+                    w.heartbeats += 1
+                nxt += interval
+                await asyncio.wait([reader], timeout=max(0.0, nxt - time.monotonic()))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            pass
+        finally:
+            call.cancel()
+            reader.cancel()
+        await asyncio.sleep(interval * (0.5 + random.random() / 2))
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await worker_rpc(w, register=True)
+
+
+async def _read_answers(call: Any) -> None:
+    """Returns when the master says it forgot the worker or the stream ends."""
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        async for resp in call:
+            if not resp.known:
+                return
 
 
 # ---------------------------------------------------------------- watchers
@@ -325,7 +361,7 @@ async def _run_mode(
     c1 = sampler.sample()
     res["register_s"] = c1[0] - c0[0]
     res["register_cpu_s"] = sum(c1[1]) - sum(c0[1])
-    tasks += [asyncio.create_task(_heartbeat_loop(w, cfg.heartbeat_s)) for w in sims]
+    tasks += [asyncio.create_task(_heartbeat_loop(w, cfg.heartbeat_s, cfg.unary)) for w in sims]
 
     # 2. watchers, spread over the masters
     say(f"{mode}: {cfg.watchers} watchers connect")
@@ -698,6 +734,12 @@ def _plots(runs: list[dict[str, Any]], ring: dict[str, Any], out: Path, st: str)
     show_default=True,
     help="Keys placed to measure balance and movement.",
 )
+@click.option(
+    "--unary-heartbeats",
+    "unary",
+    is_flag=True,
+    help="Simulated workers heartbeat with one unary call each (the pre-stream protocol).",
+)
 @click.option("--quick", is_flag=True, help="Shorter run: 8 s steady, 6 changes, 1M ring keys.")
 @click.option(
     "--out", type=click.Path(path_type=Path), default=Path("bench/results"), show_default=True
@@ -712,7 +754,7 @@ def _plots(runs: list[dict[str, Any]], ring: dict[str, Any], out: Path, st: str)
 @click.option("--no-plots", is_flag=True)
 def scale_cmd(
     workers: int, watchers: int, heartbeat_s: float, steady_s: float, changes: int, ha: bool,
-    ring_keys: int, quick: bool, out: Path, json_path: Path | None, no_plots: bool,
+    ring_keys: int, unary: bool, quick: bool, out: Path, json_path: Path | None, no_plots: bool,
 ) -> None:  # fmt: skip
     """The control plane at scale: a real master, simulated workers and watchers."""
     if workers < 2 or watchers < 1 or heartbeat_s <= 0 or steady_s <= 0 or changes < 1:
@@ -723,7 +765,9 @@ def scale_cmd(
             min(changes, 6),
             min(ring_keys, 1_000_000),
         )
-    cfg = ScaleConfig(workers, watchers, heartbeat_s, steady_s, changes, ring_keys=ring_keys, ha=ha)
+    cfg = ScaleConfig(
+        workers, watchers, heartbeat_s, steady_s, changes, ring_keys=ring_keys, ha=ha, unary=unary
+    )
     console = Console()
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
