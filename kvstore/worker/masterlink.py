@@ -15,6 +15,15 @@ the master refuses another token for an id that is live (FAILED_PRECONDITION).
   non-zero while the first instance keeps serving).
 - ``on_registered`` runs after the first successful registration (the worker
   turns its health to SERVING there).
+- **Heartbeats** go on one long-lived ``HeartbeatStream`` per registration (a
+  message on an open stream costs the master about half of a unary call's CPU);
+  a master without it (UNIMPLEMENTED) gets unary Heartbeat calls instead. When
+  the master answers that it forgot the worker, or ends the stream, the link
+  registers again after a random pause of 0.5-1 heartbeat interval; a standby's
+  UNAVAILABLE names the leader (``kvstore-leader`` trailer), which the link tries
+  next when it is in its master list. Retry delays are jittered (x0.5-1), so
+  workers that lost the same master do not all come back at the same moment.
+  A stream on which the master said nothing for two TTLs is dropped.
 """
 
 from __future__ import annotations

@@ -12,12 +12,14 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 
 from kvstore.cluster import Daemon, LocalCluster, spawn
 from kvstore_client.proto import master_pb2, master_pb2_grpc
+from tests.conftest import MakeCluster
 
 TOKEN, OTHER = "t" * 32, "o" * 32
 
@@ -119,3 +121,43 @@ def test_a_real_worker_heartbeats_on_the_stream(tmp_path: object) -> None:
                 master_pb2.ClusterStatusRequest(), timeout=5
             )
         assert st.workers[0].last_heartbeat_age_s < 1.5
+
+
+TENANTS = """
+tenants:
+  - name: team-a
+    token: token-a
+    namespaces: [t]
+  - name: ops
+    token: token-ops
+    admin: true
+"""
+
+
+def test_heartbeat_stream_is_admin_only(make_cluster: MakeCluster, tmp_path: Path) -> None:
+    f = tmp_path / "tenants.yaml"
+    f.write_text(TENANTS)
+    c = make_cluster(
+        workers=1,
+        worker_ttl="2s",
+        token="token-ops",
+        extra_master_args=["--tenants-file", str(f)],
+        extra_worker_args=["--tenants-file", str(f), "--token", "token-ops"],
+    )
+    time.sleep(3)  # beyond the TTL: the worker's admin token streams its heartbeats
+    assert len(c.live_worker_ids()) == 1
+    wid = next(iter(c.live_worker_ids()))
+    with grpc.insecure_channel(c.address) as ch:
+        stub = master_pb2_grpc.MasterStub(ch)
+        for md, code in (
+            ((("authorization", "Bearer token-a"),), grpc.StatusCode.PERMISSION_DENIED),
+            ((), grpc.StatusCode.UNAUTHENTICATED),
+        ):
+            call = stub.HeartbeatStream(
+                iter([master_pb2.HeartbeatRequest(worker_id=wid, instance=OTHER, draining=True)]),
+                metadata=md,
+            )
+            with pytest.raises(grpc.RpcError) as e:
+                next(call)
+            assert e.value.code() == code
+    assert c.live_worker_ids() == {wid}, "a refused stream changes nothing"
