@@ -49,6 +49,7 @@ __all__ = ["ScaleConfig", "ring_figures", "run_scale", "scale_cmd", "worker_rpc"
 GIB = 1 << 30
 PER_CHANNEL = 10  # simulated workers (or watchers) per gRPC connection
 WATCH_METHOD = "/kvstore.v1.Master/WatchShardMap"
+CALL_TIMEOUT = 30.0  # the bench's own calls; a master on a loaded host can take seconds
 
 
 @dataclass(slots=True)
@@ -104,13 +105,13 @@ async def worker_rpc(w: SimWorker, *, register: bool) -> int:
             master_pb2.HeartbeatRequest(
                 worker_id=w.info.id, stats=master_pb2.WorkerStats(), instance=w.instance
             ),
-            timeout=10,
+            timeout=CALL_TIMEOUT,
         )
         w.heartbeats += 1
         if hb.known:
             return int(hb.map_version)
     reg = await w.stub.Register(
-        master_pb2.RegisterRequest(worker=w.info, instance=w.instance), timeout=10
+        master_pb2.RegisterRequest(worker=w.info, instance=w.instance), timeout=CALL_TIMEOUT
     )
     w.registers += 1
     return int(reg.map_version)
@@ -371,7 +372,7 @@ async def _run_mode(
     tasks += [asyncio.create_task(w.run(vchans[i % per])) for i, w in enumerate(watchers)]
     async with _channel(addrs[lead]) as ch:
         stub = master_pb2_grpc.MasterStub(ch)
-        first = await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=10)
+        first = await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=CALL_TIMEOUT)
         res["map_bytes"] = first.ByteSize()
         res["map_workers"] = len(first.workers)
         res["watch_connect_s"] = float("nan")
@@ -414,9 +415,11 @@ async def _run_mode(
             else:
                 await stub.Leave(
                     master_pb2.LeaveRequest(worker_id=extra.info.id, instance=extra.instance),
-                    timeout=10,
+                    timeout=CALL_TIMEOUT,
                 )
-                v = (await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=10)).version
+                v = (
+                    await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=CALL_TIMEOUT)
+                ).version
             await _until(lambda v=v: all(w.version >= v for w in watchers), 10 * cfg.change_gap_s)
             d = _delivery(watchers, t0, v)
             events.append(
@@ -426,7 +429,7 @@ async def _run_mode(
         if cfg.changes % 2:
             await stub.Leave(
                 master_pb2.LeaveRequest(worker_id=extra.info.id, instance=extra.instance),
-                timeout=10,
+                timeout=CALL_TIMEOUT,
             )
         res["changes"] = events
         all_d = [x for e in events for x in e["delivery_s"]]
@@ -451,7 +454,7 @@ async def _run_mode(
         )
         res["fail_count"] = n_fail
         res["fail_all_watchers_s"] = time.monotonic() - tf if ok else float("nan")
-        live = await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=10)
+        live = await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=CALL_TIMEOUT)
         res["fail_map_workers"] = len(live.workers)
         d = _delivery(watchers, tf, v_before + 1)
         first_seen = min(x for x in d if x == x) if any(x == x for x in d) else float("nan")
@@ -463,7 +466,7 @@ async def _run_mode(
             w.paused = False
 
         async def back() -> bool:
-            m = await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=10)
+            m = await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=CALL_TIMEOUT)
             return len(m.workers) == cfg.workers
 
         ok = False
@@ -473,7 +476,9 @@ async def _run_mode(
                 break
             await asyncio.sleep(0.05)
         if ok:
-            final = (await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=10)).version
+            final = (
+                await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=CALL_TIMEOUT)
+            ).version
             await _until(lambda: all(w.version >= final for w in watchers), 10)
         res["return_all_watchers_s"] = time.monotonic() - tr if ok else float("nan")
         await asyncio.sleep(1.0)
