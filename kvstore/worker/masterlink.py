@@ -211,17 +211,17 @@ class MasterLink:
                         channel = open_channel(self.masters[idx], self.tls, _CHANNEL_OPTIONS)
                     delay = _jitter(backoff.next())
                 except grpc.RpcError as e:
+                    code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
+                    if code == grpc.StatusCode.UNIMPLEMENTED and not self._unary:
+                        # an older master: still registered, heartbeat with unary calls
+                        log.warning("master %s has no heartbeat stream: unary heartbeats",
+                                    self.masters[idx])  # fmt: skip
+                        self._unary = True
+                        continue
                     registered = False
                     now = time.monotonic()
                     if waiting_since is None:
                         waiting_since = now
-                    code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
-                    if code == grpc.StatusCode.UNIMPLEMENTED and not self._unary:
-                        log.warning("master %s has no heartbeat stream: unary heartbeats",
-                                    self.masters[idx])  # fmt: skip
-                        self._unary = True
-                        self._stop.wait(0.0)
-                        continue
                     details = (e.details() if isinstance(e, grpc.Call) else "") or str(code)
                     if code == grpc.StatusCode.FAILED_PRECONDITION:
                         if conflict_until is None:
