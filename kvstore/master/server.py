@@ -59,6 +59,7 @@ TTL_TRAILER = "kvstore-ttl"  # on an IdConflict: the TTL after which a silent id
 FORWARD_TIMEOUT = 3.0
 STATUS_FORWARD_TIMEOUT = 1.5
 WATCH_COALESCE_S = 0.1  # bench scale: bounds the watch fan-out under churn
+WATCH_COALESCE_MAX_S = 1.0  # ... and under sustained churn (the gap doubles up to this)
 FAILOVER_GRACE_TTLS = 1.0  # a new leader expires nobody for this many TTLs beyond the first
 
 if TYPE_CHECKING:  # the etcd code is imported only with --etcd
@@ -408,15 +409,21 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self, request: master_pb2.WatchShardMapRequest, context: Ctx
     ) -> AsyncIterator[master_pb2.ShardMap]:
         known = request.known_version
+        gap = WATCH_COALESCE_S
         try:
             while True:
                 if self.published.version != known:
                     current = self.published
                     known = current.version
                     yield current
-                    # at most one map per watcher per WATCH_COALESCE_S: a burst of
-                    # changes (workers re-registering at once) costs one send each
-                    await asyncio.sleep(WATCH_COALESCE_S)
+                    # at most one map per watcher per `gap`: a burst of changes
+                    # (workers re-registering at once) costs one send each. Under
+                    # sustained churn the gap doubles up to WATCH_COALESCE_MAX_S, so
+                    # the fan-out (map size x watchers per send) cannot feed a storm;
+                    # the first change after a quiet gap still goes out at once.
+                    await asyncio.sleep(gap)
+                    churn = self.published.version != known
+                    gap = min(2 * gap, WATCH_COALESCE_MAX_S) if churn else WATCH_COALESCE_S
                 async with self.changed:
                     await self.changed.wait_for(functools.partial(self._moved_on, known))
         except asyncio.CancelledError:

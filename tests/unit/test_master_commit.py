@@ -83,3 +83,30 @@ def test_a_new_leader_expires_nobody_for_a_grace_period() -> None:
     during, after = asyncio.run(main())
     assert during == {"w1"}, "no worker expires right after a takeover"
     assert after == set(), "a worker that never came back expires after the grace"
+
+
+def test_watchers_get_fewer_maps_under_sustained_churn() -> None:
+    """A change every 20 ms for 2.5 s: a watcher gets the first at once and then at
+    most a few (the pause doubles from 0.1 s to 1 s), always ending on the latest."""
+
+    async def main() -> tuple[list[int], int]:
+        s = MasterServicer(Membership(10))
+        got: list[int] = []
+
+        async def watch() -> None:
+            req = master_pb2.WatchShardMapRequest(known_version=0)
+            async for m in s.WatchShardMap(req, None):  # type: ignore[arg-type]
+                got.append(m.version)
+
+        t = asyncio.create_task(watch())
+        for i in range(125):
+            s.m.register(_info(i), "t" * 32, 0.0)
+            await s._bump()
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(1.2)
+        t.cancel()
+        return got, s.published.version
+
+    got, last = asyncio.run(main())
+    assert got[-1] == last, "the watcher ends on the latest map"
+    assert len(got) <= 9, f"{len(got)} maps sent for 125 changes in 2.5 s"
