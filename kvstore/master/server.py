@@ -60,6 +60,7 @@ FORWARD_TIMEOUT = 3.0
 STATUS_FORWARD_TIMEOUT = 1.5
 WATCH_COALESCE_S = 0.1  # bench scale: bounds the watch fan-out under churn
 WATCH_COALESCE_MAX_S = 1.0  # ... and under sustained churn (the gap doubles up to this)
+OVERLOAD_LAG_TTLS = 0.1  # the expiry tick this late (x TTL): the master is behind, see expire_loop
 FAILOVER_GRACE_TTLS = 1.0  # a new leader expires nobody for this many TTLs beyond the first
 
 if TYPE_CHECKING:  # the etcd code is imported only with --etcd
@@ -483,11 +484,30 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             self._expiry = None
 
     async def expire_loop(self) -> None:
-        """Drop workers silent for longer than the TTL; runs while this master leads."""
+        """Drop workers silent for longer than the TTL; runs while this master leads.
+
+        A master that is itself behind (this loop woke more than OVERLOAD_LAG_TTLS x
+        TTL late: CPU-starved, its event loop backed up) cannot tell a silent worker
+        from a heartbeat it has not read yet: it expires nobody until one TTL after
+        it caught up, rather than turn its own slowness into a storm of expiries,
+        re-registrations and map pushes. Whatever the grace, a worker silent for
+        (2 + FAILOVER_GRACE_TTLS) TTLs is dropped.
+        """
         while True:
-            await asyncio.sleep(max(0.05, self.m.ttl / 10))
+            tick = max(0.05, self.m.ttl / 10)
+            t0 = time.monotonic()
+            await asyncio.sleep(tick)
             now = time.monotonic()
-            dead = self.m.expire(now) if now >= self._grace_until else []
+            if now - t0 - tick > OVERLOAD_LAG_TTLS * self.m.ttl:
+                if now >= self._grace_until:
+                    log.warning(
+                        "the master is %.1fs behind: no expiry until it keeps up", now - t0 - tick
+                    )
+                self._grace_until = max(self._grace_until, now + self.m.ttl)
+            if now >= self._grace_until:
+                dead = self.m.expire(now)
+            else:  # in a grace period, yet nobody stays silent in the map for ever
+                dead = self.m.expire(now, (2 + FAILOVER_GRACE_TTLS) * self.m.ttl)
             if dead:
                 log.warning("workers missed heartbeats, removed: %s", ", ".join(dead))
             if self.m.version != self.published.version:

@@ -4,6 +4,7 @@ HA coordinator counts the etcd writes."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from kvstore.master.membership import Membership
 from kvstore.master.server import MasterServicer
@@ -110,3 +111,25 @@ def test_watchers_get_fewer_maps_under_sustained_churn() -> None:
     got, last = asyncio.run(main())
     assert got[-1] == last, "the watcher ends on the latest map"
     assert len(got) <= 9, f"{len(got)} maps sent for 125 changes in 2.5 s"
+
+
+def test_a_master_that_is_behind_expires_nobody() -> None:
+    """The event loop blocked for longer than the TTL (a CPU-starved master): the
+    workers' heartbeats may be waiting unread, so nobody expires on that tick."""
+
+    async def main() -> tuple[set[str], set[str]]:
+        s = MasterServicer(Membership(0.3))  # a hard limit of 3 TTLs: 0.9 s
+        s.m.register(_info(1), "t" * 32, time.monotonic())
+        s.start_expiry()
+        await asyncio.sleep(0.03)
+        time.sleep(0.5)  # the loop is stuck: no heartbeat could be read meanwhile
+        await asyncio.sleep(0.1)
+        during = set(s.m.members)
+        await asyncio.sleep(0.5)  # caught up, still silent for a TTL: expired
+        after = set(s.m.members)
+        s.stop_expiry()
+        return during, after
+
+    during, after = asyncio.run(main())
+    assert during == {"w1"}, "a lagging master expired a worker it may not have heard"
+    assert after == set()
