@@ -604,6 +604,20 @@ def _parse_sessions(text: str) -> list[int]:
     show_default=True,
     help="kvstore client transport (auto: shm on the same host).",
 )
+@click.option(
+    "--replicas",
+    "replicas_text",
+    default=None,
+    help="R or R1,R2,...: replay on a fresh cluster per replica count, SIGKILL worker w0 "
+    "at --kill-worker-at, report memory and hit rate (kvstore only; see replicareplay.py).",
+)
+@click.option(
+    "--kill-worker-at",
+    type=float,
+    default=0.5,
+    show_default=True,
+    help="With --replicas: the fraction of requests after which w0 is killed.",
+)
 def replay_cmd(
     trace_files: tuple[str, ...],
     fmt: str,
@@ -630,6 +644,8 @@ def replay_cmd(
     mooncake_lease_ms: int,
     transport: str,
     sessions_aware: str,
+    replicas_text: str | None,
+    kill_worker_at: float,
 ) -> None:
     """Replay TRACE_FILES against kvstore (and Mooncake, Redis) and score the cache.
 
@@ -689,6 +705,11 @@ def replay_cmd(
         time_scale=time_scale,
         sessions=levels[0],
     )
+    if replicas_text is not None:
+        from .replicareplay import replicas_cmd_body
+
+        replicas_cmd_body(console, sessions, cfg, spec, replicas_text, kill_worker_at, out)
+        return
     kinds = list(BACKENDS) if backend == "all" else [backend]
     if master and kinds != ["kvstore"]:
         raise click.UsageError("--master applies to --backend kvstore only")

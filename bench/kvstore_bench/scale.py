@@ -49,6 +49,7 @@ __all__ = ["ScaleConfig", "ring_figures", "run_scale", "scale_cmd", "worker_rpc"
 GIB = 1 << 30
 PER_CHANNEL = 10  # simulated workers (or watchers) per gRPC connection
 WATCH_METHOD = "/kvstore.v1.Master/WatchShardMap"
+CALL_TIMEOUT = 30.0  # the bench's own calls; a master on a loaded host can take seconds
 
 
 @dataclass(slots=True)
@@ -62,6 +63,7 @@ class ScaleConfig:
     fail_fraction: float = 0.01
     ring_keys: int = 2_000_000
     ha: bool = True
+    unary: bool = False  # heartbeats as unary calls (the old protocol) instead of streams
 
 
 # ---------------------------------------------------------------- simulated workers
@@ -103,27 +105,62 @@ async def worker_rpc(w: SimWorker, *, register: bool) -> int:
             master_pb2.HeartbeatRequest(
                 worker_id=w.info.id, stats=master_pb2.WorkerStats(), instance=w.instance
             ),
-            timeout=10,
+            timeout=CALL_TIMEOUT,
         )
         w.heartbeats += 1
         if hb.known:
             return int(hb.map_version)
     reg = await w.stub.Register(
-        master_pb2.RegisterRequest(worker=w.info, instance=w.instance), timeout=10
+        master_pb2.RegisterRequest(worker=w.info, instance=w.instance), timeout=CALL_TIMEOUT
     )
     w.registers += 1
     return int(reg.map_version)
 
 
-async def _heartbeat_loop(w: SimWorker, interval: float) -> None:
+async def _heartbeat_loop(w: SimWorker, interval: float, unary: bool = False) -> None:
+    """Heartbeat as ``kvstore.worker.masterlink`` does: on one HeartbeatStream (or,
+    with ``unary``, one Heartbeat call each); when the master forgot the worker (it
+    expired while paused), register again after a jittered pause and reopen."""
     await asyncio.sleep(random.random() * interval)  # spread the phases
-    nxt = time.monotonic()
     while True:
-        nxt += interval
-        if not w.paused:
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await worker_rpc(w, register=False)
-        await asyncio.sleep(max(0.0, nxt - time.monotonic()))
+        if unary:
+            nxt = time.monotonic()
+            while True:
+                nxt += interval
+                if not w.paused:
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        await worker_rpc(w, register=False)
+                await asyncio.sleep(max(0.0, nxt - time.monotonic()))
+        call = w.stub.HeartbeatStream()  # type: ignore[call-arg]
+        reader = asyncio.create_task(_read_answers(call))
+        try:
+            nxt = time.monotonic()
+            while not reader.done():
+                if not w.paused:
+                    await call.write(
+                        master_pb2.HeartbeatRequest(
+                            worker_id=w.info.id, stats=master_pb2.WorkerStats(), instance=w.instance
+                        )
+                    )
+                    w.heartbeats += 1
+                nxt += interval
+                await asyncio.wait([reader], timeout=max(0.0, nxt - time.monotonic()))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            pass
+        finally:
+            call.cancel()
+            reader.cancel()
+        await asyncio.sleep(interval * (0.5 + random.random() / 2))
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await worker_rpc(w, register=True)
+
+
+async def _read_answers(call: Any) -> None:
+    """Returns when the master says it forgot the worker or the stream ends."""
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        async for resp in call:
+            if not resp.known:
+                return
 
 
 # ---------------------------------------------------------------- watchers
@@ -325,7 +362,7 @@ async def _run_mode(
     c1 = sampler.sample()
     res["register_s"] = c1[0] - c0[0]
     res["register_cpu_s"] = sum(c1[1]) - sum(c0[1])
-    tasks += [asyncio.create_task(_heartbeat_loop(w, cfg.heartbeat_s)) for w in sims]
+    tasks += [asyncio.create_task(_heartbeat_loop(w, cfg.heartbeat_s, cfg.unary)) for w in sims]
 
     # 2. watchers, spread over the masters
     say(f"{mode}: {cfg.watchers} watchers connect")
@@ -335,7 +372,7 @@ async def _run_mode(
     tasks += [asyncio.create_task(w.run(vchans[i % per])) for i, w in enumerate(watchers)]
     async with _channel(addrs[lead]) as ch:
         stub = master_pb2_grpc.MasterStub(ch)
-        first = await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=10)
+        first = await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=CALL_TIMEOUT)
         res["map_bytes"] = first.ByteSize()
         res["map_workers"] = len(first.workers)
         res["watch_connect_s"] = float("nan")
@@ -378,9 +415,11 @@ async def _run_mode(
             else:
                 await stub.Leave(
                     master_pb2.LeaveRequest(worker_id=extra.info.id, instance=extra.instance),
-                    timeout=10,
+                    timeout=CALL_TIMEOUT,
                 )
-                v = (await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=10)).version
+                v = (
+                    await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=CALL_TIMEOUT)
+                ).version
             await _until(lambda v=v: all(w.version >= v for w in watchers), 10 * cfg.change_gap_s)
             d = _delivery(watchers, t0, v)
             events.append(
@@ -390,7 +429,7 @@ async def _run_mode(
         if cfg.changes % 2:
             await stub.Leave(
                 master_pb2.LeaveRequest(worker_id=extra.info.id, instance=extra.instance),
-                timeout=10,
+                timeout=CALL_TIMEOUT,
             )
         res["changes"] = events
         all_d = [x for e in events for x in e["delivery_s"]]
@@ -415,7 +454,7 @@ async def _run_mode(
         )
         res["fail_count"] = n_fail
         res["fail_all_watchers_s"] = time.monotonic() - tf if ok else float("nan")
-        live = await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=10)
+        live = await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=CALL_TIMEOUT)
         res["fail_map_workers"] = len(live.workers)
         d = _delivery(watchers, tf, v_before + 1)
         first_seen = min(x for x in d if x == x) if any(x == x for x in d) else float("nan")
@@ -427,7 +466,7 @@ async def _run_mode(
             w.paused = False
 
         async def back() -> bool:
-            m = await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=10)
+            m = await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=CALL_TIMEOUT)
             return len(m.workers) == cfg.workers
 
         ok = False
@@ -437,7 +476,9 @@ async def _run_mode(
                 break
             await asyncio.sleep(0.05)
         if ok:
-            final = (await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=10)).version
+            final = (
+                await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=CALL_TIMEOUT)
+            ).version
             await _until(lambda: all(w.version >= final for w in watchers), 10)
         res["return_all_watchers_s"] = time.monotonic() - tr if ok else float("nan")
         await asyncio.sleep(1.0)
@@ -698,6 +739,12 @@ def _plots(runs: list[dict[str, Any]], ring: dict[str, Any], out: Path, st: str)
     show_default=True,
     help="Keys placed to measure balance and movement.",
 )
+@click.option(
+    "--unary-heartbeats",
+    "unary",
+    is_flag=True,
+    help="Simulated workers heartbeat with one unary call each (the pre-stream protocol).",
+)
 @click.option("--quick", is_flag=True, help="Shorter run: 8 s steady, 6 changes, 1M ring keys.")
 @click.option(
     "--out", type=click.Path(path_type=Path), default=Path("bench/results"), show_default=True
@@ -712,7 +759,7 @@ def _plots(runs: list[dict[str, Any]], ring: dict[str, Any], out: Path, st: str)
 @click.option("--no-plots", is_flag=True)
 def scale_cmd(
     workers: int, watchers: int, heartbeat_s: float, steady_s: float, changes: int, ha: bool,
-    ring_keys: int, quick: bool, out: Path, json_path: Path | None, no_plots: bool,
+    ring_keys: int, unary: bool, quick: bool, out: Path, json_path: Path | None, no_plots: bool,
 ) -> None:  # fmt: skip
     """The control plane at scale: a real master, simulated workers and watchers."""
     if workers < 2 or watchers < 1 or heartbeat_s <= 0 or steady_s <= 0 or changes < 1:
@@ -723,7 +770,9 @@ def scale_cmd(
             min(changes, 6),
             min(ring_keys, 1_000_000),
         )
-    cfg = ScaleConfig(workers, watchers, heartbeat_s, steady_s, changes, ring_keys=ring_keys, ha=ha)
+    cfg = ScaleConfig(
+        workers, watchers, heartbeat_s, steady_s, changes, ring_keys=ring_keys, ha=ha, unary=unary
+    )
     console = Console()
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 

@@ -201,9 +201,11 @@ class Membership:
         self.version += 1
         return True
 
-    def expire(self, now: float) -> list[str]:
-        """Remove workers silent for longer than the TTL; returns their ids."""
-        dead = [wid for wid, m in self.members.items() if now - m.last_seen > self.ttl]
+    def expire(self, now: float, ttl: float | None = None) -> list[str]:
+        """Remove workers silent for longer than ``ttl`` (default: the TTL); returns
+        their ids."""
+        limit = self.ttl if ttl is None else ttl
+        dead = [wid for wid, m in self.members.items() if now - m.last_seen > limit]
         for wid in dead:
             del self.members[wid]
         if dead:

@@ -59,6 +59,9 @@ TTL_TRAILER = "kvstore-ttl"  # on an IdConflict: the TTL after which a silent id
 FORWARD_TIMEOUT = 3.0
 STATUS_FORWARD_TIMEOUT = 1.5
 WATCH_COALESCE_S = 0.1  # bench scale: bounds the watch fan-out under churn
+WATCH_COALESCE_MAX_S = 1.0  # ... and under sustained churn (the gap doubles up to this)
+OVERLOAD_LAG_TTLS = 0.1  # the expiry tick this late (x TTL): the master is behind, see expire_loop
+FAILOVER_GRACE_TTLS = 1.0  # a new leader expires nobody for this many TTLs beyond the first
 
 if TYPE_CHECKING:  # the etcd code is imported only with --etcd
     from .ha import HaCoordinator
@@ -111,6 +114,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self.namespace_replicas: dict[str, int] = {}  # published in every map
         self._wire_of: master_pb2.ShardMap | None = None  # the map ``_wire`` serializes
         self._wire = b""
+        self._next_flush: asyncio.Future[None] | None = None  # see _bump
+        self._flusher: asyncio.Task[None] | None = None
+        self._grace_until = 0.0  # no expiry before this (monotonic), after a takeover
 
     @property
     def is_leader(self) -> bool:
@@ -121,12 +127,32 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     async def _bump(self) -> None:
         """Persist the membership (HA leader) and publish its map to watchers.
 
-        Raises Unavailable when it could not be persisted; the change stays in
-        memory and goes out with the next successful write.
+        Group commit: a caller that arrives while a write is in flight waits for
+        the next one, which carries every change made until it starts, so a burst
+        of registrations costs a few etcd transactions and map versions rather than
+        one per worker. Returns once a state that includes the caller's change is
+        persisted and published. Raises Unavailable when it could not be
+        persisted; the change stays in memory and goes out with the next
+        successful write.
         """
-        if self.ha is not None:
-            await self.ha.persist(encode(self.ha.layout, self.m))
-        await self._publish(self.m.shard_map())
+        if self._next_flush is None:
+            self._next_flush = asyncio.get_running_loop().create_future()
+            if self._flusher is None or self._flusher.done():
+                self._flusher = asyncio.create_task(self._flush_loop(), name="flush")
+        await asyncio.shield(self._next_flush)
+
+    async def _flush_loop(self) -> None:
+        while self._next_flush is not None:
+            fut, self._next_flush = self._next_flush, None
+            try:
+                if self.ha is not None:
+                    await self.ha.persist(encode(self.ha.layout, self.m))
+                await self._publish(self.m.shard_map())
+            except Exception as e:
+                fut.set_exception(e)
+                fut.exception()  # retrieved: a caller that was cancelled logs nothing
+            else:
+                fut.set_result(None)
 
     async def _publish(self, m: master_pb2.ShardMap) -> None:
         m.namespace_replicas.update(self.namespace_replicas)
@@ -148,8 +174,11 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     # ---- ha.Listener -----------------------------------------------------------
 
     async def become_leader(self, snap: Snapshot) -> None:
-        """Take over etcd's membership; every worker gets a fresh TTL to find us."""
+        """Take over etcd's membership. Every worker gets a fresh TTL, and nobody
+        expires for FAILOVER_GRACE_TTLS more: a thousand workers that lost the old
+        leader find this one without a wave of expiries and re-registrations."""
         self.m = self._restore(snap)
+        self._grace_until = time.monotonic() + (1 + FAILOVER_GRACE_TTLS) * self.m.ttl
         await self._publish(self.m.shard_map())
         self.start_expiry()
 
@@ -287,6 +316,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             return await self._forward(
                 context, lambda s, md: s.Heartbeat(request, timeout=FORWARD_TIMEOUT, metadata=md)
             )
+        v0 = self.m.version
         try:
             known = self.m.heartbeat(
                 request.worker_id,
@@ -297,9 +327,58 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             )
         except KVStoreError as e:
             await self._refuse(context, "Heartbeat", request.worker_id, e)
-        if self.m.version != self.published.version:
+        if self.m.version != v0:
             await self._commit(context)
         return master_pb2.HeartbeatResponse(known=known, map_version=self.m.version)
+
+    async def HeartbeatStream(
+        self, request_iterator: AsyncIterator[master_pb2.HeartbeatRequest], context: Ctx
+    ) -> AsyncIterator[master_pb2.HeartbeatResponse]:
+        """Heartbeats of one worker on one stream (leader only; see master.proto).
+
+        Each message is handled as :meth:`Heartbeat` handles a call; answers go out
+        for the first message, for an unknown worker (then the stream ends OK) and at
+        most once per TTL otherwise. A standby, or a leader that stepped down, ends
+        the stream UNAVAILABLE; another instance's token FAILED_PRECONDITION.
+        """
+        if not self.is_leader:
+            await self._not_leader(context, "heartbeat streams go to the leader")
+        ident: tuple[str, str] | None = None
+        answered = -float("inf")
+        while True:
+            # context.read() costs ~20% less than iterating request_iterator; an empty
+            # grpc.aio stream handler costs ~0.3 ms of CPU per message (docs/SCALE.md)
+            req = await context.read()
+            if req is grpc.aio.EOF:  # type: ignore[attr-defined]
+                return
+            assert isinstance(req, master_pb2.HeartbeatRequest)
+            t0 = time.perf_counter()
+            if not self.is_leader:
+                metrics.observe_request("heartbeat", "UNAVAILABLE", 0.0)
+                await self._not_leader(context, "stepped down")
+            if ident is None:
+                ident = (req.worker_id, req.instance)
+            elif ident != (req.worker_id, req.instance):
+                metrics.observe_request("heartbeat", "INVALID_ARGUMENT", 0.0)
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "every heartbeat of a stream must name the same worker and instance",
+                )
+            now, v0 = time.monotonic(), self.m.version
+            try:
+                known = self.m.heartbeat(req.worker_id, req.instance, req.stats, now, req.draining)
+            except KVStoreError as e:
+                metrics.observe_request("heartbeat", to_grpc_code(e).name, 0.0)
+                await self._refuse(context, "Heartbeat", req.worker_id, e)
+            if self.m.version != v0:
+                await self._commit(context)
+            metrics.observe_request("heartbeat", "OK", time.perf_counter() - t0)
+            if not known:
+                yield master_pb2.HeartbeatResponse(known=False, map_version=self.m.version)
+                return
+            if now - answered >= self.m.ttl:
+                answered = now
+                yield master_pb2.HeartbeatResponse(known=True, map_version=self.m.version)
 
     @observed("leave")
     async def Leave(
@@ -331,15 +410,21 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self, request: master_pb2.WatchShardMapRequest, context: Ctx
     ) -> AsyncIterator[master_pb2.ShardMap]:
         known = request.known_version
+        gap = WATCH_COALESCE_S
         try:
             while True:
                 if self.published.version != known:
                     current = self.published
                     known = current.version
                     yield current
-                    # at most one map per watcher per WATCH_COALESCE_S: a burst of
-                    # changes (workers re-registering at once) costs one send each
-                    await asyncio.sleep(WATCH_COALESCE_S)
+                    # at most one map per watcher per `gap`: a burst of changes
+                    # (workers re-registering at once) costs one send each. Under
+                    # sustained churn the gap doubles up to WATCH_COALESCE_MAX_S, so
+                    # the fan-out (map size x watchers per send) cannot feed a storm;
+                    # the first change after a quiet gap still goes out at once.
+                    await asyncio.sleep(gap)
+                    churn = self.published.version != known
+                    gap = min(2 * gap, WATCH_COALESCE_MAX_S) if churn else WATCH_COALESCE_S
                 async with self.changed:
                     await self.changed.wait_for(functools.partial(self._moved_on, known))
         except asyncio.CancelledError:
@@ -399,10 +484,30 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             self._expiry = None
 
     async def expire_loop(self) -> None:
-        """Drop workers silent for longer than the TTL; runs while this master leads."""
+        """Drop workers silent for longer than the TTL; runs while this master leads.
+
+        A master that is itself behind (this loop woke more than OVERLOAD_LAG_TTLS x
+        TTL late: CPU-starved, its event loop backed up) cannot tell a silent worker
+        from a heartbeat it has not read yet: it expires nobody until one TTL after
+        it caught up, rather than turn its own slowness into a storm of expiries,
+        re-registrations and map pushes. Whatever the grace, a worker silent for
+        (2 + FAILOVER_GRACE_TTLS) TTLs is dropped.
+        """
         while True:
-            await asyncio.sleep(max(0.05, self.m.ttl / 10))
-            dead = self.m.expire(time.monotonic())
+            tick = max(0.05, self.m.ttl / 10)
+            t0 = time.monotonic()
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            if now - t0 - tick > OVERLOAD_LAG_TTLS * self.m.ttl:
+                if now >= self._grace_until:
+                    log.warning(
+                        "the master is %.1fs behind: no expiry until it keeps up", now - t0 - tick
+                    )
+                self._grace_until = max(self._grace_until, now + self.m.ttl)
+            if now >= self._grace_until:
+                dead = self.m.expire(now)
+            else:  # in a grace period, yet nobody stays silent in the map for ever
+                dead = self.m.expire(now, (2 + FAILOVER_GRACE_TTLS) * self.m.ttl)
             if dead:
                 log.warning("workers missed heartbeats, removed: %s", ", ".join(dead))
             if self.m.version != self.published.version:
@@ -413,6 +518,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     async def close(self) -> None:
         self.stop_expiry()
+        if self._flusher is not None:
+            self._flusher.cancel()
         for ch in self._channels.values():
             await ch.close(None)
         self._channels.clear()

@@ -15,17 +15,28 @@ the master refuses another token for an id that is live (FAILED_PRECONDITION).
   non-zero while the first instance keeps serving).
 - ``on_registered`` runs after the first successful registration (the worker
   turns its health to SERVING there).
+- **Heartbeats** go on one long-lived ``HeartbeatStream`` per registration (a
+  message on an open stream costs the master about half of a unary call's CPU);
+  a master without it (UNIMPLEMENTED) gets unary Heartbeat calls instead. When
+  the master answers that it forgot the worker, or ends the stream, the link
+  registers again after a random pause of 0.5-1 heartbeat interval; a standby's
+  UNAVAILABLE names the leader (``kvstore-leader`` trailer), which the link tries
+  next when it is in its master list. Retry delays are jittered (x0.5-1), so
+  workers that lost the same master do not all come back at the same moment.
+  A stream on which the master said nothing for two TTLs is dropped.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -44,6 +55,7 @@ _CHANNEL_OPTIONS = [
 ]
 
 TTL_TRAILER = "kvstore-ttl"  # sent by the master with an id conflict (kvstore.master.server)
+LEADER_TRAILER = "kvstore-leader"  # sent by a standby master: the leader's address
 DEFAULT_CONFLICT_TTL = 30.0  # when the master did not say its TTL
 
 
@@ -126,6 +138,7 @@ class MasterLink:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self.ever_registered = False
+        self._unary = False  # True after a master without HeartbeatStream answered
 
     def start(self) -> None:
         self._thread.start()
@@ -142,6 +155,7 @@ class MasterLink:
         idx = 0
         registered = False
         interval = 1.0
+        ttl = 4.0
         backoff = Backoff()
         say = Throttle()
         waiting_since: float | None = None
@@ -163,6 +177,7 @@ class MasterLink:
                             metadata=self.md,
                         )
                         interval = r.heartbeat_interval_s or 1.0
+                        ttl = r.ttl_s or 4 * interval
                         registered = True
                         after = (
                             f" after {time.monotonic() - waiting_since:.0f}s"
@@ -181,21 +196,32 @@ class MasterLink:
                         if not self.ever_registered:
                             self.ever_registered = True
                             self._on_registered()
-                    hb = stub.Heartbeat(
-                        master_pb2.HeartbeatRequest(
-                            worker_id=self.worker_id, stats=self._stats(), instance=self.instance
-                        ),
-                        timeout=5,
-                        metadata=self.md,
-                    )
-                    registered = hb.known
-                    delay = interval if registered else 0.0
+                    if self._unary:
+                        registered = self._unary_heartbeat(stub)
+                        delay = interval if registered else _jitter(interval)
+                    else:
+                        registered = self._stream_heartbeats(stub, interval, ttl)
+                        delay = 0.0 if registered else _jitter(interval)
+                except _Silent as e:  # no answer on the stream for two TTLs
+                    registered = False
+                    log.warning("%s; reconnecting", e)
+                    if len(self.masters) > 1:
+                        channel.close()
+                        idx = (idx + 1) % len(self.masters)
+                        channel = open_channel(self.masters[idx], self.tls, _CHANNEL_OPTIONS)
+                    delay = _jitter(backoff.next())
                 except grpc.RpcError as e:
+                    code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
+                    if code == grpc.StatusCode.UNIMPLEMENTED and not self._unary:
+                        # an older master: still registered, heartbeat with unary calls
+                        log.warning("master %s has no heartbeat stream: unary heartbeats",
+                                    self.masters[idx])  # fmt: skip
+                        self._unary = True
+                        continue
                     registered = False
                     now = time.monotonic()
                     if waiting_since is None:
                         waiting_since = now
-                    code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
                     details = (e.details() if isinstance(e, grpc.Call) else "") or str(code)
                     if code == grpc.StatusCode.FAILED_PRECONDITION:
                         if conflict_until is None:
@@ -231,9 +257,15 @@ class MasterLink:
                             and len(self.masters) > 1
                         ):
                             channel.close()
-                            idx = (idx + 1) % len(self.masters)
+                            # a standby names the leader: go there, else try the next
+                            leader = _trailer(e, LEADER_TRAILER)
+                            idx = (
+                                self.masters.index(leader)
+                                if leader in self.masters and leader != self.masters[idx]
+                                else (idx + 1) % len(self.masters)
+                            )
                             channel = open_channel(self.masters[idx], self.tls, _CHANNEL_OPTIONS)
-                    delay = backoff.next()
+                    delay = _jitter(backoff.next())
                 self._stop.wait(delay)
             if registered:
                 with contextlib.suppress(grpc.RpcError):
@@ -245,12 +277,86 @@ class MasterLink:
         finally:
             channel.close()
 
+    def _unary_heartbeat(self, stub: master_pb2_grpc.MasterStub) -> bool:
+        """One unary Heartbeat (masters without HeartbeatStream); True if known."""
+        hb = stub.Heartbeat(self._heartbeat(), timeout=5, metadata=self.md)
+        return bool(hb.known)
+
+    def _heartbeat(self) -> master_pb2.HeartbeatRequest:
+        return master_pb2.HeartbeatRequest(
+            worker_id=self.worker_id, stats=self._stats(), instance=self.instance
+        )
+
+    def _stream_heartbeats(
+        self, stub: master_pb2_grpc.MasterStub, interval: float, ttl: float
+    ) -> bool:
+        """Heartbeat every ``interval`` on one HeartbeatStream until ``stop`` (returns
+        True: still registered) or until the master answers that it forgot this worker
+        or ends the stream (returns False: register again).
+
+        Sends nothing while the data plane is not serving (the master then drops
+        the worker within its TTL). Raises grpc.RpcError when the stream fails, and
+        _Silent when the master said nothing for two TTLs (a hung master or a dead
+        connection that TCP did not report).
+        """
+        done = threading.Event()
+        heard = [time.monotonic()]
+        calls: list[Any] = []
+        say = Throttle()
+        silent = [False]
+
+        def requests() -> Iterator[master_pb2.HeartbeatRequest]:
+            while not done.is_set():
+                if self._serving():
+                    yield self._heartbeat()
+                elif say.ready(time.monotonic()):
+                    log.error("the transfer plane is not serving: not heartbeating")
+                if self._stop.wait(interval) or done.is_set():
+                    return
+                if time.monotonic() - heard[0] > 2 * ttl and calls:
+                    silent[0] = True
+                    calls[0].cancel()
+                    return
+
+        call = stub.HeartbeatStream(requests(), metadata=self.md)
+        calls.append(call)
+        try:
+            for resp in call:
+                heard[0] = time.monotonic()
+                if not resp.known:
+                    return False
+            return self._stop.is_set()
+        except grpc.RpcError:
+            if silent[0]:
+                raise _Silent(f"the master said nothing for {2 * ttl:g}s") from None
+            raise
+        finally:
+            done.set()
+
+
+class _Silent(Exception):
+    """The heartbeat stream heard nothing from the master for two TTLs."""
+
+
+def _jitter(delay: float) -> float:
+    """``delay`` scaled by a random factor in [0.5, 1): spreads workers that fail
+    together (a master failover) so they do not all come back at the same moment."""
+    return delay * (0.5 + random.random() / 2)
+
+
+def _trailer(e: grpc.RpcError, key: str) -> str:
+    """The value of trailer ``key`` of a failed call, "" when absent."""
+    if isinstance(e, grpc.Call):
+        for k, v in e.trailing_metadata() or ():
+            if k == key:
+                return v if isinstance(v, str) else v.decode(errors="replace")
+    return ""
+
 
 def _conflict_ttl(e: grpc.RpcError) -> float:
     """The master's worker TTL from the trailer of an id conflict."""
-    if isinstance(e, grpc.Call):
-        for k, v in e.trailing_metadata() or ():
-            if k == TTL_TRAILER:
-                with contextlib.suppress(ValueError):
-                    return max(0.0, float(v if isinstance(v, str) else v.decode()))
+    with contextlib.suppress(ValueError):
+        v = _trailer(e, TTL_TRAILER)
+        if v:
+            return max(0.0, float(v))
     return DEFAULT_CONFLICT_TTL

@@ -290,6 +290,15 @@ def test_standbys_mirror_forward_and_take_over_on_sigterm(ha: HaCluster) -> None
         assert shard_map(ha.addresses[lead]) == shard_map(ha.addresses[standby])
         hb = stub.Heartbeat(master_pb2.HeartbeatRequest(worker_id="nobody"), timeout=10)
         assert not hb.known, "the leader answered: it does not know this worker"
+        # A heartbeat stream is not forwarded: the standby ends it UNAVAILABLE and
+        # names the leader, where the worker goes next.
+        call = stub.HeartbeatStream(
+            iter([master_pb2.HeartbeatRequest(worker_id="fake", instance=TOKEN_A)]), timeout=10
+        )
+        with pytest.raises(grpc.RpcError) as e:
+            next(call)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert dict(e.value.trailing_metadata() or ())["kvstore-leader"] == ha.addresses[lead]
         with pytest.raises(grpc.RpcError) as e:
             stub.Register(master_pb2.RegisterRequest(worker=master_pb2.WorkerInfo()), timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, "the leader's answer"

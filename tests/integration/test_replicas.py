@@ -1,5 +1,6 @@
-"""Replicas with real processes: R copies on distinct workers, reads that fall back
-to a surviving copy, lazy repair on read, per-namespace counts from the master."""
+"""Replicas with real processes (over tcp, shm and ucx): R copies on distinct workers,
+reads that fall back to a surviving copy, lazy repair on read, per-namespace counts
+from the master."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kvstore_client.replicas import (
     replica_count,
 )
 from kvstore_client.sharding import build_ring
+from kvstore_client.transport import ucx
 from tests.conftest import MakeCluster
 from tests.helpers import key, value_for
 
@@ -83,13 +85,17 @@ def copies(c: Client, ns: str, hashes: list[bytes]) -> np.ndarray:
     return total
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("transport", ["tcp", "shm", "ucx"])
 def test_sigkill_under_verified_reads(make_cluster: MakeCluster, transport: str) -> None:
+    if transport == "ucx" and not ucx.available():
+        pytest.skip("ucxx is not importable: pip install 'kvstore-cache[ucx]'")
     c = make_cluster(
         workers=3,
         dram_size="64MiB",
         worker_ttl="2s",
         extra_master_args=["--replicas", "2", "--namespace-replicas", "r1/=1"],
+        # ucx:// workers listen on a UCX port too (as in test_ucx.py)
+        extra_worker_args=["--ucx-port", "0"] if transport == "ucx" else [],
     )
     hs2 = [key(i, "r2") for i in range(240)]
     hs1 = [key(i, "r1") for i in range(240)]

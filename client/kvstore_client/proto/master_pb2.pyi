@@ -244,6 +244,21 @@ Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
 
 @_typing.final
 class LeaveRequest(_message.Message):
+    """Heartbeats on one long-lived stream per worker (HeartbeatStream): each request
+    is handled as a Heartbeat call would be, but the master answers only
+     - the first heartbeat of the stream,
+     - a heartbeat of a worker it does not know (known = false; it then ends the
+       stream with OK, and the worker registers again and opens a new stream),
+     - and otherwise at most one heartbeat per `ttl_s` seconds (a sign of life: a
+       worker that hears nothing for two TTLs drops the stream and reconnects).
+    A standby master, or a leader that steps down, ends the stream with UNAVAILABLE
+    (and the `kvstore-leader` trailer when it knows the leader); a token mismatch
+    ends it with FAILED_PRECONDITION. All heartbeats of one stream must name the
+    same worker id and instance (INVALID_ARGUMENT otherwise).
+    A unary call costs the master ~0.7 ms of CPU in grpc; a message on an open
+    stream a small fraction of that.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     WORKER_ID_FIELD_NUMBER: _builtins.int

@@ -44,6 +44,11 @@ class MasterStub:
                 request_serializer=master__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=master__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.HeartbeatStream = channel.stream_stream(
+                '/kvstore.v1.Master/HeartbeatStream',
+                request_serializer=master__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=master__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/kvstore.v1.Master/Leave',
                 request_serializer=master__pb2.LeaveRequest.SerializeToString,
@@ -77,6 +82,13 @@ class MasterServicer:
 
     def Heartbeat(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HeartbeatStream(self, request_iterator, context):
+        """The same heartbeats on one stream per worker (see HeartbeatResponse above).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -116,6 +128,11 @@ def add_MasterServicer_to_server(servicer, server):
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
+                    request_deserializer=master__pb2.HeartbeatRequest.FromString,
+                    response_serializer=master__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'HeartbeatStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.HeartbeatStream,
                     request_deserializer=master__pb2.HeartbeatRequest.FromString,
                     response_serializer=master__pb2.HeartbeatResponse.SerializeToString,
             ),
@@ -192,6 +209,33 @@ class Master:
             request,
             target,
             '/kvstore.v1.Master/Heartbeat',
+            master__pb2.HeartbeatRequest.SerializeToString,
+            master__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeartbeatStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvstore.v1.Master/HeartbeatStream',
             master__pb2.HeartbeatRequest.SerializeToString,
             master__pb2.HeartbeatResponse.FromString,
             options,

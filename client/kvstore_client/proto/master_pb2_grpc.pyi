@@ -36,6 +36,8 @@ class MasterStub:
     def __new__(cls, channel: _aio.Channel) -> MasterAsyncStub: ...
     Register: _grpc.UnaryUnaryMultiCallable[_master_pb2.RegisterRequest, _master_pb2.RegisterResponse]
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_master_pb2.HeartbeatRequest, _master_pb2.HeartbeatResponse]
+    HeartbeatStream: _grpc.StreamStreamMultiCallable[_master_pb2.HeartbeatRequest, _master_pb2.HeartbeatResponse]
+    """The same heartbeats on one stream per worker (see HeartbeatResponse above)."""
     Leave: _grpc.UnaryUnaryMultiCallable[_master_pb2.LeaveRequest, _master_pb2.LeaveResponse]
     GetShardMap: _grpc.UnaryUnaryMultiCallable[_master_pb2.GetShardMapRequest, _master_pb2.ShardMap]
     WatchShardMap: _grpc.UnaryStreamMultiCallable[_master_pb2.WatchShardMapRequest, _master_pb2.ShardMap]
@@ -47,6 +49,8 @@ class MasterAsyncStub(MasterStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Register: _aio.UnaryUnaryMultiCallable[_master_pb2.RegisterRequest, _master_pb2.RegisterResponse]  # type: ignore[assignment]
     Heartbeat: _aio.UnaryUnaryMultiCallable[_master_pb2.HeartbeatRequest, _master_pb2.HeartbeatResponse]  # type: ignore[assignment]
+    HeartbeatStream: _aio.StreamStreamMultiCallable[_master_pb2.HeartbeatRequest, _master_pb2.HeartbeatResponse]  # type: ignore[assignment]
+    """The same heartbeats on one stream per worker (see HeartbeatResponse above)."""
     Leave: _aio.UnaryUnaryMultiCallable[_master_pb2.LeaveRequest, _master_pb2.LeaveResponse]  # type: ignore[assignment]
     GetShardMap: _aio.UnaryUnaryMultiCallable[_master_pb2.GetShardMapRequest, _master_pb2.ShardMap]  # type: ignore[assignment]
     WatchShardMap: _aio.UnaryStreamMultiCallable[_master_pb2.WatchShardMapRequest, _master_pb2.ShardMap]  # type: ignore[assignment]
@@ -67,6 +71,14 @@ class MasterServicer(metaclass=_abc_1.ABCMeta):
         request: _master_pb2.HeartbeatRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_master_pb2.HeartbeatResponse, _abc.Awaitable[_master_pb2.HeartbeatResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def HeartbeatStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_master_pb2.HeartbeatRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_master_pb2.HeartbeatResponse], _abc.AsyncIterator[_master_pb2.HeartbeatResponse]]:
+        """The same heartbeats on one stream per worker (see HeartbeatResponse above)."""
 
     @_abc_1.abstractmethod
     def Leave(

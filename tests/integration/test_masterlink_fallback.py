@@ -1,0 +1,114 @@
+"""The worker's master link against a master without HeartbeatStream (an older
+master, here a minimal in-process gRPC server with Register and Heartbeat only):
+it falls back to unary heartbeats and stays registered; and against a current-shape
+server it streams, re-registering when told it was forgotten."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from kvstore.worker.masterlink import MasterLink
+from kvstore_client.proto import master_pb2
+
+
+class OldMaster:
+    """Register and Heartbeat only (UNIMPLEMENTED for HeartbeatStream), or with
+    ``stream`` a HeartbeatStream that forgets the worker after ``forget_after``."""
+
+    def __init__(self, stream: bool, forget_after: int = 0) -> None:
+        self.registers = 0
+        self.unary = 0
+        self.streamed = 0
+        self.forget_after = forget_after
+        handlers: dict[str, Any] = {
+            "Register": grpc.unary_unary_rpc_method_handler(
+                self.register,
+                request_deserializer=master_pb2.RegisterRequest.FromString,
+                response_serializer=master_pb2.RegisterResponse.SerializeToString,
+            ),
+            "Heartbeat": grpc.unary_unary_rpc_method_handler(
+                self.heartbeat,
+                request_deserializer=master_pb2.HeartbeatRequest.FromString,
+                response_serializer=master_pb2.HeartbeatResponse.SerializeToString,
+            ),
+        }
+        if stream:
+            handlers["HeartbeatStream"] = grpc.stream_stream_rpc_method_handler(
+                self.stream,
+                request_deserializer=master_pb2.HeartbeatRequest.FromString,
+                response_serializer=master_pb2.HeartbeatResponse.SerializeToString,
+            )
+        self.server = grpc.server(futures.ThreadPoolExecutor(8))
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("kvstore.v1.Master", handlers),)
+        )
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def register(self, req: master_pb2.RegisterRequest, ctx: Any) -> master_pb2.RegisterResponse:
+        self.registers += 1
+        return master_pb2.RegisterResponse(heartbeat_interval_s=0.05, ttl_s=0.2, map_version=1)
+
+    def heartbeat(self, req: master_pb2.HeartbeatRequest, ctx: Any) -> master_pb2.HeartbeatResponse:
+        self.unary += 1
+        return master_pb2.HeartbeatResponse(known=True, map_version=1)
+
+    def stream(
+        self, reqs: Iterator[master_pb2.HeartbeatRequest], ctx: Any
+    ) -> Iterator[master_pb2.HeartbeatResponse]:
+        for n, _ in enumerate(reqs, 1):
+            self.streamed += 1
+            if self.forget_after and n >= self.forget_after:
+                yield master_pb2.HeartbeatResponse(known=False)
+                return
+            if n == 1:
+                yield master_pb2.HeartbeatResponse(known=True, map_version=1)
+
+
+def _link(port: int) -> tuple[MasterLink, threading.Event]:
+    registered = threading.Event()
+    link = MasterLink(
+        [f"127.0.0.1:{port}"],
+        tls=None,
+        token="",
+        worker_id="w1",
+        info=lambda: master_pb2.WorkerInfo(id="w1"),
+        stats=master_pb2.WorkerStats,
+        on_registered=registered.set,
+        on_fatal=lambda msg: None,
+    )
+    return link, registered
+
+
+def test_falls_back_to_unary_heartbeats_on_an_old_master() -> None:
+    m = OldMaster(stream=False)
+    link, registered = _link(m.port)
+    link.start()
+    try:
+        assert registered.wait(5)
+        time.sleep(1.0)
+        assert m.unary >= 5, "unary heartbeats every 50 ms"
+        assert m.registers == 1, "the fallback keeps the registration"
+    finally:
+        link.stop()
+        m.server.stop(0)
+
+
+def test_streams_and_registers_again_when_forgotten() -> None:
+    m = OldMaster(stream=True, forget_after=5)
+    link, registered = _link(m.port)
+    link.start()
+    try:
+        assert registered.wait(5)
+        time.sleep(1.5)
+        assert m.unary == 0 and m.streamed >= 10
+        assert m.registers >= 2, "told it was forgotten, the worker registered again"
+    finally:
+        link.stop()
+        m.server.stop(0)
