@@ -55,7 +55,7 @@ def generate(llm: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvstore_client.connectors._common import TOTALS
+    from kvstore_client.connectors.stats import TOTALS
 
     sp = SamplingParams(
         max_tokens=max_tokens, temperature=0.0, logprobs=0, detokenize=False, ignore_eos=True

@@ -39,7 +39,10 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
 )
 
 from ..keys import leading_run
-from ._common import ClientHolder, ConnectorConfig, Counters, namespace, record
+from .config import SGLANG_OWN_KEYS, ConnectorConfig
+from .holder import ClientHolder
+from .naming import namespace
+from .stats import Counters, record
 
 log = logging.getLogger(__name__)
 NAME = "sglang"
@@ -71,7 +74,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None
     ) -> None:
         extra = dict(storage_config.extra_config or {})
-        self._cfg = ConnectorConfig.from_dict(extra)
+        self._cfg = ConnectorConfig.from_dict(extra, ignore=SGLANG_OWN_KEYS)
         self._sc = storage_config
         self._holder = ClientHolder(self._cfg.master, self._cfg.timeout_s)
         self._holder.start()
