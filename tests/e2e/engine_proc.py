@@ -1,6 +1,7 @@
 """One vLLM engine in its own process, driven by JSON lines (used by the e2e tests).
 
 ``python -m tests.e2e.engine_proc '{"model": DIR, "master": "HOST:PORT" | null, ...}'``
+(also ``"kv_role"``, ``"extra"``: connector settings, ``"engine"``: ``vllm.LLM`` arguments)
 starts ``vllm.LLM`` (in-process engine core: VLLM_ENABLE_V1_MULTIPROCESSING=0), runs
 one warm-up request, prints ``{"event": "ready"}`` and then answers one JSON line per
 request line on stdout (everything else the libraries print goes to stderr):
@@ -39,13 +40,14 @@ def make_llm(cfg: dict[str, Any]) -> Any:
         enable_prefix_caching=True,
         kv_cache_memory_bytes=256 << 20,
     )
+    kw.update(cfg.get("engine", {}))  # e.g. a hybrid model lets vLLM pick its block size
     if cfg.get("master"):
         extra = {"master": cfg["master"], "lookup_timeout_s": 1.0}
         extra.update(cfg.get("extra", {}))
         kw["kv_transfer_config"] = {
             "kv_connector": "KVStoreConnector",
             "kv_connector_module_path": "kvstore_client.connectors.vllm",
-            "kv_role": "kv_both",
+            "kv_role": cfg.get("kv_role", "kv_both"),
             "kv_connector_extra_config": extra,
         }
     return LLM(**kw)

@@ -30,6 +30,8 @@ class Engine:
         master: str | None = None,
         extra: dict[str, Any] | None = None,
         warmup_seed: int = 99,
+        kv_role: str = "kv_both",
+        engine: dict[str, Any] | None = None,
     ) -> None:
         self.name = name
         self.cfg = {
@@ -37,6 +39,8 @@ class Engine:
             "master": master,
             "extra": extra or {},
             "warmup_seed": warmup_seed,
+            "kv_role": kv_role,
+            "engine": engine or {},
         }
         self.log_path = log_dir / f"engine-{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None

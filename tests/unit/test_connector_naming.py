@@ -21,6 +21,7 @@ from kvstore_client.connectors.naming import (
     namespace,
     rank_namespaces,
     resolve_ranks,
+    sglang_shard,
 )
 from kvstore_client.keys import check_namespace
 
@@ -145,3 +146,16 @@ def test_unknown_rank_raises() -> None:
     with pytest.raises(ValueError):
         resolve_ranks((2, 2, 0, 1), 2, 1)
     assert resolve_ranks((1, 2, 0, 1), 2, 1) == (1, 2, 0, 1)
+
+
+def test_sglang_shards() -> None:
+    """MLA KV is one shared copy (tp0of1) unless decode-context parallelism splits a
+    page's tokens across ranks: then one copy per DCP rank. Attention context
+    parallelism is refused clearly."""
+    assert sglang_shard(is_mla=False, tp_rank=1, tp_size=2) == ("tp", 1, 2)
+    assert sglang_shard(is_mla=True, tp_rank=1, tp_size=2) == ("tp", 0, 1)
+    assert sglang_shard(is_mla=True, tp_rank=3, tp_size=4, dcp_rank=1, dcp_size=2) == ("dcp", 1, 2)
+    with pytest.raises(ValueError, match="context parallelism"):
+        sglang_shard(is_mla=False, tp_rank=0, tp_size=1, attn_cp_size=2)
+    with pytest.raises(ValueError, match="MLA"):
+        sglang_shard(is_mla=False, tp_rank=0, tp_size=2, dcp_rank=0, dcp_size=2)

@@ -17,6 +17,7 @@ from kvstore_client.connectors.planning import (
     StagingBudget,
     all_ranks,
     hybrid_hit_blocks,
+    pool_hit,
     role_flags,
 )
 
@@ -192,3 +193,20 @@ def test_kv_role() -> None:
     assert role_flags("kv_consumer") == (True, False)
     with pytest.raises(ValueError, match="kv_role"):
         role_flags("kv_sometimes")
+
+
+def test_pool_hit_needs_the_state_at_the_prefix_end() -> None:
+    """SGLang's hybrid pools: a prefix is usable when its KV pages are present and
+    each extra pool allows it (trailing pages: the state at its end)."""
+    kv = [True] * 6 + [False, True]
+    mamba = [False, True, False, False, True, False, False, False]
+    final, hits, restorable = pool_hit(kv, [("mamba", False, 1, mamba)])
+    assert final == 5 and restorable == [2, 5] and hits == {"kv": 6, "mamba": 5}
+    # no state anywhere: no hit, never KV without state
+    assert pool_hit(kv, [("mamba", False, 1, [False] * 8)])[0] == 0
+    # an all-pages pool cuts at its first gap
+    assert pool_hit(kv, [("dsa", True, 0, [True, True, True, False, True, True])])[0] == 3
+    # two pools: the prefix lengths both allow
+    both = pool_hit(kv, [("mamba", False, 1, mamba), ("swa", False, 2, [True] * 3 + [False] * 5)])
+    assert both[0] == 2
+    assert pool_hit([], [])[0] == 0 and pool_hit([True, True], [])[0] == 2

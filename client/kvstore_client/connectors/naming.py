@@ -198,3 +198,32 @@ def resolve_ranks(
             f"engine's parallel config (tp {tp_size}, pp {pp_size})"
         )
     return tp, tps, pp, pps
+
+
+def sglang_shard(
+    *,
+    is_mla: bool,
+    tp_rank: int,
+    tp_size: int,
+    dcp_rank: int = 0,
+    dcp_size: int = 1,
+    attn_cp_size: int = 1,
+) -> tuple[str, int, int]:
+    """Which shard of the KV an SGLang rank holds: (tag, rank, size) for its
+    namespace. MLA KV is the same on every TP rank (one shared copy, ``tp0of1``)
+    unless decode-context parallelism splits each page's tokens across the DCP
+    group (then one copy per DCP rank, ``dcp<r>of<n>``). Attention context
+    parallelism is refused (ValueError): its ranks hold token slices the keys do
+    not name."""
+    if attn_cp_size > 1:
+        raise ValueError(
+            f"kvstore HiCache backend: attention context parallelism ({attn_cp_size} ranks) "
+            "splits a page's tokens across ranks; not supported"
+        )
+    if dcp_size > 1:
+        if not is_mla:
+            raise ValueError("kvstore HiCache backend: decode-context parallelism needs MLA")
+        return "dcp", dcp_rank, dcp_size
+    if is_mla:
+        return "tp", 0, 1
+    return "tp", tp_rank, tp_size

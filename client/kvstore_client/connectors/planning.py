@@ -350,3 +350,37 @@ class StagingBudget:
     def release(self, n: int) -> None:
         with self._lock:
             self.used = max(0, self.used - n)
+
+
+def pool_hit(
+    kv_flags: Sequence[bool], pools: Sequence[tuple[str, bool, int, Sequence[bool]]]
+) -> tuple[int, dict[str, int], list[int]]:
+    """SGLang's multi-pool hit (``batch_exists_v2``) from existence flags.
+
+    ``kv_flags``: the KV pool's page flags; ``pools``: per extra pool (name,
+    all_pages, trailing, flags), where ``all_pages`` pools need every page of the
+    prefix and the others only its last ``trailing`` pages (Mamba / SWA state).
+    Returns (usable pages, pages found per pool, every usable prefix length): a
+    prefix is usable only when the KV pages and every pool allow it, so a state
+    missing at the end shrinks the hit to the last boundary that has one."""
+    kv = leading_run(kv_flags)
+    hits: dict[str, int] = {"kv": kv} if kv else {}
+    restorable = list(range(1, kv + 1))
+    for name, all_pages, trailing, flags in pools:
+        if not restorable:
+            break
+
+        def has(i: int, flags: Sequence[bool] = flags) -> bool:
+            return i < len(flags) and bool(flags[i])
+
+        if all_pages:
+            boundary = next((i for i in range(kv) if not has(i)), kv)
+            ok = set(range(1, boundary + 1))
+        else:
+            t = max(1, trailing)
+            ok = {n for n in range(1, kv + 1) if all(has(i) for i in range(max(0, n - t), n))}
+            boundary = max(ok, default=0)
+        if boundary:
+            hits[name] = boundary
+        restorable = [n for n in restorable if n in ok]
+    return (restorable[-1] if restorable else 0), hits, restorable
