@@ -99,12 +99,15 @@ class Engine:
         return self
 
     def generate(
-        self, prompt: list[int], max_tokens: int = 8, timeout: float = 300.0
+        self, prompt: list[int], max_tokens: int = 8, timeout: float = 300.0, top: int = 0
     ) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdin is not None
         self.proc.stdin.write(
             (
-                json.dumps({"op": "generate", "prompt": prompt, "max_tokens": max_tokens}) + "\n"
+                json.dumps(
+                    {"op": "generate", "prompt": prompt, "max_tokens": max_tokens, "top": top}
+                )
+                + "\n"
             ).encode()
         )
         self.proc.stdin.flush()

@@ -16,6 +16,7 @@ from kvstore_client.connectors.planning import (
     RequestTracker,
     StagingBudget,
     all_ranks,
+    classify_groups,
     hybrid_hit_blocks,
     pool_hit,
     role_flags,
@@ -210,3 +211,25 @@ def test_pool_hit_needs_the_state_at_the_prefix_end() -> None:
     both = pool_hit(kv, [("mamba", False, 1, mamba), ("swa", False, 2, [True] * 3 + [False] * 5)])
     assert both[0] == 2
     assert pool_hit([], [])[0] == 0 and pool_hit([True, True], [])[0] == 2
+
+
+def test_cache_groups_the_connector_serves_or_refuses() -> None:
+    """Hybrid models: attention groups are KV, align-mode Mamba groups are state;
+    anything else switches the connector off with a reason, never a wrong hit
+    (old code: a pure Mamba model, one group, was written as if its state were KV)."""
+    full = ("FullAttentionSpec", 128, None, 0)
+    mamba = ("MambaSpec", 128, "align", 0)
+    assert classify_groups([full]) == ([0], [], None)
+    assert classify_groups([mamba, full]) == ([1], [0], None)  # LFM2 as vLLM makes it
+    assert classify_groups([full, full, mamba]) == ([0, 1], [2], None)
+    refused = {
+        "pure state": [mamba],
+        "no align": [full, ("MambaSpec", 128, "none", 0)],
+        "speculative": [full, ("MambaSpec", 128, "align", 1)],
+        "sliding window": [full, ("SlidingWindowSpec", 128, None, 0)],
+        "block sizes": [("FullAttentionSpec", 64, None, 0), mamba],
+    }
+    for what, specs in refused.items():
+        attn, state, why = classify_groups(specs)
+        assert why and attn == [] and state == [], what
+    assert "pure state" in str(classify_groups([mamba])[2])

@@ -11,6 +11,8 @@ engine types and of I/O so they are unit-tested without an engine or a store.
   again" until done or past its deadline (the scheduler never waits on the store).
 - :class:`StagingBudget`: a cap on the bytes of staging buffers in flight.
 - :func:`role_flags`: what ``kv_role`` allows (load, save).
+- :func:`classify_groups`: which vLLM KV cache groups hold KV, which hold state,
+  or why the connector must stay off for a model.
 """
 
 from __future__ import annotations
@@ -384,3 +386,38 @@ def pool_hit(
             hits[name] = boundary
         restorable = [n for n in restorable if n in ok]
     return (restorable[-1] if restorable else 0), hits, restorable
+
+
+def classify_groups(
+    specs: list[tuple[str, int, str | None, int]],
+) -> tuple[list[int], list[int], str | None]:
+    """Split KV cache groups into attention groups (KV blocks) and state groups
+    (recurrent state at block boundaries), or say why the connector cannot serve
+    them. ``specs``: per group (spec class name, block size, Mamba cache mode or
+    None, speculative blocks). Pure: unit-tested without vLLM."""
+    attn: list[int] = []
+    state: list[int] = []
+    for i, (kind, _block, mode, spec_blocks) in enumerate(specs):
+        if kind in ("FullAttentionSpec", "MLAAttentionSpec"):
+            attn.append(i)
+        elif kind == "MambaSpec":
+            if mode != "align":
+                return (
+                    [],
+                    [],
+                    (
+                        f"its recurrent state (group {i}) is not kept at block boundaries "
+                        f"(mamba_cache_mode {mode!r}; enable prefix caching: vLLM's 'align' mode)"
+                    ),
+                )
+            if spec_blocks:
+                return [], [], "speculative state blocks (MTP / EAGLE) are not supported"
+            state.append(i)
+        else:
+            return [], [], f"KV cache group {i} is a {kind}, which the connector cannot store"
+    if not attn:
+        return [], [], "it has no full-attention layers (a pure state model)"
+    sizes = {specs[i][1] for i in attn + state}
+    if len(sizes) != 1:
+        return [], [], f"its groups have different block sizes {sorted(sizes)}"
+    return attn, state, None

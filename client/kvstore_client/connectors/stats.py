@@ -22,6 +22,8 @@ COUNTER_NAMES = (
     "skipped_short_blocks",
     "skipped_slow_blocks",
     "dropped_save_blocks",
+    "loaded_states",
+    "stored_states",
 )
 TIMER_NAMES = ("lookup_seconds", "load_seconds", "store_seconds")
 
@@ -67,6 +69,16 @@ def _prom() -> dict[str, Any]:
                 "kvstore_connector_stored_blocks_total", "Blocks written", lab
             ),
             "stored_bytes": Counter("kvstore_connector_stored_bytes_total", "Bytes written", lab),
+            "loaded_states": Counter(
+                "kvstore_connector_loaded_states_total",
+                "Hybrid-model boundary states loaded",
+                lab,
+            ),
+            "stored_states": Counter(
+                "kvstore_connector_stored_states_total",
+                "Hybrid-model boundary states written",
+                lab,
+            ),
             "store_failed_blocks": Counter(
                 "kvstore_connector_store_failed_blocks_total",
                 "Blocks not written (already there by another writer, or worker down)",

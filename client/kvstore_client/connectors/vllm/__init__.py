@@ -28,8 +28,14 @@ Shape (as vLLM's own offloading connector): this facade makes one
   is planned again (up to three attempts).
 - Worker process: see :mod:`kvstore_client.connectors.vllm.worker`.
 
-Models with more than one KV cache group (hybrid state, or mixed attention kinds)
-run with the connector switched off (one warning at start): never a wrong hit.
+Hybrid models (``SupportsHMA``: full-attention groups plus Mamba-style state
+groups in vLLM's "align" mode): KV blocks go under the namespace, the recurrent
+state vLLM offers at each committed block boundary under ``.../state`` with the
+hash of the block ending there; a hit of k blocks needs KV blocks 0..k-1 and the
+state at k, and loads both (the state into the state group's block k-1, where vLLM
+reads a prefix hit's state), or fails the request's load as a whole. Group kinds
+it cannot serve (sliding window, state without "align", a pure state model, ...)
+switch the connector off with one warning: never a wrong hit.
 Context parallelism (DCP / PCP) is refused at start (see docs/CONNECTORS.md).
 """
 
@@ -159,6 +165,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         """Scheduler, once per request of a several-group model: as request_finished."""
         assert self._sched is not None
         return self._sched.request_finished(request)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        """Scheduler: the groups a load restores (attention and, for hybrid models,
+        the state at the hit's boundary)."""
+        assert self._sched is not None
+        return self._sched.get_loaded_kv_cache_group_ids()
 
     def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
         """Either side: this interval's counters (None when nothing happened)."""

@@ -18,8 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: igno
 )
 
 from ..config import ConnectorConfig
-from ..naming import STATE_KIND, ModelIdentity, namespace, rank_namespaces
-from ..planning import role_flags
+from ..naming import ModelIdentity, namespace, rank_namespaces
+from ..planning import classify_groups, role_flags
 from ..stats import COUNTER_NAMES, TIMER_NAMES, merge_stats, reduce_stats, stats_empty
 
 log = logging.getLogger(__name__)
@@ -32,12 +32,27 @@ NAME = "vllm"
 @dataclass
 class Transfer:
     """Blocks of one request to load or save: parallel lists (``indices`` = the
-    blocks' positions in the request)."""
+    blocks' positions in the request; ``block_ids[j]`` = their ids in the j-th
+    attention group). ``state`` (hybrid models, loads): the state block to fill,
+    one id per state group, from the state stored under ``state_hash``."""
 
     req_id: str
-    block_ids: list[int]
+    block_ids: list[list[int]]
     hashes: list[bytes]
     indices: list[int]
+    state_ids: list[int] | None = None
+    state_hash: bytes | None = None
+
+
+@dataclass
+class StateSave:
+    """A boundary state vLLM offered this step: the state after block ``index``
+    (hash ``hash``), in block ``block_ids[j]`` of the j-th state group."""
+
+    req_id: str
+    index: int
+    hash: bytes
+    block_ids: list[int]
 
 
 @dataclass
@@ -46,6 +61,7 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    state_saves: list[StateSave] = field(default_factory=list)
 
 
 @dataclass
@@ -186,19 +202,30 @@ def identity(vllm_config: Any, cfg: ConnectorConfig) -> ModelIdentity:
 
 @dataclass(slots=True)
 class Setup:
-    """Decisions both sides make alike from the engine's config."""
+    """Decisions both sides make alike from the engine's config.
+
+    ``attn_groups``: the KV cache groups whose blocks are stored as KV (a value is
+    one block of every layer of these groups, group after group); ``state_groups``:
+    the recurrent-state groups whose boundary blocks go to the state namespace
+    (empty for attention-only models); ``block``: tokens per block, vLLM's resolved
+    size (enlarged for hybrid models), not ``cache_config.block_size``."""
 
     cfg: ConnectorConfig
     ident: ModelIdentity
     dtype: str
     layout: str
     block: int
-    kv_group: int
+    attn_groups: list[int]
+    state_groups: list[int]
     may_load: bool
     may_save: bool
     active: bool
     tp_size: int
     pp_size: int
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.state_groups)
 
     def ns(self, tp: int, pp: int, kind: str = "kv") -> str:
         return namespace(self.ident, self.dtype, self.layout, self.block, tp_rank=tp,
@@ -209,13 +236,11 @@ class Setup:
         return rank_namespaces(self.ident, self.dtype, self.layout, self.block,
                                self.tp_size, self.pp_size, kind)  # fmt: skip
 
-    def state_ns(self, tp: int, pp: int) -> str:
-        return self.ns(tp, pp, STATE_KIND)
-
 
 def make_setup(vllm_config: Any, kv_cache_config: Any, kv_transfer_config: Any) -> Setup:
     """Read the engine's config; raises ValueError on settings the connector cannot
-    serve correctly (unknown keys, context parallelism, a bad ``kv_role``)."""
+    serve correctly (unknown keys, context parallelism, a bad ``kv_role``). Models
+    whose cache groups it cannot serve run with it switched off (one warning)."""
     from vllm.platforms import current_platform  # type: ignore[import-not-found, unused-ignore]
 
     cfg = ConnectorConfig.from_dict(dict(kv_transfer_config.kv_connector_extra_config or {}))
@@ -224,34 +249,32 @@ def make_setup(vllm_config: Any, kv_cache_config: Any, kv_transfer_config: Any) 
         raise ValueError(f"kvstore connector: {why}")
     may_load, may_save = role_flags(getattr(kv_transfer_config, "kv_role", None))
     groups = list(kv_cache_config.kv_cache_groups)
+    specs = [
+        (type(g.kv_cache_spec).__name__, int(g.kv_cache_spec.block_size),
+         getattr(g.kv_cache_spec, "mamba_cache_mode", None),
+         int(getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0))
+        for g in groups
+    ]  # fmt: skip
+    attn, state, why = classify_groups(specs)
     parts: list[str] = []
     layers = 0
-    kv_group = -1
-    for i, g in enumerate(groups):
+    for g in groups:
         spec = g.kv_cache_spec
         layers += len(g.layer_names)
         heads = getattr(spec, "num_kv_heads", None)
         head = getattr(spec, "head_size", None)
         if heads is not None and head is not None:
             parts.append(f"{type(spec).__name__[:4].lower()}{len(g.layer_names)}x{heads}x{head}")
-            if kv_group < 0:
-                kv_group = i
         else:
-            parts.append(f"{type(spec).__name__[:5].lower()}{len(g.layer_names)}")
+            shapes = "x".join(str(n) for sh in getattr(spec, "shapes", ()) for n in sh)
+            parts.append(f"{type(spec).__name__[:5].lower()}{len(g.layer_names)}s{shapes}")
     layout = f"l{layers}-{'-'.join(parts)}-{current_platform.device_type}"
     if getattr(vllm_config.model_config, "use_mla", False):
         layout += "-mla"
-    active = True
-    if len(groups) != 1 or kv_group != 0:
-        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups) or "none"
-        log.warning(
-            "kvstore connector: switched off for this model: its KV cache groups (%s) are "
-            "not a single attention group, and writing or loading some groups without "
-            "the others would give wrong hits; the engine runs as without the connector",
-            kinds,
-        )
-        active = False
-    block = int(groups[max(kv_group, 0)].kv_cache_spec.block_size) if groups else 1
+    if why:
+        log.warning("kvstore connector: switched off for this model: %s; the engine runs as "
+                    "without the connector (never a wrong hit)", why)  # fmt: skip
+    block = specs[attn[0]][1] if attn else 1
     mc = vllm_config.model_config
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     dtype = str(mc.dtype) if cache_dtype == "auto" else cache_dtype
@@ -262,10 +285,11 @@ def make_setup(vllm_config: Any, kv_cache_config: Any, kv_transfer_config: Any) 
         dtype=dtype,
         layout=layout,
         block=block,
-        kv_group=max(kv_group, 0),
+        attn_groups=attn,
+        state_groups=state,
         may_load=may_load,
         may_save=may_save,
-        active=active,
+        active=why is None,
         tp_size=int(par.tensor_parallel_size),
         pp_size=int(par.pipeline_parallel_size),
     )

@@ -15,13 +15,14 @@ import torch  # type: ignore[import-not-found, unused-ignore]
 
 from ...keys import leading_run
 from ..holder import ClientHolder
-from ..naming import embeds_digest, extra_keys
+from ..naming import STATE_KIND, embeds_digest, extra_keys
 from ..planning import (
     BandwidthMeter,
     LoadPolicy,
     Lookups,
     RequestTracker,
     all_ranks,
+    hybrid_hit_blocks,
 )
 from ..stats import Counters, record
 from .common import (
@@ -29,6 +30,7 @@ from .common import (
     KVStoreConnectorMetadata,
     KVStoreWorkerMetadata,
     Setup,
+    StateSave,
     Transfer,
 )
 
@@ -68,25 +70,32 @@ class SchedulerSide:
         min_hit = cfg.min_hit_tokens if cfg.min_hit_tokens is not None else setup.block
         self._policy = LoadPolicy(min_hit, cfg.prefill_tokens_per_s)
         self._holder = ClientHolder(cfg.master, cfg.timeout_s)
-        self._lookups: Lookups[list[bool]] = Lookups(
+        self._lookups: Lookups[tuple[list[bool], list[bool]]] = Lookups(
             cfg.lookup_concurrency, cfg.lookup_timeout_s, cfg.lookup_wait_s
         )
         self._namespaces = setup.all_ns()  # every rank's: a hit needs all shards
+        self._state_ns = setup.all_ns(STATE_KIND)
+        self._gids: dict[str, list[list[int]]] = {}  # per request, block ids per group
         self._trackers: dict[str, RequestTracker] = {}
         self._requests: dict[str, Any] = {}
         self._loads_out: list[Transfer] = []
         self._meter = BandwidthMeter()
         self._holder.start()
 
-    def _ask(self, hashes: list[bytes]) -> list[bool]:
-        """Lookup thread: which hashes every rank holds (one batched call per rank)."""
+    def _ask(self, hashes: list[bytes]) -> tuple[list[bool], list[bool]]:
+        """Lookup thread: which KV blocks every rank holds (one batched call per
+        rank) and, for hybrid models, which boundary states."""
         client = self._holder.get(wait=self.s.cfg.lookup_timeout_s)
         if client is None or not hashes:
-            return [False] * len(hashes)
+            return [False] * len(hashes), [False] * len(hashes)
         t0 = time.perf_counter()
-        flags = all_ranks([client.batch_exists(ns, hashes) for ns in self._namespaces])
+        kv = all_ranks([client.batch_exists(ns, hashes) for ns in self._namespaces])
+        state: list[bool] = []
+        n = leading_run(kv)
+        if self.s.hybrid and n:  # states only matter under the KV run
+            state = all_ranks([client.batch_exists(ns, hashes[:n]) for ns in self._state_ns])
         record(NAME, self._interval, "lookup_seconds", time.perf_counter() - t0)
-        return flags
+        return kv, state
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -113,10 +122,16 @@ class SchedulerSide:
                 record(NAME, self._interval, "lookup_timeouts", 1)
             elif state == "error":
                 log.warning("kvstore lookup failed: %s", res)
-            tr.present = (
-                list(res) if state == "done" and isinstance(res, list) else [False] * len(hashes)
-            )
-            tr.hit_blocks = leading_run(tr.present)
+            kv, st = res if state == "done" and isinstance(res, tuple) else ([], [])
+            tr.present = list(kv) or [False] * len(hashes)
+            tr.state_present = list(st)
+            if self.s.hybrid:
+                # The state at boundary k covers k blocks; vLLM must compute at
+                # least one token, so k stops below the prompt's end.
+                cap = (request.num_tokens - 1) // self.s.block
+                tr.hit_blocks = hybrid_hit_blocks(tr.present[:cap], tr.state_present[:cap])
+            else:
+                tr.hit_blocks = leading_run(tr.present)
             tr.looked_up_tokens = len(tokens)
             record(NAME, self._interval, "lookups", 1)
             record(NAME, self._interval, "lookup_tokens", len(tokens))
@@ -130,22 +145,27 @@ class SchedulerSide:
         return ext, ext > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """After blocks were allocated; plans the load of the hit."""
+        """After blocks were allocated; plans the load of the hit (hybrid models:
+        the KV blocks and the state at the hit's end, into the state group's block
+        of that boundary, where vLLM reads the state of a prefix hit)."""
         tr = self._trackers.get(request.request_id)
         if tr is None:
             return
-        block_ids = blocks.get_block_ids()[self.s.kv_group]
+        ids = blocks.get_block_ids()
         if num_external_tokens > 0:
-            refs = tr.plan_load(block_ids, num_external_tokens)
+            refs = tr.plan_load(ids[self.s.attn_groups[0]], num_external_tokens)
+            t = Transfer(
+                tr.req_id,
+                [[ids[g][r.index] for r in refs] for g in self.s.attn_groups],
+                [r.hash for r in refs],
+                [r.index for r in refs],
+            )
+            if self.s.hybrid and refs:
+                k = refs[-1].index + 1
+                t.state_ids = [ids[g][k - 1] for g in self.s.state_groups]
+                t.state_hash = tr.hashes[k - 1]
             if refs:
-                self._loads_out.append(
-                    Transfer(
-                        tr.req_id,
-                        [r.block_id for r in refs],
-                        [r.hash for r in refs],
-                        [r.index for r in refs],
-                    )
-                )
+                self._loads_out.append(t)
             record(NAME, self._interval, "hit_tokens", num_external_tokens)
             tr.decision = "loading"
         elif tr.decision in ("short_hit", "slow_load"):
@@ -153,17 +173,23 @@ class SchedulerSide:
             record(NAME, self._interval, name, tr.skipped_blocks())
             tr.decision = "counted"
 
+    def get_loaded_kv_cache_group_ids(self) -> tuple[int, ...]:
+        """The groups a load restores: every attention group and, at the hit's
+        boundary, every state group."""
+        return tuple(sorted(self.s.attn_groups + self.s.state_groups))
+
     def _plan_save(self, tr: RequestTracker, computed: int, meta: KVStoreConnectorMetadata) -> None:
         req = self._requests.get(tr.req_id)
         if req is None or not self.s.may_save:
             return
         refs, skipped = tr.blocks_to_save(computed, req.all_token_ids)
         record(NAME, self._interval, "skipped_present_blocks", skipped)
-        if refs:
+        gids = self._gids.get(tr.req_id)
+        if refs and gids is not None:
             meta.saves.append(
                 Transfer(
                     tr.req_id,
-                    [r.block_id for r in refs],
+                    [[gids[g][r.index] for r in refs] for g in self.s.attn_groups],
                     [r.hash for r in refs],
                     [r.index for r in refs],
                 )
@@ -175,12 +201,13 @@ class SchedulerSide:
         self._loads_out = []
         if not self.s.active:
             return meta
-        g = self.s.kv_group
+        g = self.s.attn_groups[0]
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tr = self._trackers.get(new.req_id)
             if tr is None:
                 continue
+            self._gids[new.req_id] = [list(b) for b in new.block_ids]
             tr.block_ids = list(new.block_ids[g])
             self._plan_save(tr, new.num_computed_tokens + sched.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
@@ -189,13 +216,46 @@ class SchedulerSide:
             if tr is None:
                 continue
             nb = cached.new_block_ids[i]
+            gids = self._gids.setdefault(rid, [[] for _ in nb or ()])
             if rid in cached.resumed_req_ids:
                 if nb is not None:
-                    tr.block_ids = list(nb[g])
+                    self._gids[rid] = gids = [list(b) for b in nb]
             elif nb is not None:
-                tr.block_ids.extend(nb[g])
+                for have, more in zip(gids, nb, strict=False):
+                    have.extend(more)
+            if gids:
+                tr.block_ids = list(gids[g])
             self._plan_save(tr, cached.num_computed_tokens[i] + sched.get(rid, 0), meta)
+        if self.s.hybrid and self.s.may_save:
+            self._plan_state_saves(scheduler_output, meta)
         return meta
+
+    def _plan_state_saves(self, scheduler_output: Any, meta: KVStoreConnectorMetadata) -> None:
+        """The boundary states vLLM offers this step (its committed "align"
+        snapshots): one per boundary whose state block exists in every state group
+        and whose block hash is known, unless the store held it at lookup."""
+        bs = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = getattr(bs, "boundary_state_offloads", None) or {}
+        for rid, entries in offers.items():
+            tr = self._trackers.get(rid)
+            req = self._requests.get(rid)
+            if tr is None or req is None:
+                continue
+            tr.extend_hashes(req.all_token_ids)
+            by_boundary: dict[int, dict[int, int]] = {}
+            for group, block_id, boundary in entries:
+                by_boundary.setdefault(int(boundary), {})[int(group)] = int(block_id)
+            for boundary, blocks in sorted(by_boundary.items()):
+                k = boundary // self.s.block
+                if boundary % self.s.block or not 0 < k <= len(tr.hashes):
+                    continue
+                if any(blocks.get(g, 0) == 0 for g in self.s.state_groups):
+                    continue  # missing, or vLLM's null block 0: no state there
+                if k - 1 < len(tr.state_present) and tr.state_present[k - 1]:
+                    record(NAME, self._interval, "skipped_present_blocks", 1)
+                    continue
+                ids = [blocks[g] for g in self.s.state_groups]
+                meta.state_saves.append(StateSave(rid, k - 1, tr.hashes[k - 1], ids))
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Learn failed loads (those blocks get written again), save outcomes (the
@@ -223,6 +283,7 @@ class SchedulerSide:
         rid = request.request_id
         self._trackers.pop(rid, None)
         self._requests.pop(rid, None)
+        self._gids.pop(rid, None)
         self._lookups.forget(rid)
         return False, None
 
