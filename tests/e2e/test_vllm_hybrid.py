@@ -124,16 +124,21 @@ def test_engine_b_loads_kv_and_state_engine_a_stored(engines: dict[str, Engine])
 
 
 def test_control_wrong_state_would_show(engines: dict[str, Engine], fault_file: Path) -> None:
-    """The state of boundary 7 loaded at boundary 15 moves the output."""
+    """The state of boundary 7 loaded at boundary 15 moves the output. The prompt
+    ends just past boundary 15, so the first sampled tokens read the loaded state
+    directly (a short convolution's state holds the last few inputs only)."""
     A, B, R = engines["A"], engines["B"], engines["R"]
     rng = random.Random(2028)
-    prompt, more = tokens(rng, 2000), tokens(rng, 200)
-    store_two_boundaries(A, prompt)
-    R.generate(prompt, OUT)
-    ref = R.generate(prompt + more, OUT, top=2)
+    prompt = tokens(rng, 1922)
+    A.generate(prompt[:900], 1)
+    A.generate(prompt, 1)  # states at 896 (boundary 7) and 1920 (boundary 15)
+    longer = prompt + tokens(rng, 1)
+    R.generate(prompt, 1)
+    ref = R.generate(longer, OUT, top=2)
+    assert ref["num_cached_tokens"] == 1920
     fault_file.write_text('{"state_from_index": 6}')
     try:
-        rb = B.generate(prompt + more, OUT, top=2)
+        rb = B.generate(longer, OUT, top=2)
     finally:
         fault_file.unlink()
     assert rb["stats"]["loaded_states"] == 1 and rb["num_cached_tokens"] == 1920
