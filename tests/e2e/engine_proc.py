@@ -1,12 +1,14 @@
 """One vLLM engine in its own process, driven by JSON lines (used by the e2e tests).
 
 ``python -m tests.e2e.engine_proc '{"model": DIR, "master": "HOST:PORT" | null, ...}'``
+(also ``"kv_role"``, ``"extra"``: connector settings, ``"engine"``: ``vllm.LLM`` arguments)
 starts ``vllm.LLM`` (in-process engine core: VLLM_ENABLE_V1_MULTIPROCESSING=0), runs
 one warm-up request, prints ``{"event": "ready"}`` and then answers one JSON line per
 request line on stdout (everything else the libraries print goes to stderr):
 
-- ``{"op": "generate", "prompt": [ids], "max_tokens": n}`` -> ``{"tokens", "logprobs",
-  "num_cached_tokens", "seconds", "stats"}``; ``seconds`` is the wall time of the
+- ``{"op": "generate", "prompt": [ids], "max_tokens": n, "top": k}`` -> ``{"tokens",
+  "logprobs", "gaps", "num_cached_tokens", "seconds", "stats"}`` (``gaps``: with
+  ``top`` >= 2, the top-2 logprob gap per position); ``seconds`` is the wall time of the
   request (with ``max_tokens=1``, its time to first token), ``stats`` the connector
   counters of this request (process totals before/after; writes are waited for).
 - ``{"op": "exit"}``.
@@ -39,26 +41,28 @@ def make_llm(cfg: dict[str, Any]) -> Any:
         enable_prefix_caching=True,
         kv_cache_memory_bytes=256 << 20,
     )
+    kw.update(cfg.get("engine", {}))  # e.g. a hybrid model lets vLLM pick its block size
+    kw = {k: v for k, v in kw.items() if v is not None}
     if cfg.get("master"):
         extra = {"master": cfg["master"], "lookup_timeout_s": 1.0}
         extra.update(cfg.get("extra", {}))
         kw["kv_transfer_config"] = {
             "kv_connector": "KVStoreConnector",
             "kv_connector_module_path": "kvstore_client.connectors.vllm",
-            "kv_role": "kv_both",
+            "kv_role": cfg.get("kv_role", "kv_both"),
             "kv_connector_extra_config": extra,
         }
     return LLM(**kw)
 
 
-def generate(llm: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+def generate(llm: Any, prompt: list[int], max_tokens: int, top: int = 0) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvstore_client.connectors._common import TOTALS
+    from kvstore_client.connectors.stats import TOTALS
 
     sp = SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, logprobs=0, detokenize=False, ignore_eos=True
+        max_tokens=max_tokens, temperature=0.0, logprobs=top, detokenize=False, ignore_eos=True
     )
     before = TOTALS.peek()
     t0 = time.perf_counter()
@@ -75,8 +79,15 @@ def generate(llm: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     logprobs = [
         lp[tok].logprob for tok, lp in zip(comp.token_ids, comp.logprobs or [], strict=False)
     ]
+    # With ``top`` >= 2: per position, the gap between the two best logprobs (a
+    # near-tie there may flip the greedy token under tiny numeric differences).
+    gaps = []
+    for lp in comp.logprobs or []:
+        best = sorted((v.logprob for v in lp.values()), reverse=True)
+        gaps.append(best[0] - best[1] if len(best) > 1 else float("inf"))
     return {
         "tokens": list(comp.token_ids),
+        "gaps": gaps if top >= 2 else [],
         "logprobs": logprobs,
         "num_cached_tokens": out.num_cached_tokens,
         "seconds": seconds,
@@ -104,7 +115,9 @@ def main() -> None:
         if req.get("op") == "exit":
             break
         try:
-            ans = generate(llm, req["prompt"], int(req.get("max_tokens", 8)))
+            ans = generate(
+                llm, req["prompt"], int(req.get("max_tokens", 8)), int(req.get("top", 0))
+            )
         except Exception as e:  # report, keep serving
             ans = {"error": f"{type(e).__name__}: {e}"}
         proto.write(json.dumps(ans) + "\n")

@@ -30,6 +30,8 @@ class Engine:
         master: str | None = None,
         extra: dict[str, Any] | None = None,
         warmup_seed: int = 99,
+        kv_role: str = "kv_both",
+        engine: dict[str, Any] | None = None,
     ) -> None:
         self.name = name
         self.cfg = {
@@ -37,6 +39,8 @@ class Engine:
             "master": master,
             "extra": extra or {},
             "warmup_seed": warmup_seed,
+            "kv_role": kv_role,
+            "engine": engine or {},
         }
         self.log_path = log_dir / f"engine-{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -95,12 +99,15 @@ class Engine:
         return self
 
     def generate(
-        self, prompt: list[int], max_tokens: int = 8, timeout: float = 300.0
+        self, prompt: list[int], max_tokens: int = 8, timeout: float = 300.0, top: int = 0
     ) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdin is not None
         self.proc.stdin.write(
             (
-                json.dumps({"op": "generate", "prompt": prompt, "max_tokens": max_tokens}) + "\n"
+                json.dumps(
+                    {"op": "generate", "prompt": prompt, "max_tokens": max_tokens, "top": top}
+                )
+                + "\n"
             ).encode()
         )
         self.proc.stdin.flush()

@@ -26,6 +26,9 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
@@ -104,7 +107,8 @@ def test_implements_the_installed_interface() -> None:
     assert not KVStoreHiCacheStorage.__abstractmethods__
     for name in ("get", "batch_get", "set", "batch_set", "exists", "batch_exists",
                  "batch_get_v1", "batch_set_v1", "register_mem_pool_host", "get_stats",
-                 "clear"):  # fmt: skip
+                 "clear", "batch_exists_v2", "batch_get_v2", "batch_set_v2",
+                 "register_mem_host_pool_v2"):  # fmt: skip
         ours = list(inspect.signature(getattr(KVStoreHiCacheStorage, name)).parameters)
         theirs = list(inspect.signature(getattr(HiCacheStorage, name)).parameters)
         assert ours == theirs, f"{name}: {ours} != SGLang's {theirs}"
@@ -159,3 +163,60 @@ def test_unreachable_store_is_a_miss_not_an_error() -> None:
     assert b.batch_get(["k"], [torch.zeros(4)]) == [None]
     assert b.batch_set_v1(["k"], torch.arange(0, 4)) == [False]
     assert b.batch_get_v1(["k"], torch.arange(0, 4)) == [False]
+
+
+class StatePool:
+    """The surface of SGLang's Mamba host pool the v2 calls use (page_size,
+    get_data_page, get_dummy_flat_data_page, set_from_flat_data_page)."""
+
+    def __init__(self, size: int = 16, page_size: int = 1, per_page: int = 96) -> None:
+        self.page_size, self.size = page_size, size
+        self.layout, self.dtype = "mamba", torch.float32
+        self.buf = torch.zeros((size, per_page), dtype=torch.float32)
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        return self.buf[index].view(torch.uint8).flatten().clone()
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(self.buf.shape[1] * 4, dtype=torch.uint8)
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        self.buf[index].view(torch.uint8).copy_(data_page.view(torch.uint8))
+
+
+def test_hybrid_pools_v2(make_cluster: Any) -> None:
+    """KV pages plus a Mamba state pool through batch_set_v2 / batch_exists_v2 /
+    batch_get_v2: the hit needs the state at its end; state bytes round-trip."""
+    c = make_cluster(workers=2)
+    kv_a, kv_b = HostPool("page_first"), HostPool("page_first")
+    st_a, st_b = StatePool(), StatePool()
+    a, b = make_backend(c.address, kv_a), make_backend(c.address, kv_b)
+    a.register_mem_host_pool_v2(st_a, PoolName.MAMBA)
+    b.register_mem_host_pool_v2(st_b, PoolName.MAMBA)
+    ps = kv_a.page_size
+    keys = [f"hy-{i}" for i in range(6)]
+    for i in range(len(keys)):
+        kv_a.fill(i * ps, seed=i)
+    st_a.buf[3].copy_(torch.randn(96, generator=torch.Generator().manual_seed(7)))
+    res = a.batch_set_v2([
+        PoolTransfer(name=PoolName.KV, host_indices=torch.arange(0, 6 * ps), keys=keys),
+        PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([3]), keys=[keys[3]],
+                     hit_policy=PoolHitPolicy.TRAILING_PAGES),
+    ])  # fmt: skip
+    assert res == {"kv": [True] * 6, "mamba": [True]}
+    probe = [PoolTransfer(name=PoolName.MAMBA, keys=[keys[-1]],
+                          hit_policy=PoolHitPolicy.TRAILING_PAGES)]  # fmt: skip
+    hit = b.batch_exists_v2(keys, probe)
+    assert hit.kv_hit_pages == 4  # the state exists at the end of page 3 only
+    assert hit.restorable_prefix_pages == [4]
+    got = b.batch_get_v2([
+        PoolTransfer(name=PoolName.KV, host_indices=torch.arange(0, 4 * ps), keys=keys[:4]),
+        PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([9]), keys=[keys[3]],
+                     hit_policy=PoolHitPolicy.TRAILING_PAGES),
+    ])  # fmt: skip
+    assert got == {"kv": [True] * 4, "mamba": [True]}
+    assert torch.equal(st_b.buf[9], st_a.buf[3])
+    for i in range(4):
+        assert torch.equal(kv_b.page(i * ps), kv_a.page(i * ps))
+    # KV without state: no hit at all
+    assert b.batch_exists_v2(["other-0"], probe).kv_hit_pages == 0

@@ -46,6 +46,55 @@ def llama_config() -> dict[str, object]:
     }
 
 
+def lfm2_config() -> dict[str, object]:
+    """A tiny LFM2: short convolutions and full attention, alternating."""
+    return {
+        "architectures": ["Lfm2ForCausalLM"],
+        "model_type": "lfm2",
+        "vocab_size": VOCAB,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": MAX_LEN,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "conv_dim": 256,
+        "block_dim": 256,
+        "block_ff_dim": 512,
+        "block_multiple_of": 64,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+        "initializer_range": 0.1,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "torch_dtype": "float32",
+    }
+
+
+def write_tiny_lfm2(path: str | Path) -> Path:
+    """Write the tiny LFM2 to ``path`` (idempotent: a complete copy is kept)."""
+    out = Path(path)
+    stamp = out / "kvstore-tiny.json"
+    if stamp.exists() and json.loads(stamp.read_text()).get("revision") == REVISION:
+        return out
+    import torch
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(SEED)
+    cfg = Lfm2Config(**{k: v for k, v in lfm2_config().items() if k != "architectures"})
+    model = Lfm2ForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    stamp.write_text(json.dumps({"revision": REVISION, "seed": SEED}))
+    return out
+
+
 def write_tiny_llama(path: str | Path) -> Path:
     """Write the model to ``path`` (idempotent: a complete copy is kept)."""
     out = Path(path)

@@ -18,8 +18,13 @@ Keys: SGLang hands over its own page hash strings (chained over the prefix, equa
 in every SGLang process); each becomes a 16-byte kvstore hash (xxh3-128 of the
 string) in a namespace of the model, KV dtype, pool layout, page size and rank.
 Misses, an unreachable store or a full store are "not found" / "not stored",
-never exceptions into the engine. The v2 (multi-pool) calls are not implemented:
-HiCache falls back to v1 for models with a single KV pool.
+never exceptions into the engine.
+
+Hybrid models (v2 calls: a KV pool plus Mamba / SWA / ... pools): each pool has its
+own namespace (``.../<pool name>``) keyed by the same page hashes;
+``batch_exists_v2`` applies each pool's hit policy (all pages, or the trailing
+pages: the state at the prefix's end), so a prefix whose state is missing shrinks
+to the last boundary that has one, never KV without state.
 """
 
 from __future__ import annotations
@@ -36,10 +41,17 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolTransfer,
+    PoolTransferResult,
 )
 
 from ..keys import leading_run
-from ._common import ClientHolder, ConnectorConfig, Counters, namespace, record
+from .config import SGLANG_OWN_KEYS, ConnectorConfig
+from .holder import ClientHolder
+from .naming import namespace, sglang_shard
+from .planning import pool_hit
+from .stats import Counters, record
 
 log = logging.getLogger(__name__)
 NAME = "sglang"
@@ -71,21 +83,31 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None
     ) -> None:
         extra = dict(storage_config.extra_config or {})
-        self._cfg = ConnectorConfig.from_dict(extra)
+        self._cfg = ConnectorConfig.from_dict(extra, ignore=SGLANG_OWN_KEYS)
         self._sc = storage_config
         self._holder = ClientHolder(self._cfg.master, self._cfg.timeout_s)
         self._holder.start()
         self._interval = Counters()
         self.mem_pool_host: Any = None
+        self.registered_pools: dict[str, Any] = {}
+        self._shard = sglang_shard(
+            is_mla=bool(storage_config.is_mla_model),
+            tp_rank=storage_config.tp_rank,
+            tp_size=storage_config.tp_size,
+            dcp_rank=getattr(storage_config, "dcp_rank", 0),
+            dcp_size=getattr(storage_config, "dcp_size", 1),
+            attn_cp_size=getattr(storage_config, "attn_cp_size", 1),
+        )
         self._ns = self._namespace(None)
+        self._pool_ns: dict[str, str] = {}
 
     # ---- set-up ----------------------------------------------------------------
 
-    def _namespace(self, pool: Any) -> str:
+    def _namespace(self, pool: Any, kind: str = "kv") -> str:
         sc = self._sc
         model = self._cfg.model_id or sc.model_name or "model"
-        # MLA KV is the same on every TP rank: one shared copy.
-        tp, tps = (0, 1) if sc.is_mla_model else (sc.tp_rank, sc.tp_size)
+        # MLA KV is the same on every TP rank: one shared copy (one per DCP rank).
+        tag, tp, tps = self._shard
         if pool is None:
             dtype, layout, page = "unknown", "sglang", 1
         else:
@@ -97,11 +119,13 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                     parts.append(f"{tag}{v}")
             if sc.is_mla_model:
                 parts.append("mla")
+            if tag != "tp":
+                parts.append(tag)
             layout = "-".join(parts)
             page = int(getattr(pool, "page_size", 1) or 1)
         return namespace(
             model, dtype, layout, page, tp_rank=tp, tp_size=tps, pp_rank=sc.pp_rank,
-            pp_size=sc.pp_size,
+            pp_size=sc.pp_size, kind=kind,
         )  # fmt: skip
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -246,15 +270,136 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         values: list[Any] = [p[0] if len(p) == 1 else b"".join(p) for p in pages]
         return self._put([key_hash(k) for k in keys], values)
 
+    # ---- hybrid pools (v2: KV plus Mamba / SWA / ... pools) -------------------------
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang, per pool of a hybrid model: each pool gets its own namespace (the
+        pool's layout and name), keyed by the same page hashes as the KV pool."""
+        name = str(host_pool_name)
+        self.registered_pools[name] = host_pool
+        self._pool_ns[name] = self._namespace(host_pool, kind=name)
+
+    def _ns_of(self, name: str) -> str:
+        if name == "kv":
+            return self._ns
+        ns = self._pool_ns.get(name)
+        if ns is None:
+            raise ValueError(f"kvstore HiCache backend: pool {name!r} was never registered")
+        return ns
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """The usable prefix: KV pages present, and per extra pool its pages as its
+        hit policy asks (all pages, or the trailing ones: a state at the prefix's
+        end). One batched query per pool; an unreachable store is no hit."""
+        client = self._holder.get(wait=self._cfg.timeout_s)
+        if client is None or not keys:
+            return PoolTransferResult(0, {}, [])
+        hashes = [key_hash(k) for k in keys]
+        t0 = time.perf_counter()
+        try:
+            kv = client.batch_exists(self._ns, hashes)
+            pools = []
+            for t in pool_transfers or []:
+                name = str(t.name)
+                if t.hit_policy not in (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES):
+                    log.warning("kvstore HiCache backend: hit policy %s of pool %s is not "
+                                "supported: no hit", t.hit_policy, name)  # fmt: skip
+                    return PoolTransferResult(0, {}, [])
+                flags = client.batch_exists(self._ns_of(name), hashes)
+                all_pages = t.hit_policy == PoolHitPolicy.ALL_PAGES
+                pools.append((name, all_pages, len(t.keys or []) or 1, flags))
+        except Exception as e:
+            log.warning("kvstore exists failed: %s", e)
+            return PoolTransferResult(0, {}, [])
+        record(NAME, self._interval, "lookups", 1)
+        record(NAME, self._interval, "lookup_seconds", time.perf_counter() - t0)
+        final, hits, restorable = pool_hit(kv, pools)
+        return PoolTransferResult(final, hits, restorable)
+
+    def _pool_pages(self, t: PoolTransfer) -> tuple[Any, list[int]] | None:
+        """The host pool of a transfer and the page offset of each of its keys."""
+        pool = self.registered_pools.get(str(t.name))
+        if pool is None and str(t.name) == "kv":
+            pool = self.mem_pool_host
+        keys = t.keys or []
+        page = int(getattr(pool, "page_size", 1) or 1)
+        idx = t.host_indices
+        if pool is None or idx is None or idx.numel() != len(keys) * page:
+            log.warning("kvstore HiCache backend: pool %s: %s host indices for %d keys",
+                        t.name, None if idx is None else idx.numel(), len(keys))  # fmt: skip
+            return None
+        return pool, [int(idx[i * page].item()) for i in range(len(keys))]
+
+    def batch_get_v2(
+        self,
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> dict[str, list[bool]]:
+        """Per pool, read its pages into the host pool; per key, hit. KV pages go
+        through the v1 page path, so v1 and v2 engines share one KV page format."""
+        client = self._holder.get(wait=self._cfg.timeout_s)
+        out: dict[str, list[bool]] = {}
+        for t in transfers:
+            keys = t.keys or []
+            if str(t.name) == "kv" and t.host_indices is not None:  # one KV page format
+                out["kv"] = self.batch_get_v1(keys, t.host_indices, extra_info)
+                continue
+            pages = self._pool_pages(t) if client is not None and keys else None
+            if pages is None or client is None:
+                out[str(t.name)] = [False] * len(keys)
+                continue
+            pool, offsets = pages
+            bufs = [pool.get_dummy_flat_data_page() for _ in keys]
+            t0 = time.perf_counter()
+            hits = client.batch_get_into(
+                self._ns_of(str(t.name)), [key_hash(k) for k in keys],
+                [_tensor_bytes(b) for b in bufs],
+            ).result()  # fmt: skip
+            for off, buf, hit in zip(offsets, bufs, hits, strict=True):
+                if hit:
+                    pool.set_from_flat_data_page(off, buf)
+            nbytes = sum(b.numel() * b.element_size() for b, h in zip(bufs, hits, strict=True) if h)
+            self._count_load(sum(hits), nbytes, t0)
+            out[str(t.name)] = list(hits)
+        return out
+
+    def batch_set_v2(
+        self,
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> dict[str, list[bool]]:
+        """Per pool, write its pages from the host pool; per key, in the store."""
+        out: dict[str, list[bool]] = {}
+        for t in transfers:
+            keys = t.keys or []
+            if str(t.name) == "kv" and t.host_indices is not None:  # one KV page format
+                out["kv"] = self.batch_set_v1(keys, t.host_indices, extra_info)
+                continue
+            pages = self._pool_pages(t) if keys else None
+            if pages is None:
+                out[str(t.name)] = [False] * len(keys)
+                continue
+            pool, offsets = pages
+            values = [_tensor_bytes(pool.get_data_page(off, flat=True)) for off in offsets]
+            ns = self._ns_of(str(t.name))
+            out[str(t.name)] = self._put([key_hash(k) for k in keys], values, ns)
+        return out
+
     # ---- shared --------------------------------------------------------------------
 
-    def _put(self, hashes: list[bytes], values: Sequence[Any]) -> list[bool]:
+    def _put(self, hashes: list[bytes], values: Sequence[Any], ns: str | None = None) -> list[bool]:
+        ns = ns or self._ns
         client = self._holder.get(wait=self._cfg.timeout_s)
         if client is None:
             return [False] * len(hashes)
         t0 = time.perf_counter()
         try:
-            stored = client.batch_put(self._ns, hashes, values)
+            stored = client.batch_put(ns, hashes, values)
         except Exception as e:  # full store: the pages are simply not cached
             log.warning("kvstore put of %d pages failed: %s", len(hashes), e)
             return [False] * len(hashes)
@@ -267,7 +412,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return stored
         # False means "already there" or "worker down": a key in the store counts.
         rest = [i for i, s in enumerate(stored) if not s]
-        there = client.batch_exists(self._ns, [hashes[i] for i in rest])
+        there = client.batch_exists(ns, [hashes[i] for i in rest])
         record(NAME, self._interval, "skipped_present_blocks", sum(there))
         out = list(stored)
         for i, t in zip(rest, there, strict=True):

@@ -1,0 +1,110 @@
+"""The connectors' settings, one typed config that rejects what it does not know.
+No engine or torch import."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, fields
+from typing import Any
+
+# Keys SGLang puts into its storage backend's extra config for its own use.
+SGLANG_OWN_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+
+
+def parse_bool(v: object) -> bool:
+    if isinstance(v, str):
+        return v.strip().lower() in ("1", "true", "yes", "on")
+    return bool(v)
+
+
+@dataclass(slots=True, frozen=True)
+class ConnectorConfig:
+    """The connector's settings (vLLM: ``kv_connector_extra_config``; SGLang:
+    ``--hicache-storage-backend-extra-config``). An unknown key is an error that
+    names it and lists the known ones (a typo never silently falls back to a
+    default).
+
+    master               "host:port[,host:port]" of the kvstore master (required;
+                         ``kvstore_master`` is accepted as its alias)
+    timeout_s            deadline of data calls (get, put), default 5
+    lookup_timeout_s     deadline of one prefix lookup, default 0.05; a lookup past
+                         it is a miss, never a stalled scheduler
+    lookup_wait_s        how long the scheduler waits for a lookup before vLLM is
+                         told "ask me again" (it asks on its next step), default 0.002
+    lookup_concurrency   lookups in flight at once, default 4
+    min_hit_tokens       hits shorter than this are recomputed; default one block
+    prefill_tokens_per_s the engine's prefill speed, for the load-or-recompute
+                         rule; unset = always load
+    model_id             overrides the model (and revision) in the namespace
+    max_pending_save_mb  unwritten save bytes allowed before new saves are dropped
+    max_pending_load_mb  load staging bytes in flight; later loads wait, default 1024
+    load_failure_policy  "recompute" (default: blocks missing at load are recomputed)
+                         or "fail" (vLLM fails the request)
+    test_fault_file      fault injection for tests only: while this file exists and
+                         holds {"remove_from_block": k}, each load first removes its
+                         blocks from k on from the store, so they really miss
+    """
+
+    master: str
+    timeout_s: float = 5.0
+    lookup_timeout_s: float = 0.05
+    lookup_wait_s: float = 0.002
+    lookup_concurrency: int = 4
+    min_hit_tokens: int | None = None
+    prefill_tokens_per_s: float | None = None
+    model_id: str | None = None
+    max_pending_save_mb: int = 1024
+    max_pending_load_mb: int = 1024
+    test_fault_file: str | None = None
+    load_failure_policy: str = "recompute"
+
+    @classmethod
+    def known_keys(cls) -> list[str]:
+        return sorted({f.name for f in fields(cls)} | {"kvstore_master"})
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], ignore: Collection[str] = ()) -> ConnectorConfig:
+        """Parse ``d``; ``ignore`` names keys that belong to the engine, not to us.
+        Raises ValueError on a missing master, an unknown key or a bad value."""
+        unknown = sorted(set(d) - set(cls.known_keys()) - set(ignore))
+        if unknown:
+            raise ValueError(
+                f"kvstore connector: unknown setting(s) {unknown}; known: {cls.known_keys()}"
+            )
+        master = d.get("master") or d.get("kvstore_master")
+        if not master:
+            raise ValueError('the kvstore connector needs "master": "HOST:PORT" in its config')
+
+        def opt(k: str, conv: type[float] | type[int]) -> Any:
+            v = d.get(k)
+            if v in (None, ""):
+                return None
+            try:
+                return conv(v)
+            except (TypeError, ValueError):
+                raise ValueError(f"kvstore connector: {k} must be a number, not {v!r}") from None
+
+        def num(k: str, conv: type[float] | type[int], default: float, positive: bool) -> Any:
+            v = opt(k, conv)
+            v = default if v is None else v
+            if v < 0 or (positive and v == 0):
+                raise ValueError(f"kvstore connector: {k} must be positive, not {v!r}")
+            return v
+
+        policy = str(d.get("load_failure_policy", "recompute"))
+        if policy not in ("recompute", "fail"):
+            raise ValueError(f'load_failure_policy must be "recompute" or "fail", not {policy!r}')
+        return cls(
+            master=str(master),
+            timeout_s=num("timeout_s", float, 5.0, True),
+            lookup_timeout_s=num("lookup_timeout_s", float, 0.05, True),
+            lookup_wait_s=num("lookup_wait_s", float, 0.002, False),
+            lookup_concurrency=num("lookup_concurrency", int, 4, True),
+            min_hit_tokens=opt("min_hit_tokens", int),
+            prefill_tokens_per_s=opt("prefill_tokens_per_s", float),
+            model_id=d.get("model_id") or None,
+            max_pending_save_mb=num("max_pending_save_mb", int, 1024, False),
+            max_pending_load_mb=num("max_pending_load_mb", int, 1024, True),
+            test_fault_file=d.get("test_fault_file") or None,
+            load_failure_policy=policy,
+        )

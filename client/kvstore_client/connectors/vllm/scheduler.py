@@ -1,0 +1,292 @@
+"""The scheduler side of the vLLM connector: lookups, load planning, save planning.
+
+Runs in vLLM's scheduler process; no call here waits on the store: a lookup runs
+in a small thread pool and vLLM is told "ask me again" (None) until it is done or
+past its deadline (a miss). See :mod:`kvstore_client.connectors.vllm` for the flow.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch  # type: ignore[import-not-found, unused-ignore]
+
+from ...keys import leading_run
+from ..holder import ClientHolder
+from ..naming import STATE_KIND, embeds_digest, extra_keys
+from ..planning import (
+    BandwidthMeter,
+    LoadPolicy,
+    Lookups,
+    RequestTracker,
+    all_ranks,
+    hybrid_hit_blocks,
+)
+from ..stats import Counters, record
+from .common import (
+    NAME,
+    KVStoreConnectorMetadata,
+    KVStoreWorkerMetadata,
+    Setup,
+    StateSave,
+    Transfer,
+)
+
+log = logging.getLogger(__name__)
+
+
+def request_extra(request: Any) -> bytes:
+    """The request's ``extra`` key bytes: LoRA (name and path), cache salt,
+    multimodal hashes, and a digest of its prompt embeddings if it has them."""
+    lora = getattr(request, "lora_request", None)
+    mm = getattr(request, "mm_features", None) or []
+    emb = getattr(request, "prompt_embeds", None)
+    digest = None
+    if emb is not None:
+        t = emb.detach().cpu().contiguous()
+        raw = t.view(-1).view(torch.uint8).numpy().data
+        digest = embeds_digest(raw, tuple(t.shape), str(t.dtype))
+    return extra_keys(
+        lora=getattr(lora, "lora_name", None) if lora is not None else None,
+        lora_path=getattr(lora, "lora_path", None) if lora is not None else None,
+        cache_salt=getattr(request, "cache_salt", None),
+        mm_hashes=[str(getattr(f, "identifier", "")) for f in mm],
+        embeds_digest=digest,
+    )
+
+
+class SchedulerSide:
+    """One per engine, in the scheduler process."""
+
+    def __init__(self, setup: Setup, kv_cache_config: Any, interval: Counters) -> None:
+        self.s = setup
+        self._interval = interval
+        cfg = setup.cfg
+        num_blocks = max(1, int(kv_cache_config.num_blocks))
+        total = sum(int(t.size) for t in kv_cache_config.kv_cache_tensors)
+        self._bytes_per_token = total / num_blocks / setup.block
+        min_hit = cfg.min_hit_tokens if cfg.min_hit_tokens is not None else setup.block
+        self._policy = LoadPolicy(min_hit, cfg.prefill_tokens_per_s)
+        self._holder = ClientHolder(cfg.master, cfg.timeout_s)
+        self._lookups: Lookups[tuple[list[bool], list[bool]]] = Lookups(
+            cfg.lookup_concurrency, cfg.lookup_timeout_s, cfg.lookup_wait_s
+        )
+        self._namespaces = setup.all_ns()  # every rank's: a hit needs all shards
+        self._state_ns = setup.all_ns(STATE_KIND)
+        self._gids: dict[str, list[list[int]]] = {}  # per request, block ids per group
+        self._trackers: dict[str, RequestTracker] = {}
+        self._requests: dict[str, Any] = {}
+        self._loads_out: list[Transfer] = []
+        self._meter = BandwidthMeter()
+        self._holder.start()
+
+    def _ask(self, hashes: list[bytes]) -> tuple[list[bool], list[bool]]:
+        """Lookup thread: which KV blocks every rank holds (one batched call per
+        rank) and, for hybrid models, which boundary states."""
+        client = self._holder.get(wait=self.s.cfg.lookup_timeout_s)
+        if client is None or not hashes:
+            return [False] * len(hashes), [False] * len(hashes)
+        t0 = time.perf_counter()
+        kv = all_ranks([client.batch_exists(ns, hashes) for ns in self._namespaces])
+        state: list[bool] = []
+        n = leading_run(kv)
+        if self.s.hybrid and n:  # states only matter under the KV run
+            state = all_ranks([client.batch_exists(ns, hashes[:n]) for ns in self._state_ns])
+        record(NAME, self._interval, "lookup_seconds", time.perf_counter() - t0)
+        return kv, state
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Per waiting request; vLLM may call again for the same request. Returns
+        (tokens to load, async), or (None, False) while the lookup runs."""
+        if not self.s.active:
+            return 0, False
+        rid = request.request_id
+        tr = self._trackers.get(rid)
+        if tr is None:
+            tr = self._trackers[rid] = RequestTracker(rid, self.s.block, request_extra(request))
+        self._requests[rid] = request
+        if not self.s.may_load:  # kv_producer: saves only, never looks up
+            return 0, False
+        tokens = request.all_token_ids
+        if tr.looked_up_tokens != len(tokens):
+            tr.extend_hashes(tokens)
+            hashes = list(tr.hashes)
+            state, res = self._lookups.poll((rid, len(tokens)), lambda: self._ask(hashes))
+            if state == "pending":
+                return None, False
+            if state == "timeout":
+                record(NAME, self._interval, "lookup_timeouts", 1)
+            elif state == "error":
+                log.warning("kvstore lookup failed: %s", res)
+            kv, st = res if state == "done" and isinstance(res, tuple) else ([], [])
+            tr.present = list(kv) or [False] * len(hashes)
+            tr.state_present = list(st)
+            if self.s.hybrid:
+                # The state at boundary k covers k blocks; vLLM must compute at
+                # least one token, so k stops below the prompt's end.
+                cap = (request.num_tokens - 1) // self.s.block
+                tr.hit_blocks = hybrid_hit_blocks(tr.present[:cap], tr.state_present[:cap])
+            else:
+                tr.hit_blocks = leading_run(tr.present)
+            tr.looked_up_tokens = len(tokens)
+            record(NAME, self._interval, "lookups", 1)
+            record(NAME, self._interval, "lookup_tokens", len(tokens))
+        ext = tr.plan_hit(
+            request.num_tokens,
+            num_computed_tokens,
+            self._policy,
+            self._bytes_per_token,
+            self._meter.bytes_per_s,
+        )
+        return ext, ext > 0
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """After blocks were allocated; plans the load of the hit (hybrid models:
+        the KV blocks and the state at the hit's end, into the state group's block
+        of that boundary, where vLLM reads the state of a prefix hit)."""
+        tr = self._trackers.get(request.request_id)
+        if tr is None:
+            return
+        ids = blocks.get_block_ids()
+        if num_external_tokens > 0:
+            refs = tr.plan_load(ids[self.s.attn_groups[0]], num_external_tokens)
+            t = Transfer(
+                tr.req_id,
+                [[ids[g][r.index] for r in refs] for g in self.s.attn_groups],
+                [r.hash for r in refs],
+                [r.index for r in refs],
+            )
+            if self.s.hybrid and refs:
+                k = refs[-1].index + 1
+                t.state_ids = [ids[g][k - 1] for g in self.s.state_groups]
+                t.state_hash = tr.hashes[k - 1]
+            if refs:
+                self._loads_out.append(t)
+            record(NAME, self._interval, "hit_tokens", num_external_tokens)
+            tr.decision = "loading"
+        elif tr.decision in ("short_hit", "slow_load"):
+            name = "skipped_short_blocks" if tr.decision == "short_hit" else "skipped_slow_blocks"
+            record(NAME, self._interval, name, tr.skipped_blocks())
+            tr.decision = "counted"
+
+    def get_loaded_kv_cache_group_ids(self) -> tuple[int, ...]:
+        """The groups a load restores: every attention group and, at the hit's
+        boundary, every state group."""
+        return tuple(sorted(self.s.attn_groups + self.s.state_groups))
+
+    def _plan_save(self, tr: RequestTracker, computed: int, meta: KVStoreConnectorMetadata) -> None:
+        req = self._requests.get(tr.req_id)
+        if req is None or not self.s.may_save:
+            return
+        refs, skipped = tr.blocks_to_save(computed, req.all_token_ids)
+        record(NAME, self._interval, "skipped_present_blocks", skipped)
+        gids = self._gids.get(tr.req_id)
+        if refs and gids is not None:
+            meta.saves.append(
+                Transfer(
+                    tr.req_id,
+                    [[gids[g][r.index] for r in refs] for g in self.s.attn_groups],
+                    [r.hash for r in refs],
+                    [r.index for r in refs],
+                )
+            )
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
+        """Once per step: this step's loads and saves."""
+        meta = KVStoreConnectorMetadata(loads=self._loads_out)
+        self._loads_out = []
+        if not self.s.active:
+            return meta
+        g = self.s.attn_groups[0]
+        sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tr = self._trackers.get(new.req_id)
+            if tr is None:
+                continue
+            self._gids[new.req_id] = [list(b) for b in new.block_ids]
+            tr.block_ids = list(new.block_ids[g])
+            self._plan_save(tr, new.num_computed_tokens + sched.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            tr = self._trackers.get(rid)
+            if tr is None:
+                continue
+            nb = cached.new_block_ids[i]
+            gids = self._gids.setdefault(rid, [[] for _ in nb or ()])
+            if rid in cached.resumed_req_ids:
+                if nb is not None:
+                    self._gids[rid] = gids = [list(b) for b in nb]
+            elif nb is not None:
+                for have, more in zip(gids, nb, strict=False):
+                    have.extend(more)
+            if gids:
+                tr.block_ids = list(gids[g])
+            self._plan_save(tr, cached.num_computed_tokens[i] + sched.get(rid, 0), meta)
+        if self.s.hybrid and self.s.may_save:
+            self._plan_state_saves(scheduler_output, meta)
+        return meta
+
+    def _plan_state_saves(self, scheduler_output: Any, meta: KVStoreConnectorMetadata) -> None:
+        """The boundary states vLLM offers this step (its committed "align"
+        snapshots): one per boundary whose state block exists in every state group
+        and whose block hash is known, unless the store held it at lookup."""
+        bs = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = getattr(bs, "boundary_state_offloads", None) or {}
+        for rid, entries in offers.items():
+            tr = self._trackers.get(rid)
+            req = self._requests.get(rid)
+            if tr is None or req is None:
+                continue
+            tr.extend_hashes(req.all_token_ids)
+            by_boundary: dict[int, dict[int, int]] = {}
+            for group, block_id, boundary in entries:
+                by_boundary.setdefault(int(boundary), {})[int(group)] = int(block_id)
+            for boundary, blocks in sorted(by_boundary.items()):
+                k = boundary // self.s.block
+                if boundary % self.s.block or not 0 < k <= len(tr.hashes):
+                    continue
+                if any(blocks.get(g, 0) == 0 for g in self.s.state_groups):
+                    continue  # missing, or vLLM's null block 0: no state there
+                if k - 1 < len(tr.state_present) and tr.state_present[k - 1]:
+                    record(NAME, self._interval, "skipped_present_blocks", 1)
+                    continue
+                ids = [blocks[g] for g in self.s.state_groups]
+                meta.state_saves.append(StateSave(rid, k - 1, tr.hashes[k - 1], ids))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Learn failed loads (those blocks get written again), save outcomes (the
+        watermark moves on success; failures are planned again) and bandwidth."""
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(wm, KVStoreWorkerMetadata):
+            return
+        for rid, idx in wm.failed.items():
+            tr = self._trackers.get(rid)
+            if tr is not None:
+                tr.mark_missing(idx)
+        for rid, idx in wm.saved.items():
+            tr = self._trackers.get(rid)
+            if tr is not None:
+                tr.save_done(idx, ok=True)
+        for rid, idx in wm.save_failed.items():
+            tr = self._trackers.get(rid)
+            if tr is not None:
+                tr.save_done(idx, ok=False)
+        for nbytes, secs in wm.load_samples:
+            self._meter.add(nbytes, secs)
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Saves were copied out during the steps, so blocks can be freed (False)."""
+        rid = request.request_id
+        self._trackers.pop(rid, None)
+        self._requests.pop(rid, None)
+        self._gids.pop(rid, None)
+        self._lookups.forget(rid)
+        return False, None
+
+    def shutdown(self) -> None:
+        self._lookups.shutdown()
+        self._holder.close()

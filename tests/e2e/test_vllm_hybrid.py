@@ -1,0 +1,195 @@
+"""Hybrid models end to end: KV blocks and the recurrent state at a block boundary
+arrive together inside a real vLLM engine (tiny LFM2: short convolutions + full
+attention, random weights, vLLM's "align" prefix caching).
+
+Engine A stores a 2,000-token prompt; engine B, another process, runs the prompt
+plus 200 tokens and loads the hit from the store, state included; its output is
+compared with engine R's, which serves the same from its own prefix cache. Two
+controls show the comparison would catch a wrong state or KV without state.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore.cluster import LocalCluster
+from kvstore_client import Client, block_hashes
+
+from .conftest import REPORT
+from .engines import Engine
+
+pytestmark = pytest.mark.timeout(1500)
+
+TOL = 0.05  # logprob tolerance before the first near-tie
+NEAR_TIE = 0.1  # a top-2 logprob gap this small may flip the greedy token
+OUT = 16
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory: pytest.TempPathFactory) -> str:
+    import os
+
+    from .tiny_model import write_tiny_lfm2
+
+    cache = Path(os.environ.get("KVSTORE_E2E_CACHE", Path.home() / ".cache" / "kvstore-e2e"))
+    return str(write_tiny_lfm2(cache / "tiny-lfm2"))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    c = LocalCluster(workers=2, dram_size="512MiB", log_dir=str(tmp_path_factory.mktemp("c")))
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def fault_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fault") / "fault.json"
+
+
+@pytest.fixture(scope="module")
+def engines(
+    cluster: LocalCluster, lfm2: str, fault_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Engine]]:
+    logs = tmp_path_factory.mktemp("engines")
+    extra = {"test_fault_file": str(fault_file)}
+    eng = {"block_size": None}  # vLLM sizes a hybrid model's blocks itself
+    es = {
+        "A": Engine("A", lfm2, logs, cluster.address, extra, warmup_seed=11, engine=eng),
+        "B": Engine("B", lfm2, logs, cluster.address, extra, warmup_seed=12, engine=eng),
+        "R": Engine("R", lfm2, logs, None, warmup_seed=13, engine=eng),
+    }
+    try:
+        for e in es.values():
+            e.start()
+        for e in es.values():
+            e.wait_ready(600)
+        yield es
+    finally:
+        for e in es.values():
+            e.stop()
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def compare(got: dict[str, Any], ref: dict[str, Any]) -> tuple[int, float]:
+    """(positions compared, max |logprob diff| over them): positions up to the
+    first near-tie of the reference (or the end); tokens must be equal there."""
+    n = len(ref["tokens"])
+    for i, gap in enumerate(ref["gaps"]):
+        if gap < NEAR_TIE:
+            n = i
+            break
+    diffs = [abs(a - b) for a, b in zip(got["logprobs"][:n], ref["logprobs"][:n], strict=True)]
+    return n, max(diffs, default=0.0)
+
+
+def store_two_boundaries(A: Engine, prompt: list[int]) -> dict[str, Any]:
+    """A computes the first 900 tokens, then the whole prompt: vLLM keeps the state
+    at the end of each (block boundaries 7 and 15 of 128 tokens)."""
+    A.generate(prompt[:900], 1)
+    return A.generate(prompt, OUT)
+
+
+def test_engine_b_loads_kv_and_state_engine_a_stored(engines: dict[str, Engine]) -> None:
+    A, B, R = engines["A"], engines["B"], engines["R"]
+    rng = random.Random(2027)
+    prompt, more = tokens(rng, 2000), tokens(rng, 200)
+    ra = A.generate(prompt, OUT)
+    assert ra["stats"]["stored_states"] >= 1, ra["stats"]
+    rb = B.generate(prompt + more, OUT, top=2)
+    st = rb["stats"]
+    assert rb["num_cached_tokens"] >= 1800, (rb["num_cached_tokens"], st)
+    assert st["loaded_states"] == 1 and st["load_failed_blocks"] == 0
+    R.generate(prompt, OUT)
+    ref = R.generate(prompt + more, OUT, top=2)
+    assert ref["num_cached_tokens"] == rb["num_cached_tokens"]  # R's own prefix cache
+    n, diff = compare(rb, ref)
+    assert rb["tokens"][:n] == ref["tokens"][:n]
+    assert diff <= TOL, f"logprobs differ by {diff:.4f} before the first near-tie"
+    REPORT.append(
+        f"hybrid (tiny LFM2): engine B {rb['num_cached_tokens']}/{len(prompt)} prompt tokens "
+        f"from the store ({st['loaded_blocks']} KV blocks + {st['loaded_states']} state); tokens "
+        f"equal R's for {n}/{OUT} positions (up to the first near-tie), max |logprob diff| "
+        f"{diff:.4f}"
+    )
+
+
+def test_control_wrong_state_would_show(engines: dict[str, Engine], fault_file: Path) -> None:
+    """The state of boundary 7 loaded at boundary 15 moves the output. The prompt
+    ends just past boundary 15, so the first sampled tokens read the loaded state
+    directly (a short convolution's state holds the last few inputs only)."""
+    A, B, R = engines["A"], engines["B"], engines["R"]
+    rng = random.Random(2028)
+    prompt = tokens(rng, 1922)
+    A.generate(prompt[:900], 1)
+    A.generate(prompt, 1)  # states at 896 (boundary 7) and 1920 (boundary 15)
+    longer = prompt + tokens(rng, 1)
+    R.generate(prompt, 1)
+    ref = R.generate(longer, OUT, top=2)
+    assert ref["num_cached_tokens"] == 1920
+    fault_file.write_text('{"state_from_index": 6}')
+    try:
+        rb = B.generate(longer, OUT, top=2)
+    finally:
+        fault_file.unlink()
+    assert rb["stats"]["loaded_states"] == 1 and rb["num_cached_tokens"] == 1920
+    moved = max(abs(a - b) for a, b in zip(rb["logprobs"], ref["logprobs"], strict=True))
+    same = rb["tokens"] == ref["tokens"]
+    REPORT.append(
+        f"hybrid control, state of boundary 7 loaded at 15: max |logprob diff| {moved:.3f}, "
+        f"tokens {'equal' if same else 'differ'}"
+    )
+    assert moved > 0.5
+
+
+def test_control_kv_without_state_is_no_hit(
+    engines: dict[str, Engine], cluster: LocalCluster
+) -> None:
+    """KV blocks present with the state at their end missing: the hit shrinks to the
+    last boundary that has a state; never KV without state."""
+    A, B, R = engines["A"], engines["B"], engines["R"]
+    rng = random.Random(2029)
+    prompt, more = tokens(rng, 2000), tokens(rng, 200)
+    store_two_boundaries(A, prompt)
+    assert B.namespace is not None
+    hs = block_hashes(prompt, 128)
+    with Client(cluster.address) as cl:
+        assert cl.batch_exists(B.namespace + "/state", [hs[6], hs[14]]) == [True, True]
+        cl.remove(B.namespace + "/state", [hs[14]])
+        assert all(cl.batch_exists(B.namespace, hs[:15]))  # the KV is all there
+    rb = B.generate(prompt + more, OUT, top=2)
+    assert rb["num_cached_tokens"] == 7 * 128 and rb["stats"]["loaded_states"] == 1
+    R.generate(prompt[:900], 1)
+    ref = R.generate(prompt + more, OUT, top=2)
+    n, diff = compare(rb, ref)
+    assert rb["tokens"][:n] == ref["tokens"][:n] and diff <= TOL
+    REPORT.append(
+        f"hybrid control, state at boundary 15 removed: B's hit shrank to "
+        f"{rb['num_cached_tokens']} tokens (boundary 7), output equal (max diff {diff:.4f})"
+    )
+
+
+@pytest.mark.skip(
+    reason="GraniteMoeHybrid (Mamba-2) fails with prefix caching on vLLM's CPU build "
+    "(IndexError in mamba_mixer2 conv_ssm_forward, issue 13), and the connector needs "
+    "prefix caching's 'align' state"
+)
+def test_granite_hybrid() -> None:
+    pass
+
+
+@pytest.mark.skip(
+    reason="Qwen3-Next (gated delta net) in bf16 not tried in this session: its tiny "
+    "random-weight checkpoint and CPU run were out of the time box"
+)
+def test_qwen3_next() -> None:
+    pass

@@ -1,0 +1,52 @@
+"""Connector settings and statistics. Pure logic, no engine: these run in ``make test``."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore_client.connectors.config import SGLANG_OWN_KEYS, ConnectorConfig
+from kvstore_client.connectors.stats import Counters, merge_stats, reduce_stats, stats_empty
+
+
+def test_config_parsing() -> None:
+    with pytest.raises(ValueError, match="master"):
+        ConnectorConfig.from_dict({})
+    c = ConnectorConfig.from_dict({"master": "h:1", "min_hit_tokens": "64",
+                                   "prefill_tokens_per_s": 5000})  # fmt: skip
+    assert c.min_hit_tokens == 64 and c.prefill_tokens_per_s == 5000.0
+    assert c.lookup_timeout_s == 0.05 and c.load_failure_policy == "recompute"
+    assert c.lookup_concurrency == 4 and c.max_pending_load_mb == 1024
+    assert ConnectorConfig.from_dict({"kvstore_master": "h:2"}).master == "h:2"
+    with pytest.raises(ValueError):
+        ConnectorConfig.from_dict({"master": "h:1", "load_failure_policy": "ignore"})
+
+
+def test_config_rejects_unknown_keys_and_bad_values() -> None:
+    """Bug (old code): a misspelt key was ignored and its default used silently."""
+    with pytest.raises(ValueError, match=r"unknown setting\(s\) \['lookup_timeout'\]") as e:
+        ConnectorConfig.from_dict({"master": "h:1", "lookup_timeout": 1})
+    assert "lookup_timeout_s" in str(e.value)  # the known keys are listed
+    with pytest.raises(ValueError, match="must be a number"):
+        ConnectorConfig.from_dict({"master": "h:1", "timeout_s": "soon"})
+    with pytest.raises(ValueError, match="must be positive"):
+        ConnectorConfig.from_dict({"master": "h:1", "lookup_concurrency": 0})
+    # SGLang's own keys in its extra config are allowed where the caller says so
+    extra = {"master": "h:1", **dict.fromkeys(SGLANG_OWN_KEYS, "x")}
+    with pytest.raises(ValueError):
+        ConnectorConfig.from_dict(extra)
+    assert ConnectorConfig.from_dict(extra, ignore=SGLANG_OWN_KEYS).master == "h:1"
+
+
+def test_counters_interval_merge_and_reduce() -> None:
+    c = Counters()
+    c.add("stored_blocks", 3)
+    c.observe("store_seconds", 0.002)
+    c.observe("store_seconds", 0.004)
+    d = c.take()
+    assert d["stored_blocks"] == 3 and c.take()["stored_blocks"] == 0  # a new interval
+    m = merge_stats(d, {**Counters().take(), "stored_blocks": 2, "store_seconds": [0.006]})
+    assert m["stored_blocks"] == 5 and len(m["store_seconds"]) == 3
+    r = reduce_stats(m)
+    assert r["stored_blocks"] == 5 and r["store_count"] == 3
+    assert r["store_mean_ms"] == 4.0 and r["store_max_ms"] == 6.0
+    assert stats_empty(Counters().take()) and not stats_empty(m)
