@@ -257,7 +257,7 @@ def _print_table(console: Console, summaries: list[Summary]) -> None:
         t.add_column(c, overflow="fold")
     for row in table_rows(summaries):
         t.add_row(*row)
-    Console().print(t)
+    Console(width=max(Console().width, 160)).print(t)
     for s in summaries:
         if s.ran and s.failed:
             console.print(f"[yellow]{s.name}: {s.failed} requests failed[/]")

@@ -24,7 +24,7 @@ from typing import Any
 
 from kvstore.cluster import LocalCluster
 
-from .peers import free_port, stop_process, wait_for_port
+from .peers import PeerUnavailable, free_port, stop_process, wait_for_port
 
 __all__ = [
     "ABLATIONS",
@@ -152,6 +152,21 @@ def _program(ctx: Context, name: str, install: str) -> str:
     return str(path)
 
 
+def _wait(
+    ctx: Context, name: str, port: int, proc: subprocess.Popen[bytes], timeout: float
+) -> None:
+    """Wait for ``proc`` to listen on ``port``; NotRunnable with its log's last line."""
+    try:
+        wait_for_port(HOST, port, proc, timeout)
+    except PeerUnavailable as e:
+        try:
+            lines = (ctx.work_dir / f"{name}.log").read_text(errors="replace").splitlines()
+        except OSError:
+            lines = []
+        last = next((ln.strip() for ln in reversed(lines) if ln.strip()), str(e))
+        raise NotRunnable(f"{name} did not start: {last[:300]}") from e
+
+
 MOONCAKE_INSTALL = (
     "install it with `.venv-e2e/bin/pip install --no-deps mooncake-transfer-engine-non-cuda`"
 )
@@ -187,8 +202,8 @@ def _mooncake(ctx: Context) -> Backing:
                     stderr=log,
                 )
             )
-        wait_for_port(HOST, rpc, b.procs[-1], 60)
-        wait_for_port(HOST, meta_port, b.procs[-1], 60)
+        _wait(ctx, "mooncake-master", rpc, b.procs[-1], 60)
+        _wait(ctx, "mooncake-master", meta_port, b.procs[-1], 60)
         metadata = f"http://{HOST}:{meta_port}/metadata"
         with ctx.log("mooncake-client") as log:
             b.procs.append(
@@ -208,7 +223,7 @@ def _mooncake(ctx: Context) -> Backing:
                     stderr=log,
                 )
             )
-        wait_for_port(HOST, http, b.procs[-1], 60)
+        _wait(ctx, "mooncake-client", http, b.procs[-1], 60)
         conf = ctx.work_dir / "mooncake.json"
         conf.write_text(
             json.dumps(
@@ -265,6 +280,8 @@ def _lmcache(ctx: Context) -> Backing:
                         str(ctx.block_size),
                         "--l1-size-gb",
                         f"{gib:.3f}",
+                        "--eviction-policy",
+                        "LRU",
                         "--supported-transfer-mode",
                         "auto",
                         "--disable-observability",
@@ -278,7 +295,7 @@ def _lmcache(ctx: Context) -> Backing:
                     stderr=log,
                 )
             )
-        wait_for_port(HOST, port, b.procs[-1], 120)
+        _wait(ctx, "lmcache-server", port, b.procs[-1], 120)
         b.kv_transfer_config = {
             "kv_connector": "LMCacheMPConnector",
             "kv_role": "kv_both",
@@ -294,13 +311,12 @@ def _lmcache(ctx: Context) -> Backing:
 def _offload(ctx: Context) -> Backing:
     """vLLM's native CPU offloading; its engines fail at start on the CPU platform, which
     the caller reports as the reason."""
-    blocks = max(1, ctx.memory_bytes // (1 << 20))
     return Backing(
         "offload",
         kv_transfer_config={
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"num_cpu_blocks": blocks},
+            "kv_connector_extra_config": {"cpu_bytes_to_use": ctx.memory_bytes},
         },
     )
 
@@ -335,6 +351,7 @@ def engine_env(backing: Backing, pythonpath: list[str]) -> dict[str, str]:
     env = dict(os.environ)
     env.update(backing.env)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env.setdefault("VLLM_HOST_IP", HOST)  # what Mooncake's engines announce: loopback only
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env["PYTHONPATH"] = os.pathsep.join([*pythonpath, env.get("PYTHONPATH", "")])
     return env

@@ -32,6 +32,21 @@ import time
 from typing import Any
 
 
+def _llvmlite_workaround() -> None:
+    """vLLM's CPU platform scans every module attribute's ``__dict__`` when it registers
+    its kernel overrides; llvmlite's lazy library wrapper (imported with lmcache through
+    numba) answers ``__dict__`` with a function wrapper and the scan raises
+    ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``. Give the wrapper
+    a plain empty ``__dict__`` answer first. Harmless where llvmlite is absent."""
+    try:
+        ffi = importlib.import_module("llvmlite.binding.ffi")
+    except ImportError:
+        return
+    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(table, dict):
+        table.setdefault("__dict__", {})
+
+
 def make_llm(cfg: dict[str, Any]) -> Any:
     """The engine, as ``vllm.LLM`` with token-id prompts (no tokenizer)."""
     vllm = importlib.import_module("vllm")
@@ -48,6 +63,7 @@ def make_llm(cfg: dict[str, Any]) -> Any:
     )
     if cfg.get("kv_transfer_config"):
         kw["kv_transfer_config"] = cfg["kv_transfer_config"]
+        _llvmlite_workaround()
     return vllm.LLM(**kw)
 
 

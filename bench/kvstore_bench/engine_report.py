@@ -181,7 +181,8 @@ def table_rows(summaries: Sequence[Summary]) -> list[list[str]]:
     rows: list[list[str]] = []
     for s in summaries:
         if not s.ran:
-            rows.append([s.name, f"not run: {s.why_not}"] + [""] * (len(TABLE_COLUMNS) - 2))
+            why = s.why_not if len(s.why_not) <= 90 else s.why_not[:87] + "..."
+            rows.append([s.name, f"not run: {why}"] + [""] * (len(TABLE_COLUMNS) - 2))
             continue
         rows.append(
             [
