@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvstore_bench import synth
 from kvstore_bench.engine_peers import Context
 from kvstore_bench.engine_report import summarize
@@ -21,6 +23,7 @@ from kvstore_bench.traces import load_agentic
 from .conftest import REPORT
 
 BLOCK = 32
+pytestmark = pytest.mark.timeout(900)
 
 
 def test_kvstore_beats_prefix_only_and_outputs_match(tiny_model: str, tmp_path: Path) -> None:
