@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from kvstore_bench.engine_report import percentiles
 from kvstore_bench.engine_workload import (
     Timed,
@@ -75,3 +79,27 @@ def test_percentiles_nearest_rank() -> None:
     p = percentiles([float(x) for x in range(1, 101)] + [float("nan")])
     assert p == {"p50": 50.0, "p95": 95.0, "p99": 99.0}
     assert percentiles([]) == {}
+
+
+def test_missing_engine_venv_is_a_clear_error(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from kvstore_bench.engine import engine_cmd
+
+    res = CliRunner().invoke(engine_cmd, ["--engine-python", str(tmp_path / "nope" / "python")])
+    assert res.exit_code != 0
+    assert "make e2e" in res.output
+
+
+def test_ablations_without_a_connector_knob_say_so(tmp_path: Path) -> None:
+    from kvstore_bench.engine_peers import ABLATIONS, Context, NotRunnable, make_backing
+
+    ctx = Context(Path("python"), tmp_path, 64 << 20, 32)
+    for name, (extra, _why) in ABLATIONS.items():
+        if extra is None:
+            with pytest.raises(NotRunnable, match="no connector knob"):
+                make_backing(name, ctx)
+    with pytest.raises(NotRunnable, match="prefix run"):
+        make_backing("kvstore-load-or-recompute", ctx)  # needs the prefix run's speed
+    with pytest.raises(ValueError):
+        make_backing("nosuch", ctx)
