@@ -298,7 +298,10 @@ def run_config(
             return ConfigRun(name, False, why_not=_why(str(e)))
         on_event(f"{name}: running")
         t0 = time.perf_counter()
-        results = _play(scripts, procs, t0, on_done)
+        try:
+            results = _play(scripts, procs, t0, on_done)
+        except Exception as e:  # a bench bug or a lost engine: report, run the others
+            return ConfigRun(name, False, why_not=f"run failed: {type(e).__name__}: {e}")
         wall = time.perf_counter() - t0
         return ConfigRun(name, True, note=backing.note, wall_s=wall, results=results)
     finally:
