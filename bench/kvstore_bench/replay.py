@@ -33,8 +33,8 @@ import numpy as np
 from rich.console import Console
 
 from . import report
-from .backends import BACKENDS, Backend, ClusterSpec, leading, open_backend, unavailable_reason
 from .cachesim import HitStats, ideal_hit_rate, lru_hit_rate
+from .peers import BACKENDS, Backend, ClusterSpec, leading, open_backend, unavailable_reason
 from .traces import IdSpace, Request, Session, block_hashes, load_agentic, load_mooncake
 
 __all__ = [

@@ -21,7 +21,7 @@ import numpy as np
 from rich.console import Console
 
 from . import report
-from .backends import BACKENDS, Backend, ClusterSpec, open_backend, unavailable_reason
+from .peers import BACKENDS, Backend, ClusterSpec, open_backend, unavailable_reason
 
 __all__ = ["Cell", "measure", "store_cmd"]
 

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvstore.cluster import LocalCluster
-from kvstore_bench.backends import ClusterSpec, KVStoreBackend, open_backend, unavailable_reason
+from kvstore_bench.peers import ClusterSpec, KVStoreBackend, open_backend, unavailable_reason
 from kvstore_bench.replay import (
     ReplayConfig,
     block_content,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvstore_bench.backends import ClusterSpec, open_backend, unavailable_reason
+from kvstore_bench.peers import ClusterSpec, open_backend, unavailable_reason
 from kvstore_bench.storebench import measure, store_cmd
 
 

@@ -1,0 +1,266 @@
+"""`kvstore bench engine`: real vLLM engines serving agent sessions, per KV backing.
+
+Agent sessions (agentic trace files, or ``--synth N`` generated ones) are replayed as
+token-id requests against ``--engines`` real vLLM CPU engine processes, once per
+configuration, each on fresh engines: ``prefix`` (each engine's own prefix cache),
+``kvstore`` (the kvstore connector + a local cluster), ``mooncake`` (vLLM's
+MooncakeStoreConnector + Mooncake Store over TCP), ``lmcache`` (LMCacheMPConnector + an
+``lmcache server``) and ``offload`` (vLLM's OffloadingConnector). Turns of a session are
+routed round-robin over the engines, so a turn usually lands on another engine than the
+last. ``--ablate`` adds kvstore variants. The bench itself runs in the project venv; the
+engines run with ``--engine-python`` (the e2e venv that ``make e2e`` builds).
+
+Output: a progress display, a table, plots (TTFT CDF, hit rate by turn, throughput) and
+``--json PATH``. Modules: engine_workload (traces -> prompts, ideal hits), engine_proc
+(one engine process), engine_peers (backings), engine_run (one configuration),
+engine_report (numbers), engine_models (model presets).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvstore.config import parse_size
+
+from . import synth
+from .engine_models import MAX_LEN, VOCAB, preset_unavailable
+from .engine_peers import ABLATIONS, CONFIGS, Context
+from .engine_report import TABLE_COLUMNS, Summary, plot, summarize, table_rows, to_json
+from .engine_run import ConfigRun, EngineSpec, Result, run_config
+from .engine_workload import Script, WorkloadShape, build_scripts
+from .traces import load_agentic
+
+__all__ = ["engine_cmd"]
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = 32
+
+
+def _engine_python(path: str | None) -> Path:
+    p = Path(path) if path else ROOT / ".venv-e2e" / "bin" / "python"
+    if not p.exists():
+        raise click.ClickException(
+            f"engine python {p} does not exist: run `make e2e` first (it builds .venv-e2e "
+            "with vLLM), or pass --engine-python"
+        )
+    return p
+
+
+def _model(py: Path, preset: str, cache: Path) -> str:
+    why = preset_unavailable(preset)
+    if why:
+        raise click.ClickException(why)
+    out = cache / f"model-{preset}"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench"), env.get("PYTHONPATH", "")])
+    r = subprocess.run(
+        [str(py), "-m", "kvstore_bench.engine_models", preset, str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    if r.returncode != 0:
+        raise click.ClickException(f"could not write the {preset} model:\n{r.stderr[-2000:]}")
+    return str(out)
+
+
+def _prefill_speed(run: ConfigRun) -> float | None:
+    done = [r for r in run.results if not r.error and r.ttft_s > 0]
+    secs = sum(r.ttft_s for r in done)
+    toks = sum(r.prompt_tokens - r.cached_tokens for r in done)
+    return toks / secs if secs > 0 and toks > 0 else None
+
+
+@click.command("engine")
+@click.argument("traces", nargs=-1, type=click.Path(exists=True))
+@click.option("--format", "fmt", type=click.Choice(["agentic"]), default="agentic")
+@click.option("--synth", "n_synth", type=int, default=None, help="N synthetic sessions.")
+@click.option("--seed", type=int, default=1, show_default=True, help="Seed for --synth.")
+@click.option("--engines", type=int, default=2, show_default=True)
+@click.option("--model", "preset", default="tiny", show_default=True, help="tiny | larger | lfm2")
+@click.option("--engine-python", default=None, help="Python of the e2e venv [.venv-e2e]")
+@click.option(
+    "--configs",
+    default=",".join(CONFIGS),
+    show_default=True,
+    help="Comma-separated configurations.",
+)
+@click.option("--ablate", is_flag=True, help="Add kvstore ablation variants.")
+@click.option("--token-scale", type=float, default=0.05, show_default=True)
+@click.option("--time-scale", type=float, default=50.0, show_default=True)
+@click.option("--max-turns", type=int, default=8, show_default=True, help="0 = all")
+@click.option("--max-sessions", type=int, default=0, help="First N sessions (0 = all).")
+@click.option("--max-output", type=int, default=32, show_default=True)
+@click.option("--memory", default="512MiB", show_default=True, help="Store memory per config")
+@click.option("--quick", is_flag=True, help="2 sessions x 4 turns, small prompts.")
+@click.option("--json", "json_path", default=None, help="Write the numbers here.")
+@click.option("--out", default="bench/results", show_default=True, help="Plots go here.")
+@click.option("--work-dir", default=None, help="Logs of every process [a temp dir].")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+def engine_cmd(
+    traces: tuple[str, ...],
+    fmt: str,
+    n_synth: int | None,
+    seed: int,
+    engines: int,
+    preset: str,
+    engine_python: str | None,
+    configs: str,
+    ablate: bool,
+    token_scale: float,
+    time_scale: float,
+    max_turns: int,
+    max_sessions: int,
+    max_output: int,
+    memory: str,
+    quick: bool,
+    json_path: str | None,
+    out: str,
+    work_dir: str | None,
+    progress: bool,
+) -> None:
+    """Replay agent sessions on real vLLM engines, per KV backing configuration."""
+    console = Console(stderr=True)
+    py = _engine_python(engine_python)
+    if quick:
+        max_sessions = max_sessions or 2
+        max_turns = min(max_turns or 4, 4)
+        token_scale = min(token_scale, 0.03)
+        max_output = min(max_output, 8)
+        time_scale = max(time_scale, 100.0)
+    names = [c.strip() for c in configs.split(",") if c.strip()]
+    for c in names:
+        if c not in CONFIGS and c not in ABLATIONS:
+            raise click.BadParameter(f"unknown configuration {c!r}", param_hint="--configs")
+    if ablate:
+        names += [a for a in ABLATIONS if a not in names]
+    if "prefix" in names:  # the reference for output checks runs first
+        names.remove("prefix")
+        names.insert(0, "prefix")
+    wdir = Path(work_dir or tempfile.mkdtemp(prefix="kvstore-bench-engine-"))
+    wdir.mkdir(parents=True, exist_ok=True)
+    cache = Path(os.environ.get("KVSTORE_BENCH_CACHE", Path.home() / ".cache" / "kvstore-bench"))
+
+    if n_synth is None and not traces:
+        n_synth = 2
+    if n_synth is not None:
+        paths: list[str | os.PathLike[str]] = list(synth.write(wdir / "synth", n_synth, seed))
+    else:
+        paths = list(traces)
+    sessions = load_agentic(paths)
+    if max_sessions:
+        sessions = sessions[:max_sessions]
+    shape = WorkloadShape(
+        token_scale=token_scale,
+        time_scale=time_scale,
+        max_turns=max_turns,
+        max_output=max_output,
+        max_len=MAX_LEN,
+        engines=engines,
+        vocab=VOCAB,
+    )
+    scripts = build_scripts(sessions, shape)
+    n_turns = sum(len(s.turns) for s in scripts)
+    if not n_turns:
+        raise click.ClickException("no turn fits the engine's context; lower --token-scale")
+    console.print(
+        f"[bold]engine bench[/]: {len(scripts)} scripts, {n_turns} turns, "
+        f"{sum(len(t.prompt) for s in scripts for t in s.turns):,} prompt tokens, "
+        f"{engines} engines, model {preset}, configs {', '.join(names)}; logs in {wdir}"
+    )
+    console.print("writing the model ...")
+    spec = EngineSpec(python=py, model=_model(py, preset, cache), block_size=BLOCK)
+    ctx = Context(py, wdir, parse_size(memory), BLOCK)
+
+    runs = _run_all(names, ctx, spec, scripts, engines, n_turns, console, progress)
+    ref = runs[0] if runs and runs[0].name == "prefix" else None
+    summaries = [summarize(r, scripts, BLOCK, ref) for r in runs]
+    _print_table(console, summaries)
+    stem = f"engine-{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        for p in plot(summaries, Path(out), stem):
+            console.print(f"plot: {p}")
+    except ImportError as e:
+        console.print(f"[yellow]no plots ({e}); pip install matplotlib[/]")
+    if json_path:
+        meta: dict[str, Any] = {
+            "model": preset,
+            "engines": engines,
+            "scripts": len(scripts),
+            "turns": n_turns,
+            "token_scale": token_scale,
+            "time_scale": time_scale,
+            "max_turns": max_turns,
+            "max_output": max_output,
+            "memory_bytes": ctx.memory_bytes,
+            "block_size": BLOCK,
+            "traces": [str(p) for p in paths],
+            "work_dir": str(wdir),
+        }
+        Path(json_path).write_text(json.dumps(to_json(summaries, meta), indent=2) + "\n")
+        console.print(f"json: {json_path}")
+
+
+def _run_all(
+    names: list[str],
+    ctx: Context,
+    spec: EngineSpec,
+    scripts: list[Script],
+    engines: int,
+    n_turns: int,
+    console: Console,
+    show: bool,
+) -> list[ConfigRun]:
+    runs: list[ConfigRun] = []
+    cols = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*cols, console=console, disable=not show) as bar:
+        for name in names:
+            task = bar.add_task(f"{name}: starting", total=n_turns)
+
+            def event(text: str, task: Any = task) -> None:
+                bar.update(task, description=text)
+
+            def done(r: Result, task: Any = task) -> None:
+                bar.advance(task)
+
+            run = run_config(name, ctx, spec, scripts, engines, event, done)
+            if name == "prefix" and run.ran:
+                ctx.extra["prefill_tokens_per_s"] = _prefill_speed(run)
+            bar.update(
+                task,
+                description=f"{name}: " + ("done" if run.ran else f"not run: {run.why_not[:60]}"),
+            )
+            runs.append(run)
+    return runs
+
+
+def _print_table(console: Console, summaries: list[Summary]) -> None:
+    t = Table(title="engine bench")
+    for c in TABLE_COLUMNS:
+        t.add_column(c, overflow="fold")
+    for row in table_rows(summaries):
+        t.add_row(*row)
+    Console(width=max(Console().width, 160)).print(t)
+    for s in summaries:
+        if s.ran and s.failed:
+            console.print(f"[yellow]{s.name}: {s.failed} requests failed[/]")
+        if s.ran and s.hit_rate_by_turn:
+            curve = ", ".join(f"{k}:{100 * v:.0f}%" for k, v in s.hit_rate_by_turn.items())
+            console.print(f"{s.name} hit rate by turn: {curve}")

@@ -1,0 +1,357 @@
+"""The engine bench's configurations: what backs the engines' KV cache in each.
+
+Each :class:`Backing` starts what its configuration needs (a kvstore cluster, a
+Mooncake master and segment holder, an LMCache server) as child processes on 127.0.0.1,
+and says how to configure the engines: a ``kv_transfer_config`` and environment
+variables. ``stop()`` ends every process it started, by pid. A configuration that cannot
+run here raises :class:`NotRunnable` with the reason, which the report shows as
+``ran: false`` / ``why_not``.
+
+Names: ``prefix`` (each engine's own prefix cache), ``kvstore``, ``mooncake``,
+``lmcache``, ``offload`` and the ablations ``kvstore-<variant>`` (see :data:`ABLATIONS`).
+Every store gets the same memory (``memory_bytes``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore.cluster import LocalCluster
+
+from .peers import PeerUnavailable, free_port, stop_process, wait_for_port
+
+__all__ = [
+    "ABLATIONS",
+    "CONFIGS",
+    "Backing",
+    "Context",
+    "NotRunnable",
+    "make_backing",
+]
+
+HOST = "127.0.0.1"
+CONFIGS = ("prefix", "kvstore", "mooncake", "lmcache", "offload")
+
+# Ablations of the kvstore configuration: name -> (connector extra config, or None when
+# the connector has no knob for it, with the reason).
+ABLATIONS: dict[str, tuple[dict[str, Any] | None, str]] = {
+    "kvstore-load-or-recompute": (
+        {"prefill_tokens_per_s": "auto"},
+        "load-or-recompute on: prefill_tokens_per_s set to the prefix run's prefill speed "
+        "(the default connector always loads)",
+    ),
+    "kvstore-write-all": (
+        None,
+        "no connector knob: ConnectorConfig has no setting to write every block "
+        "(the connector always skips blocks known to be hits)",
+    ),
+    "kvstore-exists-per-block": (
+        None,
+        "no connector knob: the scheduler-side lookup is always one batched exists call "
+        "per worker (ConnectorConfig has no per-block or match_prefix switch)",
+    ),
+    "kvstore-sync-load": (
+        None,
+        "no connector knob: loads are always asynchronous (between steps); "
+        "ConnectorConfig has no synchronous mode",
+    ),
+}
+
+
+class NotRunnable(RuntimeError):
+    """This configuration cannot run here; the message says why."""
+
+
+@dataclass(slots=True)
+class Context:
+    """What every backing needs: where the engine venv's programs are, a scratch and log
+    directory, the store memory, the engine block size."""
+
+    engine_python: Path
+    work_dir: Path
+    memory_bytes: int
+    block_size: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def bin_dir(self) -> Path:
+        return self.engine_python.parent
+
+    def log(self, name: str) -> Any:
+        return open(self.work_dir / f"{name}.log", "ab")
+
+
+@dataclass(slots=True)
+class Backing:
+    """A started configuration: engine settings plus the processes to stop."""
+
+    name: str
+    kv_transfer_config: dict[str, Any] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    cluster: LocalCluster | None = None
+    note: str = ""
+
+    def stop(self) -> None:
+        """Stop everything this configuration started (engines are stopped by the caller)."""
+        for p in reversed(self.procs):
+            stop_process(p)
+        self.procs.clear()
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+
+
+def _prefix(ctx: Context) -> Backing:
+    return Backing("prefix")
+
+
+def _kvstore(ctx: Context, extra: dict[str, Any] | None = None, name: str = "kvstore") -> Backing:
+    workers = 2
+    per_worker = max(16, ctx.memory_bytes // workers >> 20)
+    cluster = LocalCluster(
+        workers=workers, dram_size=f"{per_worker}MiB", log_dir=str(ctx.work_dir)
+    ).start()
+    cfg: dict[str, Any] = {"master": cluster.address, "lookup_timeout_s": 1.0}
+    cfg.update(extra or {})
+    return Backing(
+        name,
+        kv_transfer_config={
+            "kv_connector": "KVStoreConnector",
+            "kv_connector_module_path": "kvstore_client.connectors.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": cfg,
+        },
+        cluster=cluster,
+        note=f"{workers} workers x {per_worker} MiB DRAM",
+    )
+
+
+def _need(ctx: Context, module: str, install: str) -> None:
+    r = subprocess.run(
+        [str(ctx.engine_python), "-c", f"import {module}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        raise NotRunnable(f"{module} does not import in the engine venv ({last}); {install}")
+
+
+def _program(ctx: Context, name: str, install: str) -> str:
+    path = ctx.bin_dir / name
+    if not path.exists():
+        raise NotRunnable(f"{path} is missing; {install}")
+    return str(path)
+
+
+def _wait(
+    ctx: Context, name: str, port: int, proc: subprocess.Popen[bytes], timeout: float
+) -> None:
+    """Wait for ``proc`` to listen on ``port``; NotRunnable with its log's last line."""
+    try:
+        wait_for_port(HOST, port, proc, timeout)
+    except PeerUnavailable as e:
+        try:
+            lines = (ctx.work_dir / f"{name}.log").read_text(errors="replace").splitlines()
+        except OSError:
+            lines = []
+        last = next((ln.strip() for ln in reversed(lines) if ln.strip()), str(e))
+        raise NotRunnable(f"{name} did not start: {last[:300]}") from e
+
+
+MOONCAKE_INSTALL = (
+    "install it with `.venv-e2e/bin/pip install --no-deps mooncake-transfer-engine-non-cuda`"
+)
+
+
+def _mooncake(ctx: Context) -> Backing:
+    """Mooncake Store over TCP: ``mooncake_master`` with its HTTP metadata server, one
+    ``mooncake_client`` process holding the whole segment, engines in standalone-store
+    mode (they mount no memory of their own)."""
+    _need(ctx, "mooncake.store", MOONCAKE_INSTALL)
+    master_bin = _program(ctx, "mooncake_master", MOONCAKE_INSTALL)
+    client_bin = _program(ctx, "mooncake_client", MOONCAKE_INSTALL)
+    b = Backing("mooncake")
+    try:
+        rpc, http, meta_port = free_port(), free_port(), free_port()
+        with ctx.log("mooncake-master") as log:
+            b.procs.append(
+                subprocess.Popen(
+                    [
+                        master_bin,
+                        f"--rpc_address={HOST}",
+                        f"--rpc_port={rpc}",
+                        f"--metrics_host={HOST}",
+                        f"--metrics_port={free_port()}",
+                        "--enable_metric_reporting=false",
+                        "--enable_http_metadata_server=true",
+                        f"--http_metadata_server_host={HOST}",
+                        f"--http_metadata_server_port={meta_port}",
+                        "--logtostderr",
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                )
+            )
+        _wait(ctx, "mooncake-master", rpc, b.procs[-1], 60)
+        _wait(ctx, "mooncake-master", meta_port, b.procs[-1], 60)
+        metadata = f"http://{HOST}:{meta_port}/metadata"
+        with ctx.log("mooncake-client") as log:
+            b.procs.append(
+                subprocess.Popen(
+                    [
+                        client_bin,
+                        f"--master_server_address={HOST}:{rpc}",
+                        f"--metadata_server={metadata}",
+                        "--protocol=tcp",
+                        f"--host={HOST}",
+                        f"--port={http}",
+                        f"--http_port={free_port()}",
+                        f"--global_segment_size={ctx.memory_bytes}",
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                )
+            )
+        _wait(ctx, "mooncake-client", http, b.procs[-1], 60)
+        conf = ctx.work_dir / "mooncake.json"
+        conf.write_text(
+            json.dumps(
+                {
+                    "local_hostname": HOST,
+                    "metadata_server": metadata,
+                    "master_server_address": f"{HOST}:{rpc}",
+                    "protocol": "tcp",
+                    "device_name": "",
+                    "global_segment_size": 0,
+                    "local_buffer_size": 64 << 20,
+                    "mode": "standalone-store",
+                }
+            )
+        )
+        b.env["MOONCAKE_CONFIG_PATH"] = str(conf)
+        b.kv_transfer_config = {
+            "kv_connector": "MooncakeStoreConnector",
+            "kv_role": "kv_both",
+        }
+        b.note = f"mooncake_client holds {ctx.memory_bytes >> 20} MiB"
+        return b
+    except BaseException:
+        b.stop()
+        raise
+
+
+LMCACHE_INSTALL = (
+    "install it with `.venv-e2e/bin/pip install --no-deps lmcache==0.5.6 sortedcontainers "
+    "aiofile caio`"
+)
+
+
+def _lmcache(ctx: Context) -> Backing:
+    """An ``lmcache server`` holding ``memory_bytes`` of CPU memory; engines use vLLM's
+    ``LMCacheMPConnector`` (chunk size = the engine block size)."""
+    _need(ctx, "lmcache", LMCACHE_INSTALL)
+    exe = _program(ctx, "lmcache", LMCACHE_INSTALL)
+    port = free_port()
+    gib = max(ctx.memory_bytes / (1 << 30), 0.01)
+    b = Backing("lmcache")
+    try:
+        with ctx.log("lmcache-server") as log:
+            b.procs.append(
+                subprocess.Popen(
+                    [
+                        exe,
+                        "server",
+                        "--host",
+                        HOST,
+                        "--port",
+                        str(port),
+                        "--chunk-size",
+                        str(ctx.block_size),
+                        "--l1-size-gb",
+                        f"{gib:.3f}",
+                        "--eviction-policy",
+                        "LRU",
+                        "--supported-transfer-mode",
+                        "auto",
+                        "--disable-observability",
+                        "--http-host",
+                        HOST,
+                        "--http-port",
+                        str(free_port()),
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                )
+            )
+        _wait(ctx, "lmcache-server", port, b.procs[-1], 120)
+        b.kv_transfer_config = {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": HOST, "lmcache.mp.port": port},
+        }
+        b.note = f"lmcache server, {gib:.2f} GiB L1, chunk {ctx.block_size}"
+        return b
+    except BaseException:
+        b.stop()
+        raise
+
+
+def _offload(ctx: Context) -> Backing:
+    """vLLM's native CPU offloading; its engines fail at start on the CPU platform, which
+    the caller reports as the reason."""
+    return Backing(
+        "offload",
+        kv_transfer_config={
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": ctx.memory_bytes},
+        },
+    )
+
+
+def make_backing(name: str, ctx: Context) -> Backing:
+    """Start configuration ``name``; NotRunnable when it cannot run here."""
+    makers: dict[str, Callable[[Context], Backing]] = {
+        "prefix": _prefix,
+        "kvstore": _kvstore,
+        "mooncake": _mooncake,
+        "lmcache": _lmcache,
+        "offload": _offload,
+    }
+    if name in makers:
+        return makers[name](ctx)
+    if name in ABLATIONS:
+        extra, why = ABLATIONS[name]
+        if extra is None:
+            raise NotRunnable(why)
+        extra = dict(extra)
+        if extra.get("prefill_tokens_per_s") == "auto":
+            speed = ctx.extra.get("prefill_tokens_per_s")
+            if not speed:
+                raise NotRunnable("needs the prefix run's prefill speed (run `prefix` first)")
+            extra["prefill_tokens_per_s"] = float(speed)
+        return _kvstore(ctx, extra, name)
+    raise ValueError(f"unknown configuration {name!r}")
+
+
+def engine_env(backing: Backing, pythonpath: list[str]) -> dict[str, str]:
+    """Environment of an engine process of this configuration."""
+    env = dict(os.environ)
+    env.update(backing.env)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env.setdefault("VLLM_HOST_IP", HOST)  # what Mooncake's engines announce: loopback only
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, env.get("PYTHONPATH", "")])
+    return env

@@ -1,0 +1,183 @@
+"""One vLLM engine in its own process for the engine bench (runs in the e2e venv).
+
+``python -m kvstore_bench.engine_proc CONFIG_JSON`` builds ``vllm.LLM`` (in-process
+engine core: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), runs one warm-up request, prints
+``{"event": "ready"}`` and then serves requests concurrently: it reads JSON lines from
+stdin on a thread and steps the engine in its main loop, so several requests batch
+together as they would behind a server. stdout carries only protocol lines (library
+output goes to stderr):
+
+- in: ``{"op": "add", "id": str, "prompt": [ids], "max_tokens": n}`` (greedy, EOS ignored)
+- in: ``{"op": "exit"}``: stop at once (unfinished requests are dropped)
+- out: ``{"event": "done", "id", "tokens", "logprobs", "num_cached_tokens", "ttft_s",
+  "e2e_s"}`` where ``ttft_s`` runs from the request's arrival in this process to the
+  step that produced its first token, ``e2e_s`` to its last
+- out: ``{"event": "error", "id", "error"}`` for a request the engine refused
+
+CONFIG_JSON: ``model``, ``block_size``, ``max_len``, ``kv_cache_bytes``, ``dtype``,
+``kv_transfer_config`` (a dict or null) and ``warmup_seed``. Nothing here is imported by
+the bench itself (it lives in another venv); vLLM is imported by name at run time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import queue
+import random
+import sys
+import threading
+import time
+from typing import Any
+
+
+def _llvmlite_workaround() -> None:
+    """vLLM's CPU platform scans every module attribute's ``__dict__`` when it registers
+    its kernel overrides; llvmlite's lazy library wrapper (imported with lmcache through
+    numba) answers ``__dict__`` with a function wrapper and the scan raises
+    ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``. Give the wrapper
+    a plain empty ``__dict__`` answer first. Harmless where llvmlite is absent."""
+    try:
+        ffi = importlib.import_module("llvmlite.binding.ffi")
+    except ImportError:
+        return
+    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(table, dict):
+        table.setdefault("__dict__", {})
+
+
+def make_llm(cfg: dict[str, Any]) -> Any:
+    """The engine, as ``vllm.LLM`` with token-id prompts (no tokenizer)."""
+    vllm = importlib.import_module("vllm")
+    kw: dict[str, Any] = dict(
+        model=cfg["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=int(cfg["max_len"]),
+        block_size=int(cfg["block_size"]),
+        dtype=cfg.get("dtype", "float32"),
+        seed=0,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=int(cfg["kv_cache_bytes"]),
+    )
+    if cfg.get("kv_transfer_config"):
+        kw["kv_transfer_config"] = cfg["kv_transfer_config"]
+        _llvmlite_workaround()
+    return vllm.LLM(**kw)
+
+
+def sampling(max_tokens: int) -> Any:
+    vllm = importlib.import_module("vllm")
+    return vllm.SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, logprobs=0, detokenize=False, ignore_eos=True
+    )
+
+
+def token_prompt(ids: list[int]) -> Any:
+    inputs = importlib.import_module("vllm.inputs")
+    return inputs.TokensPrompt(prompt_token_ids=ids)
+
+
+class Server:
+    """Steps the engine; admits requests from a queue filled by the stdin thread."""
+
+    def __init__(self, llm: Any, out: Any) -> None:
+        self.engine = llm.llm_engine
+        self.out = out
+        self.inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.arrived: dict[str, float] = {}
+        self.first: dict[str, float] = {}
+
+    def emit(self, msg: dict[str, Any]) -> None:
+        self.out.write(json.dumps(msg) + "\n")
+        self.out.flush()
+
+    def read_stdin(self) -> None:
+        for line in sys.stdin:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if msg.get("op") == "exit":
+                break
+            self.inbox.put(msg)
+        self.inbox.put(None)
+
+    def admit(self, msg: dict[str, Any]) -> None:
+        rid = str(msg["id"])
+        try:
+            self.engine.add_request(
+                rid, token_prompt(list(msg["prompt"])), sampling(int(msg["max_tokens"]))
+            )
+        except Exception as e:  # report, keep serving
+            self.emit({"event": "error", "id": rid, "error": f"{type(e).__name__}: {e}"})
+            return
+        self.arrived[rid] = time.perf_counter()
+
+    def serve(self) -> None:
+        threading.Thread(target=self.read_stdin, daemon=True).start()
+        while True:
+            busy = bool(self.arrived)
+            try:
+                msg = self.inbox.get(block=not busy)
+                while True:
+                    if msg is None:
+                        return
+                    self.admit(msg)
+                    msg = self.inbox.get_nowait()
+            except queue.Empty:
+                pass
+            if not self.arrived:
+                continue
+            outputs = self.engine.step()
+            now = time.perf_counter()
+            for o in outputs:
+                self.handle(o, now)
+
+    def handle(self, o: Any, now: float) -> None:
+        rid = str(o.request_id)
+        if rid not in self.arrived:
+            return
+        comp = o.outputs[0] if o.outputs else None
+        if comp is not None and comp.token_ids and rid not in self.first:
+            self.first[rid] = now
+        if not o.finished:
+            return
+        t0 = self.arrived.pop(rid)
+        first = self.first.pop(rid, now)
+        tokens = list(comp.token_ids) if comp is not None else []
+        lps = comp.logprobs if comp is not None and comp.logprobs else []
+        logprobs = [float(lp[t].logprob) for t, lp in zip(tokens, lps, strict=False) if t in lp]
+        self.emit(
+            {
+                "event": "done",
+                "id": rid,
+                "tokens": tokens,
+                "logprobs": logprobs,
+                "num_cached_tokens": int(o.num_cached_tokens or 0),
+                "ttft_s": first - t0,
+                "e2e_s": now - t0,
+            }
+        )
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # library output goes to stderr; stdout carries only protocol lines
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    llm = make_llm(cfg)
+    rng = random.Random(int(cfg.get("warmup_seed", 99)))
+    # The first request pays one-off set-up; keep it out of the measurements.
+    warm = [rng.randrange(3, 1000) for _ in range(min(1024, int(cfg["max_len"]) - 8))]
+    llm.generate([token_prompt(warm)], sampling(2), use_tqdm=False)
+    out.write(json.dumps({"event": "ready"}) + "\n")
+    Server(llm, out).serve()
+    out.write(json.dumps({"event": "bye"}) + "\n")
+    out.flush()
+    os._exit(0)  # skip engine teardown: its worker threads can hang at exit
+
+
+if __name__ == "__main__":
+    main()

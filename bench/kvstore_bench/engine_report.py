@@ -1,0 +1,270 @@
+"""The engine bench's numbers: per configuration summaries, the table, the JSON, the plots.
+
+:func:`summarize` turns a :class:`~kvstore_bench.engine_run.ConfigRun` into a
+:class:`Summary`: token hit rate beside the ideal (one cache shared by all engines) and
+the per-engine ideal (each engine's own cache), prefill tokens computed, TTFT and
+end-to-end percentiles, requests/s and input tokens/s, hit rate per turn number, the
+requests where loading cost more than recomputing (compared with the same request in the
+``prefix`` configuration: more tokens cached, yet a slower first token) and the output
+check against ``prefix`` (first token's logprob within 0.05; share of equal greedy
+outputs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .engine_run import ConfigRun, Result
+from .engine_workload import Script, Timed, ideal_hits
+
+__all__ = ["LOGPROB_TOL", "Summary", "plot", "summarize", "table_rows", "to_json"]
+
+LOGPROB_TOL = 0.05
+
+
+@dataclass(slots=True)
+class Summary:
+    name: str
+    ran: bool
+    why_not: str = ""
+    note: str = ""
+    requests: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    token_hit_rate: float = 0.0
+    ideal_hit_rate: float = 0.0
+    own_cache_ideal_hit_rate: float = 0.0
+    prefill_tokens_computed: int = 0
+    ttft_ms: dict[str, float] = field(default_factory=dict)
+    e2e_ms: dict[str, float] = field(default_factory=dict)
+    wall_s: float = 0.0
+    requests_per_s: float = 0.0
+    input_tokens_per_s: float = 0.0
+    hit_rate_by_turn: dict[int, float] = field(default_factory=dict)
+    ideal_by_turn: dict[int, float] = field(default_factory=dict)
+    loads_slower_than_recompute: int | None = None
+    first_logprob_within_tol: float | None = None
+    equal_outputs: float | None = None
+    ttfts_ms: list[float] = field(default_factory=list)
+
+
+def percentiles(xs: Sequence[float]) -> dict[str, float]:
+    """p50 / p95 / p99 (nearest rank) of the finite values of ``xs``; {} if none."""
+    v = sorted(x for x in xs if math.isfinite(x))
+    if not v:
+        return {}
+
+    def pick(q: float) -> float:
+        return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]
+
+    return {"p50": pick(0.50), "p95": pick(0.95), "p99": pick(0.99)}
+
+
+def _key(r: Result) -> tuple[str, int]:
+    return (r.script, r.turn)
+
+
+def summarize(
+    run: ConfigRun,
+    scripts: Sequence[Script],
+    block_size: int,
+    reference: ConfigRun | None = None,
+) -> Summary:
+    """Numbers of one configuration; ``reference`` is the ``prefix`` run (if it ran)."""
+    s = Summary(run.name, run.ran, run.why_not, run.note)
+    if not run.ran:
+        return s
+    prompts = {(sc.id, t.index): t.prompt for sc in scripts for t in sc.turns}
+    ok = [r for r in run.results if not r.error]
+    s.requests = len(ok)
+    s.failed = len(run.results) - len(ok)
+    s.wall_s = run.wall_s
+    if not ok:
+        return s
+    timed = [Timed(prompts[_key(r)], r.engine, r.start, r.end) for r in ok]
+    shared, own = ideal_hits(timed, block_size)
+    s.prompt_tokens = sum(r.prompt_tokens for r in ok)
+    s.cached_tokens = sum(min(r.cached_tokens, r.prompt_tokens) for r in ok)
+    s.token_hit_rate = s.cached_tokens / s.prompt_tokens
+    s.ideal_hit_rate = sum(shared) / s.prompt_tokens
+    s.own_cache_ideal_hit_rate = sum(own) / s.prompt_tokens
+    s.prefill_tokens_computed = s.prompt_tokens - s.cached_tokens
+    s.ttfts_ms = [r.ttft_s * 1e3 for r in ok]
+    s.ttft_ms = percentiles(s.ttfts_ms)
+    s.e2e_ms = percentiles([r.e2e_s * 1e3 for r in ok])
+    if run.wall_s > 0:
+        s.requests_per_s = len(ok) / run.wall_s
+        s.input_tokens_per_s = s.prompt_tokens / run.wall_s
+    by_turn: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for r, ideal in zip(ok, shared, strict=True):
+        acc = by_turn[r.turn]
+        acc[0] += min(r.cached_tokens, r.prompt_tokens)
+        acc[1] += ideal
+        acc[2] += r.prompt_tokens
+    s.hit_rate_by_turn = {k: v[0] / v[2] for k, v in sorted(by_turn.items())}
+    s.ideal_by_turn = {k: v[1] / v[2] for k, v in sorted(by_turn.items())}
+    if reference is not None and reference.ran and reference is not run:
+        ref = {_key(r): r for r in reference.results if not r.error}
+        pairs = [(r, ref[_key(r)]) for r in ok if _key(r) in ref]
+        if pairs:
+            s.loads_slower_than_recompute = sum(
+                1 for r, p in pairs if r.cached_tokens > p.cached_tokens and r.ttft_s > p.ttft_s
+            )
+            close = [
+                bool(
+                    r.logprobs and p.logprobs and abs(r.logprobs[0] - p.logprobs[0]) <= LOGPROB_TOL
+                )
+                for r, p in pairs
+            ]
+            s.first_logprob_within_tol = sum(close) / len(close)
+            s.equal_outputs = sum(1 for r, p in pairs if r.tokens == p.tokens) / len(pairs)
+    return s
+
+
+def _first_close(r: Result, p: Result) -> bool:
+    if not r.logprobs or not p.logprobs:
+        return False
+    return abs(r.logprobs[0] - p.logprobs[0]) <= LOGPROB_TOL
+
+
+def to_json(summaries: Sequence[Summary], meta: dict[str, Any]) -> dict[str, Any]:
+    """The ``--json`` document: ``meta`` plus, per configuration name, its numbers."""
+    configs: dict[str, Any] = {}
+    for s in summaries:
+        d = asdict(s)
+        d.pop("ttfts_ms")
+        d.pop("name")
+        d["hit_rate_by_turn"] = {str(k): v for k, v in s.hit_rate_by_turn.items()}
+        d["ideal_by_turn"] = {str(k): v for k, v in s.ideal_by_turn.items()}
+        configs[s.name] = d
+    return {"meta": meta, "configs": configs}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _opt(x: int | None) -> str:
+    return "-" if x is None else str(x)
+
+
+def _ms(d: dict[str, float], k: str) -> str:
+    return f"{d[k]:.0f}" if k in d else "-"
+
+
+TABLE_COLUMNS = (
+    "config",
+    "hit rate",
+    "ideal",
+    "own-cache ideal",
+    "prefill tok",
+    "TTFT p50 ms",
+    "p95",
+    "p99",
+    "e2e p50 ms",
+    "req/s",
+    "input tok/s",
+    "slow loads",
+    "logprob ok",
+    "equal out",
+)
+
+
+def table_rows(summaries: Sequence[Summary]) -> list[list[str]]:
+    """One row of text cells per configuration (columns: :data:`TABLE_COLUMNS`)."""
+    rows: list[list[str]] = []
+    for s in summaries:
+        if not s.ran:
+            why = s.why_not if len(s.why_not) <= 90 else s.why_not[:87] + "..."
+            rows.append([s.name, f"not run: {why}"] + [""] * (len(TABLE_COLUMNS) - 2))
+            continue
+        rows.append(
+            [
+                s.name,
+                _pct(s.token_hit_rate),
+                _pct(s.ideal_hit_rate),
+                _pct(s.own_cache_ideal_hit_rate),
+                f"{s.prefill_tokens_computed:,}",
+                _ms(s.ttft_ms, "p50"),
+                _ms(s.ttft_ms, "p95"),
+                _ms(s.ttft_ms, "p99"),
+                _ms(s.e2e_ms, "p50"),
+                f"{s.requests_per_s:.2f}",
+                f"{s.input_tokens_per_s:,.0f}",
+                "-"
+                if s.loads_slower_than_recompute is None
+                else str(s.loads_slower_than_recompute),
+                _pct(s.first_logprob_within_tol),
+                _pct(s.equal_outputs),
+            ]
+        )
+    return rows
+
+
+def markdown_table(summaries: Sequence[Summary]) -> str:
+    """The table as GitHub markdown (for docs/BENCHMARKS.md)."""
+    out = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+    out += ["| " + " | ".join(row) + " |" for row in table_rows(summaries)]
+    return "\n".join(out)
+
+
+def plot(summaries: Sequence[Summary], out_dir: Path, stem: str) -> list[Path]:
+    """TTFT CDF per configuration, hit rate by turn, throughput bars; returns the PNGs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [s for s in summaries if s.ran and s.requests]
+    if not ran:
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths: list[Path] = []
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s in ran:
+        v = sorted(s.ttfts_ms)
+        ax.step(v, [(i + 1) / len(v) for i in range(len(v))], where="post", label=s.name)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms)")
+    ax.set_ylabel("share of requests")
+    ax.set_title("Time to first token")
+    ax.legend()
+    p = out_dir / f"{stem}-ttft-cdf.png"
+    fig.tight_layout()
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(p)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s in ran:
+        ks = list(s.hit_rate_by_turn)
+        ax.plot(ks, [100 * s.hit_rate_by_turn[k] for k in ks], marker="o", label=s.name)
+    ideal = ran[0].ideal_by_turn
+    ax.plot(list(ideal), [100 * v for v in ideal.values()], "k--", label="ideal (shared)")
+    ax.set_xlabel("turn")
+    ax.set_ylabel("token hit rate (%)")
+    ax.set_title("Hit rate by turn")
+    ax.legend()
+    p = out_dir / f"{stem}-hit-by-turn.png"
+    fig.tight_layout()
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(p)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar([s.name for s in ran], [s.input_tokens_per_s for s in ran])
+    ax.set_ylabel("input tokens/s")
+    ax.set_title("Throughput")
+    p = out_dir / f"{stem}-throughput.png"
+    fig.tight_layout()
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(p)
+    return paths

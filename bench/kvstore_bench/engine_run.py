@@ -1,0 +1,320 @@
+"""Run one configuration of the engine bench: start engines, play the scripts, collect.
+
+:class:`EngineProc` is one engine process (:mod:`kvstore_bench.engine_proc` run by the
+engine venv's python) with a reader thread that hands each finished request to the
+thread waiting for it. :func:`run_config` starts a configuration's backing
+(:mod:`kvstore_bench.engine_peers`) and ``engines`` fresh engines, plays every script
+on its own thread (turns in order, pauses between them, sub-agents after their fork
+turn), and returns one :class:`Result` per turn. Everything it started is stopped by pid
+before it returns, also on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .engine_peers import Backing, Context, NotRunnable, engine_env, make_backing
+from .engine_workload import Script, Turn
+from .peers import stop_process
+
+__all__ = ["ConfigRun", "EngineError", "EngineProc", "EngineSpec", "Result", "run_config"]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class EngineError(RuntimeError):
+    """An engine failed to start or to answer; the message carries its log's tail."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """How every engine of a run is built."""
+
+    python: Path
+    model: str
+    block_size: int = 32
+    max_len: int = 4096
+    kv_cache_bytes: int = 256 << 20
+    dtype: str = "float32"
+    start_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0
+
+
+@dataclass(slots=True)
+class Result:
+    """One turn as it ran (times in seconds since the configuration's run started)."""
+
+    script: str
+    turn: int
+    engine: int
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    e2e_s: float
+    start: float
+    end: float
+    tokens: list[int]
+    logprobs: list[float]
+    error: str = ""
+
+
+@dataclass(slots=True)
+class ConfigRun:
+    """A configuration's outcome: its results, or why it did not run."""
+
+    name: str
+    ran: bool
+    why_not: str = ""
+    note: str = ""
+    wall_s: float = 0.0
+    results: list[Result] = field(default_factory=list)
+
+
+class EngineProc:
+    """One engine process; ``submit`` may be called from many threads."""
+
+    def __init__(self, name: str, spec: EngineSpec, backing: Backing, work_dir: Path) -> None:
+        self.name = name
+        self.spec = spec
+        self.log_path = work_dir / f"engine-{name}.log"
+        cfg = {
+            "model": spec.model,
+            "block_size": spec.block_size,
+            "max_len": spec.max_len,
+            "kv_cache_bytes": spec.kv_cache_bytes,
+            "dtype": spec.dtype,
+            "kv_transfer_config": backing.kv_transfer_config,
+            "warmup_seed": 1000 + sum(name.encode()),
+        }
+        env = engine_env(backing, [str(ROOT / "client"), str(ROOT / "bench"), str(ROOT)])
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [str(spec.python), "-m", "kvstore_bench.engine_proc", json.dumps(cfg)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                cwd=ROOT,
+                env=env,
+            )
+        self._lock = threading.Lock()
+        self._waiting: dict[str, tuple[threading.Event, list[dict[str, Any]]]] = {}
+        self._buf = b""
+        self._reader: threading.Thread | None = None
+        self._dead = ""
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_ready(self) -> None:
+        """Block until the engine printed its ready line; EngineError if it exits first."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while b"\n" not in self._buf:
+                if time.monotonic() > deadline:
+                    raise EngineError(f"engine {self.name}: not ready in time\n{self.tail()}")
+                if not sel.select(1.0):
+                    if self.proc.poll() is not None:
+                        break
+                    continue
+                chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
+                if not chunk:
+                    break
+                self._buf += chunk
+        if b"\n" not in self._buf:
+            raise EngineError(f"engine {self.name} exited with {self.proc.poll()}:\n{self.tail()}")
+        line, self._buf = self._buf.split(b"\n", 1)
+        if json.loads(line).get("event") != "ready":
+            raise EngineError(f"engine {self.name}: unexpected {line!r}")
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 1 << 20)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            self._buf += chunk
+            while b"\n" in self._buf:
+                line, self._buf = self._buf.split(b"\n", 1)
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                with self._lock:
+                    slot = self._waiting.pop(str(msg.get("id")), None)
+                if slot is not None:
+                    slot[1].append(msg)
+                    slot[0].set()
+        with self._lock:
+            self._dead = f"engine {self.name} exited with {self.proc.poll()}"
+            for ev, _ in self._waiting.values():
+                ev.set()
+            self._waiting.clear()
+
+    def submit(self, rid: str, prompt: Sequence[int], max_tokens: int) -> dict[str, Any]:
+        """Send one request and wait for its answer (a "done" or "error" message)."""
+        assert self.proc.stdin is not None
+        ev = threading.Event()
+        box: list[dict[str, Any]] = []
+        with self._lock:
+            if self._dead:
+                raise EngineError(self._dead)
+            self._waiting[rid] = (ev, box)
+            line = {"op": "add", "id": rid, "prompt": list(prompt), "max_tokens": max_tokens}
+            self.proc.stdin.write((json.dumps(line) + "\n").encode())
+            self.proc.stdin.flush()
+        if not ev.wait(self.spec.request_timeout_s) or not box:
+            raise EngineError(self._dead or f"engine {self.name}: no answer for {rid}")
+        return box[0]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write(b'{"op": "exit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(15)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        stop_process(self.proc)
+
+
+def _play(
+    scripts: Sequence[Script],
+    engines: Sequence[EngineProc],
+    t0: float,
+    on_done: Callable[[Result], None],
+) -> list[Result]:
+    results: list[Result] = []
+    lock = threading.Lock()
+    fork_events = {(s.id, t.index): threading.Event() for s in scripts for t in s.turns}
+    errors: list[BaseException] = []
+
+    def run_turn(t: Turn) -> Result:
+        start = time.perf_counter() - t0
+        try:
+            ans = engines[t.engine].submit(f"{t.script}#{t.index}", t.prompt, t.max_tokens)
+        except EngineError as e:
+            ans = {"event": "error", "error": str(e)}
+        end = time.perf_counter() - t0
+        ok = ans.get("event") == "done"
+        return Result(
+            script=t.script,
+            turn=t.index,
+            engine=t.engine,
+            prompt_tokens=len(t.prompt),
+            cached_tokens=int(ans.get("num_cached_tokens", 0)) if ok else 0,
+            ttft_s=float(ans.get("ttft_s", end - start)) if ok else float("nan"),
+            e2e_s=float(ans.get("e2e_s", end - start)) if ok else float("nan"),
+            start=start,
+            end=end,
+            tokens=list(ans.get("tokens", [])),
+            logprobs=[float(x) for x in ans.get("logprobs", [])],
+            error="" if ok else str(ans.get("error", "?")),
+        )
+
+    def play(s: Script) -> None:
+        try:
+            if s.parent is not None and s.after_turn >= 0:
+                fork_events[(s.parent, s.after_turn)].wait()
+            delay = s.start_s - (time.perf_counter() - t0)
+            if delay > 0:
+                time.sleep(delay)
+            for t in s.turns:
+                if t.pause_s > 0:
+                    time.sleep(t.pause_s)
+                r = run_turn(t)
+                with lock:
+                    results.append(r)
+                on_done(r)
+                fork_events[(s.id, t.index)].set()
+        except BaseException as e:  # keep other scripts going; report after
+            errors.append(e)
+        finally:
+            for t in s.turns:  # children of a failed script still run
+                fork_events[(s.id, t.index)].set()
+
+    threads = [threading.Thread(target=play, args=(s,), daemon=True) for s in scripts]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def run_config(
+    name: str,
+    ctx: Context,
+    spec: EngineSpec,
+    scripts: Sequence[Script],
+    engines: int,
+    on_event: Callable[[str], None] = lambda _: None,
+    on_done: Callable[[Result], None] = lambda _: None,
+) -> ConfigRun:
+    """Play ``scripts`` on ``engines`` fresh engines of configuration ``name``.
+
+    Returns ``ConfigRun(ran=False, why_not=...)`` when the configuration's backing or its
+    engines cannot start; requests that fail are kept as results with ``error`` set.
+    """
+    cdir = ctx.work_dir / name
+    cdir.mkdir(parents=True, exist_ok=True)
+    cctx = Context(ctx.engine_python, cdir, ctx.memory_bytes, ctx.block_size, ctx.extra)
+    procs: list[EngineProc] = []
+    backing: Backing | None = None
+    try:
+        on_event(f"{name}: starting backing")
+        try:
+            backing = make_backing(name, cctx)
+        except NotRunnable as e:
+            return ConfigRun(name, False, why_not=str(e))
+        except Exception as e:
+            return ConfigRun(name, False, why_not=f"backing did not start: {e}")
+        on_event(f"{name}: starting {engines} engines")
+        procs = [EngineProc(f"{i}", spec, backing, cdir) for i in range(engines)]
+        try:
+            for p in procs:
+                p.wait_ready()
+        except EngineError as e:
+            return ConfigRun(name, False, why_not=_why(str(e)))
+        on_event(f"{name}: running")
+        t0 = time.perf_counter()
+        try:
+            results = _play(scripts, procs, t0, on_done)
+        except Exception as e:  # a bench bug or a lost engine: report, run the others
+            return ConfigRun(name, False, why_not=f"run failed: {type(e).__name__}: {e}")
+        wall = time.perf_counter() - t0
+        return ConfigRun(name, True, note=backing.note, wall_s=wall, results=results)
+    finally:
+        for p in procs:
+            p.stop()
+        if backing is not None:
+            backing.stop()
+
+
+def _why(text: str) -> str:
+    """The most telling line of an engine's failure: the last exception line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "Error" in ln or "error" in ln or "Exception" in ln:
+            return ln[:400]
+    return (lines[-1] if lines else text)[:400]

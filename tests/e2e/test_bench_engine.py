@@ -1,0 +1,51 @@
+"""`kvstore bench engine` in miniature: two real engines, turns alternating between them.
+
+One synthetic agent session of four turns is played on fresh engines twice: with each
+engine's own prefix cache only (``prefix``) and with the kvstore connector against a
+local cluster (``kvstore``). With turns alternating engines, the shared store must serve
+more of the prompts than the engines' own caches, and the outputs must be the same.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstore_bench import synth
+from kvstore_bench.engine_peers import Context
+from kvstore_bench.engine_report import summarize
+from kvstore_bench.engine_run import EngineSpec, run_config
+from kvstore_bench.engine_workload import WorkloadShape, build_scripts
+from kvstore_bench.traces import load_agentic
+
+from .conftest import REPORT
+
+BLOCK = 32
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_kvstore_beats_prefix_only_and_outputs_match(tiny_model: str, tmp_path: Path) -> None:
+    sessions = load_agentic(synth.write(tmp_path / "synth", 1, seed=3))
+    shape = WorkloadShape(token_scale=0.03, time_scale=1000.0, max_turns=4, max_output=4)
+    scripts = build_scripts(sessions, shape)
+    assert sum(len(s.turns) for s in scripts) >= 3
+    py = Path(sys.executable)
+    spec = EngineSpec(python=py, model=tiny_model, block_size=BLOCK, start_timeout_s=300)
+    ctx = Context(py, tmp_path, 256 << 20, BLOCK)
+    prefix = run_config("prefix", ctx, spec, scripts, engines=2)
+    kv = run_config("kvstore", ctx, spec, scripts, engines=2)
+    assert prefix.ran, prefix.why_not
+    assert kv.ran, kv.why_not
+    assert not [r.error for r in prefix.results + kv.results if r.error]
+    p = summarize(prefix, scripts, BLOCK)
+    k = summarize(kv, scripts, BLOCK, reference=prefix)
+    REPORT.append(
+        f"bench engine (tiny, 2 engines, {p.requests} turns): token hit rate "
+        f"prefix {100 * p.token_hit_rate:.1f}% kvstore {100 * k.token_hit_rate:.1f}% "
+        f"(ideal {100 * k.ideal_hit_rate:.1f}%), equal outputs {k.equal_outputs}"
+    )
+    assert k.token_hit_rate > p.token_hit_rate
+    assert k.first_logprob_within_tol == 1.0
+    assert k.equal_outputs == 1.0

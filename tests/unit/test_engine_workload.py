@@ -1,0 +1,105 @@
+"""The engine bench's workload builder and ideal-hit accounting (pure, no engines)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstore_bench.engine_report import percentiles
+from kvstore_bench.engine_workload import (
+    Timed,
+    WorkloadShape,
+    block_tokens_of,
+    build_scripts,
+    cacheable,
+    ideal_hits,
+)
+from kvstore_bench.traces import Request, Session
+
+
+def _session(sid: str, turns: list[tuple[list[int], int]], start: float = 0.0) -> Session:
+    reqs = tuple(
+        Request(
+            session=sid,
+            t=start + 10.0 * k,
+            input_tokens=len(ids) * 64 + tail,
+            output_tokens=200,
+            block_ids=tuple(ids),
+            block_tokens=64,
+            model="m",
+            think_time=5.0 if k else 0.0,
+        )
+        for k, (ids, tail) in enumerate(turns)
+    )
+    return Session(id=sid, start=start, requests=reqs)
+
+
+SHAPE = WorkloadShape(token_scale=0.5, time_scale=10.0, max_output=16, max_len=4096, engines=2)
+
+
+def test_shared_ids_give_shared_tokens_and_turns_alternate_engines() -> None:
+    s = _session("a", [([1, 2], 10), ([1, 2, 3], 0), ([1, 2, 3, 4], 5)])
+    (script,) = build_scripts([s], SHAPE)
+    t0, t1, t2 = script.turns
+    assert t0.prompt[:64] == t1.prompt[:64] == t2.prompt[:64]  # blocks 1, 2 -> 32 tokens each
+    assert t1.prompt[:96] == t2.prompt[:96]
+    assert t0.prompt[64:] != t1.prompt[64:69]  # a tail is unique to its request
+    assert len(t0.prompt) == 64 + 5 and len(t1.prompt) == 96 and len(t2.prompt) == 128 + 2
+    assert [t.engine for t in script.turns] == [0, 1, 0]
+    assert t0.pause_s == 0.0 and t1.pause_s == 0.5
+    assert all(t.max_tokens == 16 for t in script.turns)  # 200 * 0.5 capped
+    assert block_tokens_of(7, 32, 1000) == block_tokens_of(7, 32, 1000)
+    assert min(min(t.prompt) for t in script.turns) >= 3
+
+
+def test_sessions_stop_at_the_first_turn_that_does_not_fit() -> None:
+    s = _session("a", [([1], 0), (list(range(1, 300)), 0), ([1], 0)])
+    (script,) = build_scripts([s], SHAPE)
+    assert [t.index for t in script.turns] == [0]
+    assert build_scripts([s], WorkloadShape(max_turns=1, token_scale=0.5))[0].turns[0].index == 0
+
+
+def test_ideal_hits_count_only_requests_finished_before_the_start() -> None:
+    a = tuple(range(3, 3 + 100))
+    b = a[:64] + tuple(range(500, 540))
+    reqs = [
+        Timed(a, engine=0, start=0.0, end=1.0),
+        Timed(b, engine=1, start=2.0, end=3.0),  # shares 64 tokens with a, on another engine
+        Timed(b, engine=1, start=2.5, end=3.5),  # started before b finished: only a counts
+        Timed(b, engine=1, start=4.0, end=5.0),
+    ]
+    shared, own = ideal_hits(reqs, 32)
+    assert shared == [0, 64, 64, 96]  # never the last token: (104 - 1) // 32 * 32 = 96
+    assert own == [0, 0, 0, 96]
+    assert cacheable(64, 32) == 32 and cacheable(65, 32) == 64
+
+
+def test_percentiles_nearest_rank() -> None:
+    p = percentiles([float(x) for x in range(1, 101)] + [float("nan")])
+    assert p == {"p50": 50.0, "p95": 95.0, "p99": 99.0}
+    assert percentiles([]) == {}
+
+
+def test_missing_engine_venv_is_a_clear_error(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from kvstore_bench.engine import engine_cmd
+
+    res = CliRunner().invoke(engine_cmd, ["--engine-python", str(tmp_path / "nope" / "python")])
+    assert res.exit_code != 0
+    assert "make e2e" in res.output
+
+
+def test_ablations_without_a_connector_knob_say_so(tmp_path: Path) -> None:
+    from kvstore_bench.engine_peers import ABLATIONS, Context, NotRunnable, make_backing
+
+    ctx = Context(Path("python"), tmp_path, 64 << 20, 32)
+    for name, (extra, _why) in ABLATIONS.items():
+        if extra is None:
+            with pytest.raises(NotRunnable, match="no connector knob"):
+                make_backing(name, ctx)
+    with pytest.raises(NotRunnable, match="prefix run"):
+        make_backing("kvstore-load-or-recompute", ctx)  # needs the prefix run's speed
+    with pytest.raises(ValueError):
+        make_backing("nosuch", ctx)
