@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .backends import ClusterSpec, KVStoreBackend, StartError
+from .peers import ClusterSpec, KVStoreBackend, StartError
 from .replay import ReplayConfig, RequestRecord, run_replay
 from .traces import Session
 

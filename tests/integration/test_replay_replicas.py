@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvstore_bench.backends import ClusterSpec
+from kvstore_bench.peers import ClusterSpec
 from kvstore_bench.replay import ReplayConfig, load_sessions, replay_cmd
 from kvstore_bench.replicareplay import run_replica_replay
 from kvstore_bench.synth import SynthShape, write
