@@ -68,7 +68,7 @@ from .tiers.policy import (
     Watermarks,
     WriteSsd,
 )
-from .tiers.ssd import HEADER_LEN, SsdStore
+from .tiers.ssd import SsdStore
 
 log = logging.getLogger(__name__)
 
@@ -633,7 +633,7 @@ class BlockStore:
     ) -> list[tuple[str, bytes, int, int]] | None:
         """Write to LMDB (outside the lock), making room first; None when it failed."""
         assert self.ssd is not None
-        need = sum(len(v) + HEADER_LEN for _, _, v, _ in items)
+        need = sum(self.ssd.footprint(len(v)) for _, _, v, _ in items)
         for attempt in range(3):
             room = NeedSsdRoom(max(need, self.ssd.size // 10), force=True) if attempt else None
             with self.lock:
@@ -735,11 +735,11 @@ class BlockStore:
         assert self.ssd is not None
         bad: list[bytes] = []
         t0 = time.monotonic()
-        for raw, ns, key, header, stored in self.ssd.scan():
+        for raw, ns, key, header, _ in self.ssd.scan():
             if header is None:
                 bad.append(raw)
                 continue
-            self.policy.rebuilt(ns, key, header.size, stored)
+            self.policy.rebuilt(ns, key, header.size, self.ssd.footprint(header.size))
         if bad:
             self.ssd.delete_raw(bad)
             self.counters.checksum_errors += len(bad)
