@@ -63,6 +63,7 @@ from .tiers.policy import (
     SsdHit,
     SsdWriteFailed,
     SsdWritten,
+    TailFirst,
     Tick,
     TierPolicy,
     Watermarks,
@@ -577,9 +578,10 @@ class BlockStore:
             elif isinstance(ins, Retain | Release):
                 for k in ins.keys:
                     self.tier.retain(ins.ns, k, isinstance(ins, Retain))
-            elif isinstance(ins, EvictFirst):
+            elif isinstance(ins, EvictFirst | TailFirst):
+                move = self.tier.make_oldest if isinstance(ins, EvictFirst) else self.tier.touch
                 for k in ins.keys:
-                    self.tier.make_oldest(ins.ns, k)
+                    move(ins.ns, k)
             elif isinstance(ins, Prefetch):
                 self._todo.prefetch.append((ins.ns, ins.keys))
                 self._wake.set()
