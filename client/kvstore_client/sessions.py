@@ -8,11 +8,20 @@ its blocks that no other live session holds the first eviction candidates. See
 
 The hint goes to every worker of the map (a session spans workers), each with the
 hashes it owns (grouped like ``batch_exists``); the data plane carries nothing new.
+
+Hints are incremental: a session's chain only grows, so the client remembers, per
+session (at most ``MAX_REMEMBERED`` of them, least recently hinted forgotten first),
+how many leading hashes every worker took and the last of them; a later hint whose
+chain starts with that prefix sends only the hashes after it. The whole chain is sent
+again when the chain changed, a worker missed the previous hint, or ``FULL_EVERY``
+seconds passed (a worker may have dropped the session meanwhile).
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -35,6 +44,8 @@ if TYPE_CHECKING:
 
 STATES = ("active", "paused", "ended")
 MAX_SESSION_ID_BYTES = 256
+MAX_REMEMBERED = 4096  # sessions whose sent prefix the client remembers
+FULL_EVERY = 60.0  # seconds after which a hint carries the whole chain again
 
 
 def check_hint(session_id: str, state: str, ttl: float | None) -> None:
@@ -57,6 +68,41 @@ class SessionHints:
         self._client = client
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
+        # (ns, session) -> (hashes every worker took, the last of them, when sent in full)
+        self._sent: OrderedDict[tuple[str, str], tuple[int, bytes, float]] = OrderedDict()
+
+    def _new_part(self, ns: str, session_id: str, hashes: list[bytes], now: float) -> int:
+        """How many leading ``hashes`` the workers already hold for this session."""
+        with self._lock:
+            got = self._sent.get((ns, session_id))
+        if got is None:
+            return 0
+        n, last, full_at = got
+        if now - full_at > FULL_EVERY or not 0 < n <= len(hashes) or hashes[n - 1] != last:
+            return 0
+        return n
+
+    def _remember(
+        self,
+        ns: str,
+        session_id: str,
+        state: str,
+        hashes: list[bytes],
+        skip: int,
+        ok: bool,
+        now: float,
+    ) -> None:
+        k = (ns, session_id)
+        with self._lock:
+            if not ok or state == "ended" or not hashes:
+                if not ok or state == "ended":
+                    self._sent.pop(k, None)
+                return
+            full_at = self._sent[k][2] if skip and k in self._sent else now
+            self._sent[k] = (len(hashes), hashes[-1], full_at)
+            self._sent.move_to_end(k)
+            while len(self._sent) > MAX_REMEMBERED:
+                self._sent.popitem(last=False)
 
     def _stub(self, address: str) -> store_pb2_grpc.StoreStub:
         with self._lock:
@@ -75,6 +121,8 @@ class SessionHints:
     ) -> int:
         """Send the hint to every worker; returns how many workers took it.
 
+        Only the hashes past the prefix this session's earlier hints delivered are sent
+        (see the module docstring); the workers add them to what they hold.
         Blocks until every worker answered or the client's timeout passed. Raises
         InvalidArgument / PermissionDenied for a hint the caller got wrong; an
         unreachable worker is skipped (hints are advice), so the result may be short.
@@ -84,7 +132,10 @@ class SessionHints:
         check_hint(session_id, state, ttl)
         hashes = list(hashes)
         check_hashes(hashes)
-        view, groups = c._copy_groups(ns, hashes)
+        now = time.monotonic()
+        skip = self._new_part(ns, session_id, hashes, now)
+        view, groups = c._copy_groups(ns, hashes[skip:])
+        new = hashes[skip:]
         owned = {w: idx for w, idx in groups}
         empty = np.zeros(0, dtype=np.int64)
         tasks: list[Callable[[], int]] = []
@@ -94,7 +145,7 @@ class SessionHints:
                 namespace=ns,
                 session_id=session_id,
                 state=state,
-                hashes=b"".join(hashes[i] for i in idx),
+                hashes=b"".join(new[i] for i in idx),
                 ttl_seconds=ttl or 0.0,
             )
             tasks.append(self._task(link.info.grpc, req))
@@ -104,6 +155,7 @@ class SessionHints:
             errors.append(e)
 
         took = sum(1 for r in c._fan_out(tasks, on_error) if r is not None)
+        self._remember(ns, session_id, state, hashes, skip, took == len(tasks), now)
         for e in errors:
             if isinstance(e, InvalidArgument | PermissionDenied | Unauthenticated):
                 raise e

@@ -12,6 +12,11 @@ any client) sends hints: ``(namespace, session id, state, block hashes, ttl)``.
 - A block held by several live sessions (a shared system prompt) counts one
   reference per session; it is protected while any of them is paused and orphaned
   only when the last of them ends.
+- A ``paused`` hint also lists the session's chain last block first: the policy
+  reorders those blocks (just used by the turn that ended) so that LRU eviction takes
+  the chain's tail before its head. A prefix match stops at the first missing block,
+  so plain LRU, which evicts a chain from its head (its oldest-touched block), loses
+  the whole prefix where this loses only its end.
 - Memory is bounded: at most ``max_sessions`` sessions (a new one pushes out the
   oldest ended session, else the least recently hinted one, counted in
   ``counters.dropped``) and ``max_blocks`` (session, block) pairs in all (hashes
@@ -62,9 +67,12 @@ class Change:
     unprotect: list[bytes] = field(default_factory=list)  # no paused session holds them now
     orphaned: list[bytes] = field(default_factory=list)  # no live session holds them now
     resumed: list[bytes] = field(default_factory=list)  # a paused session resumed: prefetch
+    tail_first: list[bytes] = field(default_factory=list)  # paused: its chain, last block first
 
     def __bool__(self) -> bool:
-        return bool(self.protect or self.unprotect or self.orphaned or self.resumed)
+        return bool(
+            self.protect or self.unprotect or self.orphaned or self.resumed or self.tail_first
+        )
 
 
 @dataclass(slots=True)
@@ -182,6 +190,7 @@ class SessionTable:
             self._move(s, state, ch, orphan=True)
         if state == "paused":
             s.expires = now + (ttl if ttl is not None else self.paused_ttl)
+            ch.tail_first.extend(reversed(s.keys))
         elif state == "active":
             s.expires = now + (ttl if ttl is not None else self.idle_ttl)
         else:

@@ -63,12 +63,13 @@ from .tiers.policy import (
     SsdHit,
     SsdWriteFailed,
     SsdWritten,
+    TailFirst,
     Tick,
     TierPolicy,
     Watermarks,
     WriteSsd,
 )
-from .tiers.ssd import HEADER_LEN, SsdStore
+from .tiers.ssd import SsdStore
 
 log = logging.getLogger(__name__)
 
@@ -577,9 +578,10 @@ class BlockStore:
             elif isinstance(ins, Retain | Release):
                 for k in ins.keys:
                     self.tier.retain(ins.ns, k, isinstance(ins, Retain))
-            elif isinstance(ins, EvictFirst):
+            elif isinstance(ins, EvictFirst | TailFirst):
+                move = self.tier.make_oldest if isinstance(ins, EvictFirst) else self.tier.touch
                 for k in ins.keys:
-                    self.tier.make_oldest(ins.ns, k)
+                    move(ins.ns, k)
             elif isinstance(ins, Prefetch):
                 self._todo.prefetch.append((ins.ns, ins.keys))
                 self._wake.set()
@@ -633,7 +635,7 @@ class BlockStore:
     ) -> list[tuple[str, bytes, int, int]] | None:
         """Write to LMDB (outside the lock), making room first; None when it failed."""
         assert self.ssd is not None
-        need = sum(len(v) + HEADER_LEN for _, _, v, _ in items)
+        need = sum(self.ssd.footprint(len(v)) for _, _, v, _ in items)
         for attempt in range(3):
             room = NeedSsdRoom(max(need, self.ssd.size // 10), force=True) if attempt else None
             with self.lock:
@@ -735,11 +737,11 @@ class BlockStore:
         assert self.ssd is not None
         bad: list[bytes] = []
         t0 = time.monotonic()
-        for raw, ns, key, header, stored in self.ssd.scan():
+        for raw, ns, key, header, _ in self.ssd.scan():
             if header is None:
                 bad.append(raw)
                 continue
-            self.policy.rebuilt(ns, key, header.size, stored)
+            self.policy.rebuilt(ns, key, header.size, self.ssd.footprint(header.size))
         if bad:
             self.ssd.delete_raw(bad)
             self.counters.checksum_errors += len(bad)

@@ -140,6 +140,11 @@ def test_session_hints_reach_every_worker_and_bad_hints_are_rejected(
         assert sum(s.hit_blocks for s in rows) > 0
         assert all(0 < s.expires_in_seconds <= 60 for s in rows)
         assert sum(t.retained_bytes for t in tables) == 40 * 1000
+        # Incremental: the client sends only hashes past what the workers took.
+        more = chain + [key(i, "sess") for i in range(40, 50)]
+        assert cl.session_hint(NS, "agent-1", "active", hashes=more) == 2
+        rows = [s for t in cl.sessions() for s in t.sessions]
+        assert sum(s.blocks for s in rows) == 50, "the 10 new hashes were added"
         for bad in (
             ("agent-1", "sleeping", None),
             ("x" * 300, "paused", None),
@@ -178,7 +183,7 @@ def test_session_hints_reach_every_worker_and_bad_hints_are_rejected(
         ).stdout  # fmt: skip
         doc = json.loads(out)
         assert doc["sessions"][0]["session"] == "agent-1", "most blocks asked first"
-        assert doc["sessions"][0]["blocks"] == 40 and len(doc["sessions"]) == 3
+        assert doc["sessions"][0]["blocks"] == 50 and len(doc["sessions"]) == 3
         assert doc["totals"]["live"] == 302
         cl.session_hint(NS, "agent-1", "ended")
         assert sum(t.retained_bytes for t in cl.sessions()) == 0

@@ -26,6 +26,7 @@ from kvstore.worker.tiers.policy import (
     SessionHint,
     SessionTick,
     SsdWritten,
+    TailFirst,
     TierPolicy,
     Watermarks,
 )
@@ -63,9 +64,22 @@ def test_pause_retains_leading_blocks_within_the_budget() -> None:
     p = policy({(NS, k): 300 for k in a}, budget=700)
     assert hint(p, "s1", "active", a) == []
     out = hint(p, "s1", "paused")
-    assert out == [Retain(NS, a[:2])], "the chain's leading blocks first, up to 700 bytes"
+    assert out == [TailFirst(NS, tuple(reversed(a))), Retain(NS, a[:2])], (
+        "the chain reordered tail first; its leading blocks retained, up to 700 bytes"
+    )
     assert p.retained_bytes == 600 and p.counters.retain_refused == 2
     assert p.sessions.is_protected(NS, a[3]), "over-budget blocks stay protected on SSD"
+
+
+def test_pause_orders_the_whole_chain_tail_first() -> None:
+    """Plain LRU evicts a just-used chain from its head, which kills the whole prefix
+    match; a paused hint lists the chain (all turns so far) last block first."""
+    a, b = ks("a", 3), ks("b", 2)
+    p = policy({}, budget=0)
+    hint(p, "s1", "active", a)
+    hint(p, "s1", "paused", b)
+    assert hint(p, "s1", "paused") == [TailFirst(NS, tuple(reversed(a + b)))]
+    assert hint(p, "s1", "active", now=1) == []
 
 
 def test_resume_releases_and_prefetches_ssd_only_blocks() -> None:

@@ -353,6 +353,16 @@ class DramTier(SlotIndex):
             self._link(s)
         return True
 
+    def touch(self, ns: str, key: bytes) -> bool:
+        """Move an evictable, unpinned block to the most recently used end of its list
+        (False when it is not here, pinned by a reader or kept off the list)."""
+        s = self._find(ns, key)
+        if s < 0 or self.state[s] != READY or self.pins[s] or self.lst[s] & 1:
+            return False
+        self._unlink(s)
+        self._link(s)
+        return True
+
     def make_oldest(self, ns: str, key: bytes) -> bool:
         """Move an evictable, unpinned block to the evicting end of its LRU list."""
         s = self._find(ns, key)

@@ -25,6 +25,8 @@ Sessions (hints from the engine, bookkept by :class:`~kvstore.worker.sessions.Se
   session's blocks are evicted only when nothing else is left to evict;
 - an ended session's blocks that no live session holds go to the evicting end of
   the DRAM and SSD LRU orders (first eviction candidates);
+- a paused session's chain is reordered in DRAM's LRU, last block first, so that
+  eviction takes its tail before its head (a prefix match stops at the first gap);
 - when a paused session resumes (an ``active`` hint, or a lookup of its blocks) its
   blocks on SSD only are prefetched into DRAM (up to ``retain_budget`` bytes).
 
@@ -406,6 +408,15 @@ class EvictFirst:
 
 
 @dataclass(frozen=True, slots=True)
+class TailFirst:
+    """Touch these DRAM blocks in this order (a paused chain, last block first), so
+    LRU eviction takes the chain's tail before its head."""
+
+    ns: str
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Prefetch:
     """Copy these SSD-only blocks into DRAM (outside the lock)."""
 
@@ -413,7 +424,9 @@ class Prefetch:
     keys: tuple[bytes, ...]
 
 
-Instruction = WriteSsd | DeleteSsd | Promote | Demote | Retain | Release | EvictFirst | Prefetch
+Instruction = (
+    WriteSsd | DeleteSsd | Promote | Demote | Retain | Release | EvictFirst | TailFirst | Prefetch
+)
 
 
 @dataclass(slots=True)
@@ -562,6 +575,8 @@ class TierPolicy:
                 self.retained[(ns, k)] = size
                 self.retained_bytes += size
                 keep.append(k)
+            if ch.tail_first:
+                out.append(TailFirst(ns, tuple(ch.tail_first)))
             if keep:
                 out.append(Retain(ns, tuple(keep)))
             if ch.orphaned:

@@ -2,7 +2,16 @@
 
 Each value is a 32-byte header and the payload:
     magic b"KVB1" | version u8 | pad 3 | payload size u64 | xxh3_64 u64 | xxh3_64(ns) u64
-The LMDB key is ``namespace || 0x00 || hash``. The map size is the SSD size; writes
+The LMDB key is ``namespace || 0x00 || hash``.
+
+Sizing: the SSD size bounds the *pages* the values occupy, which is what
+:meth:`SsdStore.footprint` reports and what the tier policy's index counts (a value
+is stored in LMDB overflow pages: its bytes plus our 32-byte header plus LMDB's
+16-byte page header, rounded up to whole pages, so a 4 KiB payload takes two 4 KiB
+pages and a 1 MiB one 257). The LMDB map is larger than the SSD size by
+``MAP_HEADROOM`` (copy-on-write pages of a transaction, free-list fragmentation,
+deletes that need pages of their own): with the policy evicting at its watermarks
+the map never fills, and the file stays sparse beyond what was written. Writes
 use ``writemap=False`` (write(2), so a full disk is an error, never a SIGBUS; and
 1.7 GB/s against 0.7 with writemap here) and no fsync per commit; ``close()``
 fsyncs. Reads hand out zero-copy views into LMDB's memory map, valid while their
@@ -29,6 +38,8 @@ MAGIC = b"KVB1"
 VERSION = 1
 HEADER = struct.Struct("<4sB3xQQQ")
 HEADER_LEN = HEADER.size  # 32
+PAGE_HEADER = 16  # LMDB's header on the first page of an overflow run
+MAP_HEADROOM = 0.5  # the map is this much larger than the SSD size (see the docstring)
 
 
 def lmdb_key(ns: str, key: bytes) -> bytes:
@@ -76,7 +87,7 @@ class SsdStore:
         self.sync_writes = sync
         self.env = lmdb.open(
             path,
-            map_size=size,
+            map_size=size + int(size * MAP_HEADROOM) + (1 << 20),
             subdir=True,
             writemap=False,
             sync=sync,
@@ -85,6 +96,12 @@ class SsdStore:
             max_readers=1024,
             lock=True,
         )
+        self.page_size = int(self.env.stat()["psize"])
+
+    def footprint(self, payload: int) -> int:
+        """Bytes of LMDB pages a value of ``payload`` bytes occupies (header included)."""
+        n = HEADER_LEN + payload + PAGE_HEADER
+        return -(-n // self.page_size) * self.page_size
 
     # ---- writes --------------------------------------------------------------
 
@@ -93,7 +110,8 @@ class SsdStore:
     ) -> list[tuple[str, bytes, int, int]]:
         """Write (ns, key, payload, checksum) items in one transaction.
 
-        Returns (ns, key, payload size, stored size) for each item written. Raises
+        Returns (ns, key, payload size, stored size) for each item written, the stored
+        size being the value's :meth:`footprint` in LMDB pages. Raises
         ResourceExhausted when the map or the disk is full (nothing is written then).
         """
         done: list[tuple[str, bytes, int, int]] = []
@@ -105,7 +123,7 @@ class SsdStore:
                     HEADER.pack_into(buf, 0, MAGIC, VERSION, n, checksum, ns_tag(ns))
                     buf[HEADER_LEN:] = payload
                     txn.put(lmdb_key(ns, key), buf)
-                    done.append((ns, key, n, HEADER_LEN + n))
+                    done.append((ns, key, n, self.footprint(n)))
         except lmdb.MapFullError as e:
             raise ResourceExhausted("SSD tier is full (LMDB map full)") from e
         except lmdb.Error as e:
