@@ -4,7 +4,8 @@ Used by ``kvstore up``, the demo, the benchmarks and the test fixtures. Each
 daemon prints one JSON "ready" line on stdout; we wait for it, so callers get
 real addresses (ports picked by the daemons) and know the processes serve.
 Children are ended by pid (SIGTERM, then SIGKILL after a grace period), never
-by name.
+by name; the waiting and stopping is :mod:`kvstore.procs`, shared with the bench
+peers and the network-namespace test harness.
 """
 
 from __future__ import annotations
@@ -13,10 +14,7 @@ import collections
 import contextlib
 import json
 import os
-import selectors
 import shutil
-import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -28,6 +26,9 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from kvstore_client.security import Tls
+
+from . import procs
+from .procs import free_port as free_port  # re-exported: tests import it from here
 
 
 class StartError(RuntimeError):
@@ -132,22 +133,16 @@ class Daemon:
             os.kill(self.proc.pid, sig)
 
     def stop(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM, wait, then SIGKILL; returns the exit code."""
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        """SIGTERM, wait, then SIGKILL (by pid, :func:`kvstore.procs.stop`); returns the
+        exit code."""
+        code = procs.stop(self.proc, timeout)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
-        return self.proc.returncode
+        return code
 
     def kill(self) -> None:
-        if self.alive():
-            self.proc.kill()
-            self.proc.wait(5)
+        """SIGKILL and reap."""
+        procs.kill(self.proc)
 
 
 def _read_ready(
@@ -156,31 +151,10 @@ def _read_ready(
     what: str,
     last_error: Callable[[], str] = lambda: "",
 ) -> dict[str, Any]:
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout
-    buf = b""
-    try:
-        while time.monotonic() < deadline:
-            if not sel.select(timeout=0.1):
-                if proc.poll() is not None:
-                    break
-                continue
-            chunk = os.read(proc.stdout.fileno(), 65536)
-            if not chunk:
-                break
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(msg, dict) and msg.get("event") == "ready":
-                    return msg
-    finally:
-        sel.close()
+    got = procs.read_ready(proc, timeout)
+    if got.msg is not None:
+        return got.msg
     # stdout closed: the daemon is exiting; give it a moment to be reaped so that an
     # early exit is reported as one (with its error), not as a timeout.
     try:
@@ -188,8 +162,7 @@ def _read_ready(
     except subprocess.TimeoutExpired:
         code = None
     if code is None:
-        proc.kill()
-        proc.wait(5)
+        procs.kill(proc)
         raise StartError(f"{what} printed no ready line within {timeout:.0f}s")
     err = _error_text(last_error())
     if err:
@@ -219,9 +192,7 @@ class Starting:
         try:
             msg = _read_ready(self.proc, timeout, f"kvstore {self.role}", self.last_error)
         except BaseException:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(5)
+            procs.kill(self.proc)
             if self.proc.stdout is not None:
                 self.proc.stdout.close()
             if self.relay is not None and not self.relay.last_error().startswith("Error: "):
@@ -334,8 +305,7 @@ class LocalCluster:
                     if s.proc.poll() is None and all(
                         w.proc is not s.proc for w in self.worker_procs
                     ):
-                        s.proc.kill()
-                        s.proc.wait(5)
+                        procs.kill(s.proc)
             self.wait_for_workers(self.workers)
         except BaseException:
             # One line says why (StartError); the others' shutdown chatter is noise.
@@ -422,13 +392,6 @@ class LocalCluster:
 # ---- a local etcd (HA masters in tests and benches) --------------------------------
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (a daemon that binds it may still race)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass(slots=True)
 class Etcd:
     """A local etcd-server process and its client URL."""
@@ -438,13 +401,8 @@ class Etcd:
     context: ssl.SSLContext | None = None  # for https:// URLs (client certificate)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        """SIGTERM, then SIGKILL after 10 s (by pid)."""
+        procs.stop(self.proc, 10)
 
     def healthy(self) -> bool:
         with (

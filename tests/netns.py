@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from kvstore import procs
 from kvstore.cluster import Daemon
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,31 +86,12 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _read_ready(proc: subprocess.Popen[bytes], timeout: float, what: str) -> dict[str, Any]:
-    """The daemon's JSON ready line (it prints one on stdout when it serves)."""
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    buf = b""
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if not sel.select(0.1):
-                continue
-            chunk = os.read(proc.stdout.fileno(), 65536)
-            if not chunk:
-                break
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                with contextlib.suppress(ValueError):
-                    msg = json.loads(line)
-                    if isinstance(msg, dict) and msg.get("event") == "ready":
-                        return msg
-    finally:
-        sel.close()
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(5)
+    """The daemon's JSON ready line (it prints one on stdout when it serves); a daemon
+    that is not ready in time is killed (by pid)."""
+    got = procs.read_ready(proc, timeout)
+    if got.msg is not None:
+        return got.msg
+    procs.kill(proc)
     raise RuntimeError(f"{what} was not ready within {timeout:.0f}s (exit {proc.poll()})")
 
 
@@ -258,10 +240,9 @@ class RemoteClient:
             with contextlib.suppress(Exception):
                 self.call({"op": "quit"}, deadline=10)
             try:
-                self.proc.wait(10)
+                self.proc.wait(10)  # it quits on its own after the "quit" command
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+                procs.kill(self.proc)
         for f in (self.proc.stdin, self.proc.stdout):
             if f is not None:
                 f.close()

@@ -32,7 +32,7 @@ import click
 import numpy as np
 from rich.console import Console
 
-from . import report
+from . import replayreport
 from .cachesim import HitStats, ideal_hit_rate, lru_hit_rate
 from .peers import BACKENDS, Backend, ClusterSpec, leading, open_backend, unavailable_reason
 from .traces import IdSpace, Request, Session, block_hashes, load_agentic, load_mooncake
@@ -123,8 +123,8 @@ class ReplayResult:
     label: str = ""
 
     def summary(self) -> dict[str, Any]:
-        """The headline figures (see :func:`report.summarize`)."""
-        return report.summarize(self)
+        """The headline figures (see :func:`replayreport.summarize`)."""
+        return replayreport.summarize(self)
 
 
 def request_hashes(req: Request, cache: dict[int, bytes] | None = None) -> list[bytes]:
@@ -713,12 +713,7 @@ def replay_cmd(
     kinds = list(BACKENDS) if backend == "all" else [backend]
     if master and kinds != ["kvstore"]:
         raise click.UsageError("--master applies to --backend kvstore only")
-    console.print(
-        f"[bold]replay[/] {len(files)} {fmt} file(s): {len(sessions)} "
-        f"session{'' if len(sessions) == 1 else 's'}, {n_req} "
-        f"request{'' if n_req == 1 else 's'}, blocks of {bt} tokens x {bytes_per_token} B "
-        f"= {block_bytes >> 10} KiB"
-    )
+    console.print(replayreport.header(len(files), fmt, len(sessions), n_req, bt, bytes_per_token))
     results: list[ReplayResult] = []
     for kind in kinds:
         reason = unavailable_reason(kind)
@@ -741,16 +736,7 @@ def replay_cmd(
             console.print(f"[red]{kind} failed[/], going on without it: {e.message}")
     if not results:
         raise click.ClickException("no backend could run")
-    paths = report.replay_outputs(
-        console,
-        results,
-        Path(out),
-        sweep=len(levels) > 1,
-        ablate=ablate,
-        command=report.command_line(),
-    )
-    for p in paths:
-        console.print(f"wrote {p}")
+    replayreport.replay_outputs(console, results, Path(out), sweep=len(levels) > 1, ablate=ablate)
 
 
 def _opt_int(q: dict[str, Any], key: str, applies: bool) -> int | None:
@@ -793,20 +779,9 @@ def _run_backend(
                 if i:
                     clear(b, sessions)
                 ssd0 = ssd_read_blocks(b)
-                with report.progress(console, label, n_req, show) as tick:
+                with replayreport.progress(console, label, n_req, show) as tick:
                     res = run_replay(sessions, b, cfg, label=label, on_request=tick)
-                s = res.summary()
-                ssd1 = ssd_read_blocks(b)
-                ssd = (
-                    f", {(ssd1 - ssd0) * res.block_bytes / 2**20:.1f} MiB read from SSD"
-                    if ssd0 is not None and ssd1 is not None
-                    else ""
-                )
-                console.print(
-                    f"  {label}: token hit rate {report.pct(s['hit_rate_tokens'])} (ideal "
-                    f"{report.pct(s['ideal_hit_rate_tokens'])}, LRU "
-                    f"{report.pct(s['lru_hit_rate_tokens'])}), {res.wall_s:.1f} s{ssd}"
-                )
+                console.print(replayreport.run_line(res, ssd0, ssd_read_blocks(b)))
                 out.append(res)
     except Exception as e:
         raise click.ClickException(f"{kind}: {type(e).__name__}: {e}") from e

@@ -70,16 +70,14 @@ class KVStoreBackend:
         return None
 
     def capacity_blocks(self, block_bytes: int) -> int | None:
-        from kvstore.worker.tiers.dram import size_classes
+        from kvstore_client.sizeclasses import blocks_that_fit
 
         total = 0
         for w in self.client.cluster_status().workers:
             slab = int(w.info.max_value_bytes)
-            cap = int(w.info.capacity_bytes)
             if block_bytes > slab:
                 return 0
-            slot = next(s for s in size_classes(slab) if s >= block_bytes)
-            total += (cap // slab) * (slab // slot)
+            total += blocks_that_fit(int(w.info.capacity_bytes), slab, block_bytes)
             total += int(w.stats.ssd_capacity_bytes) // block_bytes
         return total
 

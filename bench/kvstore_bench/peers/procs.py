@@ -2,25 +2,25 @@
 
 Every server a bench starts is a child process on 127.0.0.1; it is waited for (a port that
 accepts connections, or a JSON ``{"event": "ready"}`` line on stdout) and stopped by its
-pid (SIGTERM, then SIGKILL), never by name.
+pid (SIGTERM, then SIGKILL), never by name. The waiting and stopping are the daemon
+package's :mod:`kvstore.procs` (shared with the local cluster and the netns harness);
+this module adds the peers' error types and log-file processes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import resource
-import selectors
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvstore import procs
+from kvstore.procs import free_port
 
 __all__ = [
     "HOST",
@@ -48,40 +48,26 @@ class StartError(PeerUnavailable):
     """A server did not start (missing binary, exited early, or never became ready)."""
 
 
-def free_port(host: str = HOST) -> int:
-    """A TCP port that was free on ``host`` a moment ago (the caller binds it soon)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def wait_for_port(host: str, port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
     """Wait until ``host:port`` accepts a connection; PeerUnavailable if ``proc`` exits
     first or the timeout passes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise PeerUnavailable(f"{proc.args!r} exited with code {proc.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
-            return
-        time.sleep(0.05)
+    why = procs.wait_listening(proc, host, port, timeout)
+    if why is None:
+        return
+    if why.startswith("exited"):
+        raise PeerUnavailable(f"{proc.args!r} {why}")
     raise PeerUnavailable(f"nothing listened on {host}:{port} within {timeout:.0f}s")
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> int | None:
-    """SIGTERM ``proc`` (by its pid), wait, then SIGKILL; returns the exit code."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    """SIGTERM ``proc`` (by its pid), wait, then SIGKILL; returns the exit code. Closes
+    its pipes."""
+    code = procs.stop(proc, timeout)
     for stream in (proc.stdout, proc.stderr, proc.stdin):
         if stream is not None:
             with contextlib.suppress(OSError):
                 stream.close()
-    return proc.returncode
+    return code
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -102,30 +88,10 @@ def cpu_seconds(pid: int | None = None) -> float:
 def read_ready_line(proc: subprocess.Popen[bytes], timeout: float, what: str) -> dict[str, Any]:
     """Read ``proc``'s stdout until a JSON line with ``"event": "ready"``;
     PeerUnavailable if it exits or stays silent for ``timeout`` seconds."""
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    buf = b""
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            if not sel.select(timeout=0.1):
-                if proc.poll() is not None:
-                    break
-                continue
-            chunk = os.read(proc.stdout.fileno(), 65536)
-            if not chunk:
-                break
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                with contextlib.suppress(ValueError):
-                    msg = json.loads(line)
-                    if isinstance(msg, dict) and msg.get("event") == "ready":
-                        return msg
-    finally:
-        sel.close()
-    raise PeerUnavailable(f"{what} did not start (exit code {proc.poll()}): {buf[-500:]!r}")
+    got = procs.read_ready(proc, timeout)
+    if got.msg is not None:
+        return got.msg
+    raise PeerUnavailable(f"{what} did not start (exit code {proc.poll()}): {got.tail!r}")
 
 
 @dataclass(slots=True)
@@ -137,13 +103,8 @@ class Proc:
     log: str
 
     def stop(self, grace: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        """SIGTERM, then SIGKILL after ``grace`` seconds (:func:`kvstore.procs.stop`)."""
+        procs.stop(self.proc, grace)
 
     def tail(self) -> str:
         try:
@@ -164,15 +125,11 @@ def spawn(name: str, cmd: list[str], tmp: str, env: dict[str, str] | None = None
 
 def wait_port(p: Proc, port: int, timeout: float) -> None:
     """Wait until ``p`` accepts TCP connections on 127.0.0.1:port."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if p.proc.poll() is not None:
-            raise StartError(f"{p.name} exited with code {p.proc.returncode}:\n{p.tail()}")
-        with socket.socket() as s:
-            s.settimeout(0.2)
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
+    why = procs.wait_listening(p.proc, HOST, port, timeout)
+    if why is None:
+        return
+    if why.startswith("exited"):
+        raise StartError(f"{p.name} {why}:\n{p.tail()}")
     raise StartError(f"{p.name} did not listen on port {port} within {timeout:.0f}s:\n{p.tail()}")
 
 

@@ -46,11 +46,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvstore_client.errors import InvalidArgument, ResourceExhausted
+from kvstore_client.sizeclasses import ALIGN, size_classes
 
 from .slots import DOOMED, FREE, M64, PENDING, READY, U32, UNUSED, SlotIndex
 
-ALIGN = 64
-MIN_CLASS = 64
 _SCALAR_BATCH = 8  # exists_many probes shorter batches one key at a time
 
 
@@ -117,20 +116,6 @@ class TierCounters:
     evictions: int = 0
     slab_moves: int = 0
     removed: int = 0
-
-
-def size_classes(slab_size: int) -> list[int]:
-    """Slot sizes: 1, 1.25, 1.5 and 1.75 times each power of two, up to slab_size."""
-    out: set[int] = set()
-    p = MIN_CLASS
-    while p <= slab_size:
-        for num in (4, 5, 6, 7):
-            s = -(-(p * num // 4) // ALIGN) * ALIGN
-            if s <= slab_size:
-                out.add(s)
-        p *= 2
-    out.add(slab_size)
-    return sorted(out)
 
 
 class DramTier(SlotIndex):
