@@ -79,6 +79,9 @@ class SchedulerSide:
         self._trackers: dict[str, RequestTracker] = {}
         self._requests: dict[str, Any] = {}
         self._loads_out: list[Transfer] = []
+        # Requests with saves shipped: their blocks are held after they finish
+        # until the workers' writes have read them (zero-copy saves).
+        self._saving: set[str] = set()
         self._meter = BandwidthMeter()
         self._holder.start()
 
@@ -186,6 +189,7 @@ class SchedulerSide:
         record(NAME, self._interval, "skipped_present_blocks", skipped)
         gids = self._gids.get(tr.req_id)
         if refs and gids is not None:
+            self._saving.add(tr.req_id)
             meta.saves.append(
                 Transfer(
                     tr.req_id,
@@ -201,6 +205,7 @@ class SchedulerSide:
         self._loads_out = []
         if not self.s.active:
             return meta
+        meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         g = self.s.attn_groups[0]
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -255,6 +260,7 @@ class SchedulerSide:
                     record(NAME, self._interval, "skipped_present_blocks", 1)
                     continue
                 ids = [blocks[g] for g in self.s.state_groups]
+                self._saving.add(rid)
                 meta.state_saves.append(StateSave(rid, k - 1, tr.hashes[k - 1], ids))
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -279,13 +285,17 @@ class SchedulerSide:
             self._meter.add(nbytes, secs)
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
-        """Saves were copied out during the steps, so blocks can be freed (False)."""
+        """True (vLLM holds the request's blocks) when saves were shipped for it: the
+        workers write straight from the cache, so the blocks are freed only once each
+        worker reports the request in ``finished_sending`` (WorkerSide.finished_sends)."""
         rid = request.request_id
+        delay = rid in self._saving
+        self._saving.discard(rid)
         self._trackers.pop(rid, None)
         self._requests.pop(rid, None)
         self._gids.pop(rid, None)
         self._lookups.forget(rid)
-        return False, None
+        return delay, None
 
     def shutdown(self) -> None:
         self._lookups.shutdown()
