@@ -1,14 +1,20 @@
 """The worker side of the vLLM connector: moves block bytes between vLLM's paged KV
 cache and the store.
 
-Loads: ``start_load_kv`` starts one batched asynchronous get per request into a
-staging buffer (bytes of staging in flight are capped by ``max_pending_load_mb``;
-later loads wait in a queue); ``get_transfer_results`` copies the leading run of
-blocks that arrived into the KV cache with one ``index_copy_`` per layer and
-reports the request. Saves: ``save_kv_layer`` gathers the step's new blocks of a
-layer with one ``index_select`` into a staging buffer; ``wait_for_save`` hands the
-buffer to a background writer (one batched put). The two store calls live in
-:meth:`WorkerSide._get` and :meth:`WorkerSide._put`, one function each.
+Zero copy (default): each layer tensor gets one byte view of its memory at
+``register_kv_caches``; a block is the list of its per-layer runs (K and V apart
+for split layouts), given to the client's multi-part calls: ``start_load_kv``
+starts one ``batch_get_into_parts`` per request straight into its blocks (in-flight
+bytes capped by ``max_pending_load_mb``), ``get_transfer_results`` reports it when
+done; ``wait_for_save`` hands the step's block ids to a background writer (one
+``batch_put_parts`` reading the cache). Since the writer reads the cache after the
+step, a finished request's blocks are held (the scheduler's ``request_finished``
+returns True) until :meth:`WorkerSide.finished_sends` reports its writes done, and
+``handle_preemptions`` waits for writes of preempted requests. Layouts whose block
+is not one run of CPU memory (or ``zero_copy: false``) use the staging path: one
+``index_select`` per layer into a staging buffer, one ``index_copy_`` back; the
+stored bytes are the same. The two store calls are :meth:`WorkerSide._get` and
+:meth:`WorkerSide._put_rows`.
 
 Hybrid models: a stored KV value is one block of every layer of the attention
 groups; a stored state value is one block of every layer of the state groups (the
