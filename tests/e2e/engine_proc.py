@@ -6,7 +6,8 @@ starts ``vllm.LLM`` (in-process engine core: VLLM_ENABLE_V1_MULTIPROCESSING=0), 
 one warm-up request, prints ``{"event": "ready"}`` and then answers one JSON line per
 request line on stdout (everything else the libraries print goes to stderr):
 
-- ``{"op": "generate", "prompt": [ids], "max_tokens": n, "top": k}`` -> ``{"tokens",
+- ``{"op": "generate", "prompt": [ids], "max_tokens": n, "top": k, "params": {...}}``
+  (``params``: the request's ``kv_transfer_params``, optional) -> ``{"tokens",
   "logprobs", "gaps", "num_cached_tokens", "seconds", "stats"}`` (``gaps``: with
   ``top`` >= 2, the top-2 logprob gap per position); ``seconds`` is the wall time of the
   request (with ``max_tokens=1``, its time to first token), ``stats`` the connector
@@ -55,14 +56,21 @@ def make_llm(cfg: dict[str, Any]) -> Any:
     return LLM(**kw)
 
 
-def generate(llm: Any, prompt: list[int], max_tokens: int, top: int = 0) -> dict[str, Any]:
+def generate(
+    llm: Any, prompt: list[int], max_tokens: int, top: int = 0, params: Any = None
+) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from kvstore_client.connectors.stats import TOTALS
 
     sp = SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, logprobs=top, detokenize=False, ignore_eos=True
+        max_tokens=max_tokens,
+        temperature=0.0,
+        logprobs=top,
+        detokenize=False,
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": params} if params is not None else None,
     )
     before = TOTALS.peek()
     t0 = time.perf_counter()
@@ -116,7 +124,11 @@ def main() -> None:
             break
         try:
             ans = generate(
-                llm, req["prompt"], int(req.get("max_tokens", 8)), int(req.get("top", 0))
+                llm,
+                req["prompt"],
+                int(req.get("max_tokens", 8)),
+                int(req.get("top", 0)),
+                req.get("params"),
             )
         except Exception as e:  # report, keep serving
             ans = {"error": f"{type(e).__name__}: {e}"}

@@ -99,17 +99,20 @@ class Engine:
         return self
 
     def generate(
-        self, prompt: list[int], max_tokens: int = 8, timeout: float = 300.0, top: int = 0
+        self,
+        prompt: list[int],
+        max_tokens: int = 8,
+        timeout: float = 300.0,
+        top: int = 0,
+        params: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """One request; ``params``: its ``kv_transfer_params`` (session hints)."""
         assert self.proc is not None and self.proc.stdin is not None
-        self.proc.stdin.write(
-            (
-                json.dumps(
-                    {"op": "generate", "prompt": prompt, "max_tokens": max_tokens, "top": top}
-                )
-                + "\n"
-            ).encode()
-        )
+        req: dict[str, Any] = {"op": "generate", "prompt": prompt, "max_tokens": max_tokens}
+        req["top"] = top
+        if params is not None:
+            req["params"] = params
+        self.proc.stdin.write((json.dumps(req) + "\n").encode())
         self.proc.stdin.flush()
         ans = self._read_line(timeout)
         if "error" in ans:

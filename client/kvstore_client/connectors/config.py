@@ -40,6 +40,12 @@ class ConnectorConfig:
     max_pending_load_mb  load staging bytes in flight; later loads wait, default 1024
     load_failure_policy  "recompute" (default: blocks missing at load are recomputed)
                          or "fail" (vLLM fails the request)
+    zero_copy            move blocks straight between the paged KV cache and the
+                         store with multi-part calls (default true); false, or a
+                         cache layout whose blocks are not one run of CPU memory,
+                         copies through a staging buffer (same stored bytes)
+    session_hints        send the sessions hints of requests' kv_transfer_params
+                         (``session_id``, ``session_state``) to the store, default true
     test_fault_file      fault injection for tests only: while this file exists and
                          holds {"remove_from_block": k}, each load first removes its
                          blocks from k on from the store, so they really miss
@@ -57,6 +63,8 @@ class ConnectorConfig:
     max_pending_load_mb: int = 1024
     test_fault_file: str | None = None
     load_failure_policy: str = "recompute"
+    zero_copy: bool = True
+    session_hints: bool = True
 
     @classmethod
     def known_keys(cls) -> list[str]:
@@ -107,4 +115,6 @@ class ConnectorConfig:
             max_pending_load_mb=num("max_pending_load_mb", int, 1024, True),
             test_fault_file=d.get("test_fault_file") or None,
             load_failure_policy=policy,
+            zero_copy=parse_bool(d.get("zero_copy", True)),
+            session_hints=parse_bool(d.get("session_hints", True)),
         )

@@ -10,8 +10,8 @@ Load it as a dynamic backend::
 
 ``interface_v1: 1`` makes HiCache use the zero-copy page calls (``batch_get_v1`` /
 ``batch_set_v1``): pages move between the host KV pool and the store with no copy
-in Python when a page is one contiguous run of the pool, and with one gather /
-scatter per page otherwise (layer-first layouts hold a page as 2 x layers runs).
+in Python, a page given to the multi-part calls as its runs in the pool (one run,
+or 2 x layers runs in layer-first layouts), so the stored bytes are the same either way.
 Without it HiCache calls the generic ``batch_get`` / ``batch_set`` with tensors.
 
 Keys: SGLang hands over its own page hash strings (chained over the prefix, equal
@@ -240,19 +240,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         pages = self._page_views(host_indices, len(keys))
         hashes = [key_hash(k) for k in keys]
         t0 = time.perf_counter()
-        if all(len(p) == 1 for p in pages):  # one run per page: no copy at all
-            hits = client.batch_get_into(self._ns, hashes, [p[0] for p in pages]).result()
-        else:
-            staging = [bytearray(sum(v.nbytes for v in p)) for p in pages]
-            hits = client.batch_get_into(
-                self._ns, hashes, [memoryview(s) for s in staging]
-            ).result()
-            for p, s, hit in zip(pages, staging, hits, strict=True):
-                if hit:
-                    off = 0
-                    for v in p:
-                        v[:] = s[off : off + v.nbytes]
-                        off += v.nbytes
+        # Each page as its runs in the host pool (one, or one per layer / K and V):
+        # read straight into them, no copy.
+        hits = client.batch_get_into_parts(self._ns, hashes, pages).result()
         nbytes = sum(sum(v.nbytes for v in p) for p, h in zip(pages, hits, strict=True) if h)
         self._count_load(sum(hits), nbytes, t0)
         return list(hits)
@@ -267,8 +257,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if not keys:
             return []
         pages = self._page_views(host_indices, len(keys))
-        values: list[Any] = [p[0] if len(p) == 1 else b"".join(p) for p in pages]
-        return self._put([key_hash(k) for k in keys], values)
+        return self._put([key_hash(k) for k in keys], pages, parts=True)
 
     # ---- hybrid pools (v2: KV plus Mamba / SWA / ... pools) -------------------------
 
@@ -392,21 +381,29 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     # ---- shared --------------------------------------------------------------------
 
-    def _put(self, hashes: list[bytes], values: Sequence[Any], ns: str | None = None) -> list[bool]:
+    def _put(self, hashes: list[bytes], values: Sequence[Any], ns: str | None = None,
+             parts: bool = False) -> list[bool]:  # fmt: skip
+        """One batched write of ``values`` (``parts``: each a list of buffers, sent
+        without joining them); True per key in the store afterwards."""
         ns = ns or self._ns
         client = self._holder.get(wait=self._cfg.timeout_s)
         if client is None:
             return [False] * len(hashes)
         t0 = time.perf_counter()
         try:
-            stored = client.batch_put(ns, hashes, values)
+            if parts:
+                stored = client.batch_put_parts(ns, hashes, values)
+            else:
+                stored = client.batch_put(ns, hashes, values)
         except Exception as e:  # full store: the pages are simply not cached
             log.warning("kvstore put of %d pages failed: %s", len(hashes), e)
             return [False] * len(hashes)
         n = sum(stored)
         record(NAME, self._interval, "stored_blocks", n)
-        record(NAME, self._interval, "stored_bytes", sum(
-            memoryview(v).nbytes for v, s in zip(values, stored, strict=True) if s))  # fmt: skip
+        sizes = [sum(memoryview(p).nbytes for p in v) if parts else memoryview(v).nbytes
+                 for v in values]  # fmt: skip
+        record(NAME, self._interval, "stored_bytes",
+               sum(n for n, s in zip(sizes, stored, strict=True) if s))  # fmt: skip
         record(NAME, self._interval, "store_seconds", time.perf_counter() - t0)
         if n == len(stored):
             return stored

@@ -24,6 +24,9 @@ COUNTER_NAMES = (
     "dropped_save_blocks",
     "loaded_states",
     "stored_states",
+    "session_hints",
+    "session_hints_dropped",
+    "session_hints_bad",
 )
 TIMER_NAMES = ("lookup_seconds", "load_seconds", "store_seconds")
 
@@ -82,6 +85,19 @@ def _prom() -> dict[str, Any]:
             "store_failed_blocks": Counter(
                 "kvstore_connector_store_failed_blocks_total",
                 "Blocks not written (already there by another writer, or worker down)",
+                lab,
+            ),
+            "session_hints": Counter(
+                "kvstore_connector_session_hints_total", "Session hints sent to the store", lab
+            ),
+            "session_hints_dropped": Counter(
+                "kvstore_connector_session_hints_dropped_total",
+                "Session hints dropped (queue full, or the store refused them)",
+                lab,
+            ),
+            "session_hints_bad": Counter(
+                "kvstore_connector_session_hints_bad_total",
+                "Requests whose session hint was malformed (ignored)",
                 lab,
             ),
             "skipped": Counter(

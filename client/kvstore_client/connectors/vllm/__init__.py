@@ -155,7 +155,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Scheduler, once per request: blocks are never held (False)."""
+        """Scheduler, once per request: True (blocks held until the workers report
+        the request in ``finished_sending``) when saves were shipped for it."""
         assert self._sched is not None
         return self._sched.request_finished(request)
 
@@ -201,6 +202,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Worker, before a step's forward: wait for writes still reading the blocks
+        of requests preempted this step (vLLM frees those blocks at once)."""
+        assert self._worker is not None
+        self._worker.handle_preemptions(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Worker, each step: start this step's loads (never blocks on the store)."""
         assert self._worker is not None
@@ -211,21 +218,26 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Worker, each step, non-blocking: requests whose loads are complete."""
+        """Worker, each step, non-blocking: finished requests whose writes are done
+        (their blocks may be freed), and requests whose loads are complete."""
         assert self._worker is not None
+        sent = self._worker.finished_sends(finished_req_ids)
         done, _ = self._worker.done_loads()
-        return None, (done or None)
+        return (sent or None), (done or None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Worker, each step, non-blocking: loads complete, and (several-group models)
         those that lost blocks, per request, as vLLM requires for them."""
         assert self._worker is not None
+        sent = self._worker.finished_sends(finished_req_ids)
         done, failed = self._worker.done_loads()
         if len(self._kv_cache_config.kv_cache_groups) > 1:
             self._worker.block_ids_with_load_errors()
         else:
             failed = set()
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=done, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Worker: block ids that were hits at lookup but did not arrive (recompute)."""

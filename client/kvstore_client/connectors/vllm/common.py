@@ -62,6 +62,7 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
     state_saves: list[StateSave] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # requests preempted this step
 
 
 @dataclass

@@ -24,6 +24,7 @@ from ..planning import (
     all_ranks,
     hybrid_hit_blocks,
 )
+from ..sessions import Hint, HintQueue, parse_hint
 from ..stats import Counters, record
 from .common import (
     NAME,
@@ -79,8 +80,47 @@ class SchedulerSide:
         self._trackers: dict[str, RequestTracker] = {}
         self._requests: dict[str, Any] = {}
         self._loads_out: list[Transfer] = []
+        # Requests with saves shipped: their blocks are held after they finish
+        # until the workers' writes have read them (zero-copy saves).
+        self._saving: set[str] = set()
         self._meter = BandwidthMeter()
+        # Session hints (kv_transfer_params): sent off the scheduler's path.
+        self._hint_of: dict[str, Hint] = {}
+        self._hint_after_saves: dict[str, tuple[Hint, list[bytes]]] = {}
+        self._bad_hint_logged = False
+        self._hints = HintQueue(self._send_hint, self._hint_result) if cfg.session_hints else None
         self._holder.start()
+
+    def _send_hint(self, hint: Hint, hashes: list[bytes]) -> None:
+        """Hint thread: the hint for every rank's namespace."""
+        client = self._holder.get(wait=self.s.cfg.timeout_s)
+        if client is None:
+            raise ConnectionError("no kvstore client (master unreachable)")
+        for ns in self._namespaces:
+            client.session_hint(ns, hint.session, hint.state, hint.ttl, hashes=hashes)
+
+    def _hint_result(self, sent: int, dropped: int) -> None:
+        record(NAME, self._interval, "session_hints", sent)
+        record(NAME, self._interval, "session_hints_dropped", dropped)
+
+    def _read_hint(self, request: Any, tr: RequestTracker) -> None:
+        """A new request: remember its session hint; ``active`` goes out at once (the
+        store prefetches the session's prefix), the others when it finishes."""
+        if self._hints is None:
+            return
+        hint, bad = parse_hint(getattr(request, "kv_transfer_params", None))
+        if bad is not None:
+            record(NAME, self._interval, "session_hints_bad", 1)
+            if not self._bad_hint_logged:
+                self._bad_hint_logged = True
+                log.warning("kvstore connector: session hint ignored (logged once): %s", bad)
+            return
+        if hint is None:
+            return
+        self._hint_of[tr.req_id] = hint
+        if hint.state == "active":
+            tr.extend_hashes(request.all_token_ids)
+            self._hints.offer(hint, list(tr.hashes))
 
     def _ask(self, hashes: list[bytes]) -> tuple[list[bool], list[bool]]:
         """Lookup thread: which KV blocks every rank holds (one batched call per
@@ -108,6 +148,7 @@ class SchedulerSide:
         tr = self._trackers.get(rid)
         if tr is None:
             tr = self._trackers[rid] = RequestTracker(rid, self.s.block, request_extra(request))
+            self._read_hint(request, tr)
         self._requests[rid] = request
         if not self.s.may_load:  # kv_producer: saves only, never looks up
             return 0, False
@@ -186,6 +227,7 @@ class SchedulerSide:
         record(NAME, self._interval, "skipped_present_blocks", skipped)
         gids = self._gids.get(tr.req_id)
         if refs and gids is not None:
+            self._saving.add(tr.req_id)
             meta.saves.append(
                 Transfer(
                     tr.req_id,
@@ -201,6 +243,7 @@ class SchedulerSide:
         self._loads_out = []
         if not self.s.active:
             return meta
+        meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         g = self.s.attn_groups[0]
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -255,11 +298,16 @@ class SchedulerSide:
                     record(NAME, self._interval, "skipped_present_blocks", 1)
                     continue
                 ids = [blocks[g] for g in self.s.state_groups]
+                self._saving.add(rid)
                 meta.state_saves.append(StateSave(rid, k - 1, tr.hashes[k - 1], ids))
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Learn failed loads (those blocks get written again), save outcomes (the
         watermark moves on success; failures are planned again) and bandwidth."""
+        for rid in getattr(connector_output, "finished_sending", None) or ():
+            later = self._hint_after_saves.pop(rid, None)
+            if later is not None and self._hints is not None:
+                self._hints.offer(*later)
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(wm, KVStoreWorkerMetadata):
             return
@@ -279,14 +327,28 @@ class SchedulerSide:
             self._meter.add(nbytes, secs)
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
-        """Saves were copied out during the steps, so blocks can be freed (False)."""
+        """True (vLLM holds the request's blocks) when saves were shipped for it: the
+        workers write straight from the cache, so the blocks are freed only once each
+        worker reports the request in ``finished_sending`` (WorkerSide.finished_sends)."""
         rid = request.request_id
+        delay = rid in self._saving
+        self._saving.discard(rid)
+        hint = self._hint_of.pop(rid, None)
+        tr = self._trackers.get(rid)
+        if hint is not None and tr is not None and self._hints is not None:
+            tr.extend_hashes(request.all_token_ids)  # the whole chain, output included
+            if delay:  # after its last writes, so the store tags blocks it holds
+                self._hint_after_saves[rid] = (hint, list(tr.hashes))
+            else:
+                self._hints.offer(hint, list(tr.hashes))
         self._trackers.pop(rid, None)
         self._requests.pop(rid, None)
         self._gids.pop(rid, None)
         self._lookups.forget(rid)
-        return False, None
+        return delay, None
 
     def shutdown(self) -> None:
+        if self._hints is not None:
+            self._hints.close()
         self._lookups.shutdown()
         self._holder.close()

@@ -1,14 +1,20 @@
 """The worker side of the vLLM connector: moves block bytes between vLLM's paged KV
 cache and the store.
 
-Loads: ``start_load_kv`` starts one batched asynchronous get per request into a
-staging buffer (bytes of staging in flight are capped by ``max_pending_load_mb``;
-later loads wait in a queue); ``get_transfer_results`` copies the leading run of
-blocks that arrived into the KV cache with one ``index_copy_`` per layer and
-reports the request. Saves: ``save_kv_layer`` gathers the step's new blocks of a
-layer with one ``index_select`` into a staging buffer; ``wait_for_save`` hands the
-buffer to a background writer (one batched put). The two store calls live in
-:meth:`WorkerSide._get` and :meth:`WorkerSide._put`, one function each.
+Zero copy (default): each layer tensor gets one byte view of its memory at
+``register_kv_caches``; a block is the list of its per-layer runs (K and V apart
+for split layouts), given to the client's multi-part calls: ``start_load_kv``
+starts one ``batch_get_into_parts`` per request straight into its blocks (in-flight
+bytes capped by ``max_pending_load_mb``), ``get_transfer_results`` reports it when
+done; ``wait_for_save`` hands the step's block ids to a background writer (one
+``batch_put_parts`` reading the cache). Since the writer reads the cache after the
+step, a finished request's blocks are held (the scheduler's ``request_finished``
+returns True) until :meth:`WorkerSide.finished_sends` reports its writes done, and
+``handle_preemptions`` waits for writes of preempted requests. Layouts whose block
+is not one run of CPU memory (or ``zero_copy: false``) use the staging path: one
+``index_select`` per layer into a staging buffer, one ``index_copy_`` back; the
+stored bytes are the same. The two store calls are :meth:`WorkerSide._get` and
+:meth:`WorkerSide._put_rows`.
 
 Hybrid models: a stored KV value is one block of every layer of the attention
 groups; a stored state value is one block of every layer of the state groups (the
@@ -52,6 +58,17 @@ class _Layer:
     nbytes: int
     kv_split: bool  # (2, num_blocks, ...) instead of (num_blocks, ...)
     group: int = 0
+    flat: Any = None  # the tensor's storage as one writable byte view (zero copy), or None
+    planes: tuple[int, ...] = ()  # byte offset of block 0 in each plane (K, V) of ``flat``
+    stride: int = 0  # bytes from one block to the next in ``flat``
+    why_not: str = ""  # why ``flat`` is None (the staging path is used)
+
+    def parts(self, block: int) -> list[memoryview]:
+        """Block ``block`` of this layer as byte views of the cache itself, in stored
+        order (K then V for split layouts); needs ``flat``."""
+        n = self.nbytes // len(self.planes)
+        at = block * self.stride
+        return [self.flat[p + at : p + at + n] for p in self.planes]
 
     def typed(self, staging: Any) -> Any:
         """The layer's part of each staging row, typed and shaped like its blocks
@@ -88,7 +105,43 @@ def describe_layer(t: Any, num_blocks: int, offset: int, group: int = 0) -> _Lay
         per = 2 * math.prod(t.shape[2:])
     else:
         raise ValueError(f"unknown KV cache layout {tuple(t.shape)} for {num_blocks} blocks")
-    return _Layer(t, offset, per * t.element_size(), split, group)
+    layer = _Layer(t, offset, per * t.element_size(), split, group)
+    _zero_copy_view(layer)
+    return layer
+
+
+def _zero_copy_view(layer: _Layer) -> None:
+    """Sets ``layer.flat`` when each block of the layer (each K and V block of a
+    split layout) is one contiguous run of CPU memory, else ``why_not``."""
+    t = layer.tensor
+    if t.device.type != "cpu":
+        layer.why_not = f"its cache is on {t.device}, not in CPU memory"
+        return
+    if t.shape[1 if layer.kv_split else 0] == 0:
+        layer.why_not = "it has no blocks"
+        return
+    block = t[0, 0] if layer.kv_split else t[0]
+    if not block.is_contiguous():
+        shape, strides = tuple(t.shape), t.stride()
+        layer.why_not = f"a block is not one run of memory (shape {shape}, strides {strides})"
+        return
+    storage = t.untyped_storage()
+    base = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+    es = t.element_size()
+    first = t.storage_offset() * es
+    layer.flat = memoryview(base.numpy())
+    if layer.kv_split:
+        layer.planes = (first, first + t.stride(0) * es)
+        layer.stride = t.stride(1) * es
+    else:
+        layer.planes = (first,)
+        layer.stride = t.stride(0) * es
+
+
+def block_parts(layers: list[_Layer], idx: list[list[int]], row: int) -> list[memoryview]:
+    """Row ``row`` of a transfer as the list of its parts in the cache: every layer
+    in order (the stored byte order), block ``idx[layer.group][row]`` of each."""
+    return [v for layer in layers for v in layer.parts(idx[layer.group][row])]
 
 
 def _ids(groups: list[list[int]]) -> list[Any]:
@@ -111,17 +164,21 @@ class _PendingLoad:
 
 @dataclass
 class _StepSave:
+    """One step's saves: staging rows (staging path) or, zero copy, the block ids
+    the background writer reads straight from the cache (``staging`` None)."""
+
     refs: list[tuple[str, int, bytes]]  # (req_id, index, hash), row order
-    idx: list[Any]  # per attention group, the block ids of the rows
+    ids: list[list[int]]  # per attention group, the block ids of the rows
     staging: Any
     state_refs: list[tuple[str, int, bytes]]
-    state_idx: list[Any]
+    state_ids: list[list[int]]
     state_staging: Any
+    nbytes: int
     layers_done: set[str] = field(default_factory=set)
+    idx: list[Any] = field(default_factory=list)  # ``ids`` as index tensors (staging)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(int(x.numel()) for x in (self.staging, self.state_staging) if x is not None)
+    def requests(self) -> list[str]:
+        return [r for r, _, _ in self.refs] + [r for r, _, _ in self.state_refs]
 
 
 class WorkerSide:
@@ -159,6 +216,13 @@ class WorkerSide:
         self._save_futs: list[cf.Future[None]] = []
         self._pending_save_bytes = 0
         self._save_lock = threading.Lock()
+        # Delayed freeing (zero-copy saves read the cache after the step): requests
+        # that had saves planned, their saves not yet written, and those finished.
+        self._saving: dict[str, int] = {}
+        self._had_saves: set[str] = set()
+        self._finishing: set[str] = set()
+        self._zero_copy = False
+        self.staging_allocs = 0  # staging buffers made (0 in steady state, zero copy)
         self._holder.start()
 
     # ---- set-up ------------------------------------------------------------------
@@ -178,23 +242,39 @@ class WorkerSide:
                 (self._layers if kind == "kv" else self._state_layers)[key] = layer
                 off[kind] += layer.nbytes
         self._block_bytes, self._state_bytes = off["kv"], off["state"]
+        every = [*self._layers.items(), *self._state_layers.items()]
+        why = next((f"layer {n}: {ly.why_not}" for n, ly in every if ly.flat is None), "")
+        if not self.s.cfg.zero_copy:
+            why = "zero_copy is off in the connector's config"
+        self._zero_copy = not why
+        if why:
+            log.warning("kvstore connector: blocks go through a staging copy: %s", why)
         log.info("kvstore connector: %d KV layers (%d bytes per block), %d state tensors "
                  "(%d bytes per state), namespace %s", len(self._layers), off["kv"],
                  len(self._state_layers), off["state"], self.ns)  # fmt: skip
 
     def _staging(self, n: int, width: int) -> Any:
+        self.staging_allocs += 1
         return torch.empty((n, width), dtype=torch.uint8)
+
+    def _parts(self, state: bool, ids: list[list[int]], n: int) -> list[list[memoryview]]:
+        layers = list((self._state_layers if state else self._layers).values())
+        return [block_parts(layers, ids, row) for row in range(n)]
 
     # ---- loads --------------------------------------------------------------------
 
-    def _get(self, ns: str, hashes: list[bytes], staging: Any) -> cf.Future[list[bool]]:
-        """The one store read: blocks ``hashes`` into the staging rows (a future)."""
+    def _get(self, ns: str, hashes: list[bytes], dest: Any) -> cf.Future[list[bool]]:
+        """The one store read: blocks ``hashes`` into ``dest`` (a future): the
+        staging rows (a tensor), or zero copy, per block the list of its parts in
+        the cache (one multi-part read)."""
         client = self._holder.get()
         if client is None:
             fut: cf.Future[list[bool]] = cf.Future()
             fut.set_result([False] * len(hashes))
             return fut
-        bufs = [memoryview(staging[i].numpy()) for i in range(len(hashes))]
+        if isinstance(dest, list):
+            return client.batch_get_into_parts(ns, hashes, dest)
+        bufs = [memoryview(dest[i].numpy()) for i in range(len(hashes))]
         return client.batch_get_into(ns, hashes, bufs)
 
     def start_load_kv(self, meta: Any) -> None:
@@ -202,6 +282,7 @@ class WorkerSide:
         Never blocks on the store."""
         if isinstance(meta, KVStoreConnectorMetadata):
             self._queued.extend(meta.loads)
+            self.note_saves(meta)
         self._start_queued()
 
     def _start_queued(self) -> None:
@@ -213,12 +294,20 @@ class WorkerSide:
                 return
             self._queued.popleft()
             state_hash = self._fault(tr)
-            staging = self._staging(len(tr.hashes), self._block_bytes)
-            fut = self._get(self.ns, tr.hashes, staging)
-            st_staging, st_fut = None, None
-            if state_hash is not None:
-                st_staging = self._staging(1, self._state_bytes)
-                st_fut = self._get(self.state_ns, [state_hash], st_staging)
+            n = len(tr.hashes)
+            staging, st_staging, st_fut = None, None, None
+            if self._zero_copy:
+                fut = self._get(self.ns, tr.hashes, self._parts(False, tr.block_ids, n))
+            else:
+                staging = self._staging(n, self._block_bytes)
+                fut = self._get(self.ns, tr.hashes, staging)
+            if state_hash is not None and tr.state_ids is not None:
+                sids = [[b] for b in tr.state_ids]
+                if self._zero_copy:
+                    st_fut = self._get(self.state_ns, [state_hash], self._parts(True, sids, 1))
+                else:
+                    st_staging = self._staging(1, self._state_bytes)
+                    st_fut = self._get(self.state_ns, [state_hash], st_staging)
             self._loads[tr.req_id] = _PendingLoad(
                 tr, staging, st_staging, nbytes, fut, st_fut, time.perf_counter()
             )
@@ -265,15 +354,16 @@ class WorkerSide:
         state_ok = pl.state_future is None or all(self._result(pl.state_future, 1, tr.req_id))
         if pl.state_future is not None and not (state_ok and ok == len(flags)):
             ok, state_ok = 0, False
-        if ok:
+        if ok and pl.staging is not None:  # zero copy: the blocks are in place
             rows = pl.staging[:ok]
             idx = _ids([ids[:ok] for ids in tr.block_ids])
             for layer in self._layers.values():
                 layer.scatter(idx, rows)
         if pl.state_future is not None and state_ok and tr.state_ids is not None:
-            sidx = _ids([[b] for b in tr.state_ids])
-            for layer in self._state_layers.values():
-                layer.scatter(sidx, pl.state_staging)
+            if pl.state_staging is not None:
+                sidx = _ids([[b] for b in tr.state_ids])
+                for layer in self._state_layers.values():
+                    layer.scatter(sidx, pl.state_staging)
             record(NAME, self._interval, "loaded_states", 1)
         self._budget.release(pl.nbytes)
         secs = time.perf_counter() - pl.started
@@ -322,10 +412,39 @@ class WorkerSide:
                 d = self._meta.saved if good else self._meta.save_failed
                 d.setdefault(rid, []).append(index)
 
+    def note_saves(self, meta: Any) -> None:
+        """Each step (idempotent): remember the requests this step saves for, whose
+        blocks the scheduler holds after they finish until :meth:`finished_sends`
+        reports them (see SchedulerSide.request_finished)."""
+        if isinstance(meta, KVStoreConnectorMetadata):
+            self._had_saves.update(t.req_id for t in meta.saves)
+            self._had_saves.update(x.req_id for x in meta.state_saves)
+
+    def finished_sends(self, finished_req_ids: set[str]) -> set[str]:
+        """Each step, non-blocking: finished requests that had saves, once none of
+        their writes is still reading the cache (their blocks may then be freed)."""
+        self._finishing.update(r for r in finished_req_ids if r in self._had_saves)
+        with self._save_lock:
+            out = {r for r in self._finishing if not self._saving.get(r)}
+        self._finishing -= out
+        self._had_saves -= out
+        return out
+
+    def handle_preemptions(self, meta: Any) -> None:
+        """Before a step's forward: a preempted request's blocks are freed at once
+        and may be overwritten by this step, so wait for writes still reading them
+        (zero copy only; rare, bounded by ``timeout_s``)."""
+        gone = getattr(meta, "preempted", None) or ()
+        with self._save_lock:
+            busy = any(self._saving.get(r) for r in gone)
+        if busy and not self.drain_saves(self.s.cfg.timeout_s):
+            log.warning("kvstore connector: saves of preempted requests still running")
+
     def _begin_save(self, meta: Any) -> _StepSave | None:
         self._step_seen = True
         if not isinstance(meta, KVStoreConnectorMetadata):
             return None
+        self.note_saves(meta)
         saves = meta.saves
         states = meta.state_saves if self._state_layers else []
         if not saves and not states:
@@ -343,20 +462,25 @@ class WorkerSide:
             record(NAME, self._interval, "dropped_save_blocks", len(refs) + len(srefs))
             self._report_saves(refs, [False] * len(refs))
             return None
-        self._step = _StepSave(
-            refs, _ids(ids), self._staging(len(refs), self._block_bytes),
-            srefs, _ids(sids), self._staging(len(srefs), self._state_bytes) if srefs else None,
-        )  # fmt: skip
+        if self._zero_copy:  # the writer reads the cache itself: nothing to gather
+            self._step = _StepSave(refs, ids, None, srefs, sids, None, need)
+        else:
+            self._step = _StepSave(
+                refs, ids, self._staging(len(refs), self._block_bytes),
+                srefs, sids, self._staging(len(srefs), self._state_bytes) if srefs else None,
+                need,
+            )  # fmt: skip
+            self._step.idx = _ids(ids)
         return self._step
 
     def save_kv_layer(self, layer_name: str, meta: Any) -> None:
         """After each attention layer: gather this layer's new blocks from the
         registered KV tensor (the only time the forward waits)."""
         step = self._step if self._step_seen else self._begin_save(meta)
-        if step is None or not step.refs or layer_name in step.layers_done:
+        if step is None or step.staging is None or not step.refs:
             return
         layer = self._layers.get(layer_name)
-        if layer is not None:
+        if layer is not None and layer_name not in step.layers_done:
             layer.gather(step.idx, step.staging)
             step.layers_done.add(layer_name)
 
@@ -368,24 +492,31 @@ class WorkerSide:
         self._step, self._step_seen = None, False
         if step is None:
             return
-        if step.refs:
+        if step.refs and step.staging is not None:
             for name, layer in self._layers.items():
                 if name not in step.layers_done:
                     layer.gather(step.idx, step.staging)
-        if step.state_refs:
+        if step.state_refs and step.state_staging is not None:
+            sidx = _ids(step.state_ids)
             for layer in self._state_layers.values():
-                layer.gather(step.state_idx, step.state_staging)
+                layer.gather(sidx, step.state_staging)
         with self._save_lock:
             self._pending_save_bytes += step.nbytes
+            for r in step.requests():
+                self._saving[r] = self._saving.get(r, 0) + 1
         fut = self._save_pool.submit(self._put, step)
         self._save_futs = [f for f in self._save_futs if not f.done()]
         self._save_futs.append(fut)
 
-    def _put_rows(self, client: Any, ns: str, hashes: list[bytes], staging: Any) -> list[bool]:
-        """One batched write; True per block that is in the store afterwards
-        (written now, or already there by another writer)."""
-        views = [memoryview(staging[row].numpy()) for row in range(len(hashes))]
-        ok = list(client.batch_put(ns, hashes, views))
+    def _put_rows(self, client: Any, ns: str, hashes: list[bytes], src: Any) -> list[bool]:
+        """The one store write: one batched put of ``src`` (the staging rows, or zero
+        copy, per block the list of its parts in the cache); True per block that is
+        in the store afterwards (written now, or already there by another writer)."""
+        if isinstance(src, list):
+            ok = list(client.batch_put_parts(ns, hashes, src))
+        else:
+            views = [memoryview(src[row].numpy()) for row in range(len(hashes))]
+            ok = list(client.batch_put(ns, hashes, views))
         rest = [i for i, s in enumerate(ok) if not s]
         if rest:  # already there (another writer), or its worker was down?
             there = client.batch_exists(ns, [hashes[i] for i in rest])
@@ -402,12 +533,18 @@ class WorkerSide:
             client = self._holder.get(wait=self.s.cfg.timeout_s)
             if client is not None:
                 if hashes:
-                    ok = self._put_rows(client, self.ns, hashes, step.staging)
+                    src = step.staging
+                    if src is None:
+                        src = self._parts(False, step.ids, len(hashes))
+                    ok = self._put_rows(client, self.ns, hashes, src)
                     record(NAME, self._interval, "stored_blocks", sum(ok))
                     record(NAME, self._interval, "stored_bytes", sum(ok) * self._block_bytes)
                 if step.state_refs:
+                    ssrc = step.state_staging
+                    if ssrc is None:
+                        ssrc = self._parts(True, step.state_ids, len(step.state_refs))
                     st = self._put_rows(client, self.state_ns, [h for _, _, h in step.state_refs],
-                                        step.state_staging)  # fmt: skip
+                                        ssrc)  # fmt: skip
                     record(NAME, self._interval, "stored_states", sum(st))
             record(NAME, self._interval, "store_seconds", time.perf_counter() - t0)
         except Exception as e:  # a full store or a bug: the blocks are simply not cached
@@ -417,6 +554,12 @@ class WorkerSide:
             self._report_saves(step.refs, ok)
             with self._save_lock:
                 self._pending_save_bytes -= step.nbytes
+                for r in step.requests():
+                    left = self._saving.get(r, 0) - 1
+                    if left > 0:
+                        self._saving[r] = left
+                    else:
+                        self._saving.pop(r, None)
 
     def drain_saves(self, timeout: float) -> bool:
         futs = list(self._save_futs)
