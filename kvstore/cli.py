@@ -286,7 +286,8 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
 @click.option(
     "--ssd-size",
     default=None,
-    help="SSD tier size: bytes of LMDB pages its values may take (each value page-rounded; the map file is sized 1.5x this + 1 MiB) [16GiB].",
+    help="SSD tier size: bytes of LMDB pages its values may take (each value is rounded "
+    "up to whole pages; the map file is sized 1.5x this + 1 MiB) [16GiB].",
 )
 @click.option("--ssd-sync/--no-ssd-sync", default=None, help="fsync every SSD commit [no].")
 @click.option(
