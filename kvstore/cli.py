@@ -283,7 +283,12 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
 @click.option("--max-value-size", default=None, help="Largest block, also the slab [16MiB].")
 @click.option("--shm-dir", default=None, help="tmpfs for the arena [/dev/shm].")
 @click.option("--ssd-path", default=None, help="LMDB directory of the SSD tier (off if unset).")
-@click.option("--ssd-size", default=None, help="SSD tier size (LMDB map size) [16GiB].")
+@click.option(
+    "--ssd-size",
+    default=None,
+    help="SSD tier size: bytes of LMDB pages its values may take (each value is rounded "
+    "up to whole pages; the map file is sized 1.5x this + 1 MiB) [16GiB].",
+)
 @click.option("--ssd-sync/--no-ssd-sync", default=None, help="fsync every SSD commit [no].")
 @click.option(
     "--promote",

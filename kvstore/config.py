@@ -111,7 +111,7 @@ class WorkerConfig:
     frame_timeout: float = _dur("30s")
     drain_timeout: float = _dur("30s")  # SIGTERM: time to finish calls and demote DRAM to SSD
     ssd_path: str = ""  # LMDB directory of the SSD tier; empty: no SSD tier
-    ssd_size: int = _size("16GiB")  # LMDB map size
+    ssd_size: int = _size("16GiB")  # bytes of LMDB pages (values page-rounded); map = 1.5x + 1 MiB
     ssd_sync: bool = False  # fsync every commit (default: only on graceful shutdown)
     dram_high: float = 0.95  # demote DRAM -> SSD above this fraction ...
     dram_low: float = 0.85  # ... down to this one

@@ -676,21 +676,16 @@ class BlockStore:
                     min(nbytes - moved, DEMOTE_BATCH_BYTES), include_pinned_ns=everything
                 )
                 batch = [b for b in batch if self.tier.pin(b)]
-                todo = [b for b in batch if not self.policy.on_ssd(b.ns, b.key)]
+                dead = {b.slot for b in batch if self.policy.dead(b.ns, b.key)}  # no copy
+                todo = [b for b in batch if not (b.slot in dead or self.policy.on_ssd(b.ns, b.key))]
             if not batch:
                 break
-            written = (
-                self._write_ssd([(b.ns, b.key, self.view(b), b.checksum) for b in todo])
-                if todo
-                else []
-            )
+            rows = [(b.ns, b.key, self.view(b), b.checksum) for b in todo]
+            written = self._write_ssd(rows) if todo else []
             with self.lock:
                 if written is None:
-                    self._queue(
-                        self.policy.handle(
-                            SsdWriteFailed(tuple((b.ns, b.key, b.size) for b in todo), False)
-                        )
-                    )
+                    failed = tuple((b.ns, b.key, b.size) for b in todo)
+                    self._queue(self.policy.handle(SsdWriteFailed(failed, False)))
                 else:
                     live = [b.ready and not b.doomed for b in todo]
                     done = tuple(
@@ -702,10 +697,16 @@ class BlockStore:
                     self.counters.demotions += sum(live)
                 for b in batch:
                     self.tier.release(b)
-                    if written is not None and b.ready and not b.doomed:
-                        self.tier.remove(b.ns, b.key)  # now on SSD: not a removal
-                        self._ev(False, DRAM, [(b.ns, b.key)])
-                        moved += b.size
+                    gone = b.slot in dead and self.policy.dead(b.ns, b.key)  # evict, no copy
+                    skip = not gone and (b.slot in dead or written is None)
+                    if skip or not b.ready or b.doomed:
+                        continue
+                    if gone:
+                        self._queue(self.policy.handle(Evicted(b.ns, b.key, b.size)))
+                    self.policy.forget(b.ns, b.key)
+                    self.tier.remove(b.ns, b.key)  # now on SSD (or dead): not a removal
+                    self._ev(False, DRAM, [(b.ns, b.key)])
+                    moved += b.size
             self._execute()
             if written is None:
                 break

@@ -17,11 +17,13 @@ from kvstore.worker.sessions import SessionTable
 from kvstore.worker.store import BlockStore
 from kvstore.worker.tiers.dram import DramTier
 from kvstore.worker.tiers.policy import (
+    Evicted,
     EvictFirst,
     Lookup,
     NeedSsdRoom,
     Prefetch,
     Release,
+    Removed,
     Retain,
     SessionHint,
     SessionTick,
@@ -29,6 +31,7 @@ from kvstore.worker.tiers.policy import (
     TailFirst,
     TierPolicy,
     Watermarks,
+    WriteSsd,
 )
 from kvstore.worker.tiers.ssd import SsdStore
 from kvstore_client.errors import InvalidArgument
@@ -122,6 +125,49 @@ def test_ended_session_orphans_only_blocks_no_live_session_holds() -> None:
     assert list(p.ssd.entries)[:2] == [(NS, a[1]), (NS, a[0])]
     assert hint(p, "B", "ended") == [EvictFirst(NS, shared)]
     assert p.sessions.refs == {} and p.sessions.blocks == 0
+
+
+def test_an_ended_sessions_dram_blocks_are_dropped_not_written_to_ssd() -> None:
+    """Before: an ended session's blocks went first, but each eviction wrote them to
+    SSD (WriteSsd), pushing live blocks off the SSD for blocks nobody asks for again
+    (the concurrent replay lost hit rate with hints)."""
+    shared, a = ks("sys", 2), ks("a", 3)
+    dram = {(NS, k): 10 for k in shared + a}
+    p = policy(dram)
+    hint(p, "A", "active", shared + a)
+    hint(p, "B", "active", shared)
+    hint(p, "A", "ended")
+    assert [p.dead(NS, k) for k in shared + a] == [False, False, True, True, True]
+    assert p.handle(Evicted(NS, a[0], 10)) == []  # dropped: no SSD copy
+    assert p.counters.evicted_lost == 1
+    assert p.handle(Evicted(NS, shared[0], 10)) == [WriteSsd(NS, shared[0])]  # B holds it
+    # A block listed again by a live session is live again: demoted as usual.
+    hint(p, "C", "active", (a[1],))
+    assert not p.dead(NS, a[1])
+    assert p.handle(Evicted(NS, a[1], 10)) == [WriteSsd(NS, a[1])]
+    p.handle(Removed(NS, a[2], True, 10))
+    assert p.orphans == set(), "bounded: forgotten when the block leaves DRAM"
+
+
+def test_store_drops_an_ended_sessions_blocks_instead_of_demoting(tmp_path: Path) -> None:
+    arena = Arena(8 * MiB)
+    st = BlockStore(
+        arena, MiB, ssd=SsdStore(str(tmp_path / "ssd"), 64 * MiB), sessions=SessionTable()
+    )
+    try:
+        done, live = ks("done", 4), ks("live", 4)
+        for k in done + live:
+            st.put_bytes(NS, [k], [value_for(k, MiB // 2)])
+        st.session_hint(NS, "d", "active", done, None)
+        st.session_hint(NS, "d", "ended", (), None)
+        st.demote(8 * MiB)
+        assert not any(st.tier.contains(NS, k) or st.policy.on_ssd(NS, k) for k in done)
+        assert all(st.policy.on_ssd(NS, k) for k in live), "the others are demoted"
+        assert st.get_bytes(NS, list(live)) == [value_for(k, MiB // 2) for k in live]
+        assert st.policy.orphans == set()
+    finally:
+        st.close()
+        arena.close()
 
 
 def test_ssd_evicts_a_paused_sessions_blocks_last() -> None:

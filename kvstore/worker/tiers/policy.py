@@ -432,7 +432,7 @@ Instruction = (
 @dataclass(slots=True)
 class PolicyCounters:
     ssd_write_errors: int = 0
-    evicted_lost: int = 0  # DRAM evictions that left no SSD copy
+    evicted_lost: int = 0  # DRAM evictions that left no SSD copy (ended sessions' too)
     retain_refused: int = 0  # paused sessions' DRAM blocks over the retain budget
 
 
@@ -476,6 +476,7 @@ class TierPolicy:
         self.dram_size = dram_size  # payload bytes of a block in DRAM, 0 when not there
         self.retained: dict[tuple[str, bytes], int] = {}  # DRAM blocks kept off the LRU
         self.retained_bytes = 0
+        self.orphans: set[tuple[str, bytes]] = set()  # ended sessions' DRAM-only blocks
 
     # ---- queries -----------------------------------------------------------------
 
@@ -497,13 +498,17 @@ class TierPolicy:
             self._charge(ev.ns, ev.size, -1)
         elif isinstance(ev, Evicted):
             if (ev.ns, ev.key) in self.ssd:
+                self.orphans.discard((ev.ns, ev.key))
                 return []
-            if self.has_ssd:
+            gone = self.dead(ev.ns, ev.key)  # an ended session's: drop, no SSD copy
+            self.orphans.discard((ev.ns, ev.key))
+            if self.has_ssd and not gone:
                 return [WriteSsd(ev.ns, ev.key)]
             self.counters.evicted_lost += 1
             self._charge(ev.ns, ev.size, -1)
         elif isinstance(ev, Removed):
             self._unretain(ev.ns, ev.key)
+            self.orphans.discard((ev.ns, ev.key))
             e = self.ssd.remove(ev.ns, ev.key)
             if ev.in_dram or e is not None:
                 self._charge(ev.ns, ev.size if ev.in_dram or e is None else e.size, -1)
@@ -582,6 +587,8 @@ class TierPolicy:
             if ch.orphaned:
                 for k in ch.orphaned:
                     self.ssd.make_oldest(ns, k)
+                    if self.has_ssd and (ns, k) not in self.ssd and self.dram_size(ns, k):
+                        self.orphans.add((ns, k))
                 out.append(EvictFirst(ns, tuple(ch.orphaned)))
             fetch: list[bytes] = []
             room = self.retain_budget
@@ -596,6 +603,16 @@ class TierPolicy:
             if fetch:
                 out.append(Prefetch(ns, tuple(fetch)))
         return out
+
+    def dead(self, ns: str, key: bytes) -> bool:
+        """Is this DRAM block an ended session's that no live session holds now? Its
+        eviction drops it instead of writing it to SSD (nobody will ask for it; a copy
+        would push live blocks off the SSD)."""
+        return (ns, key) in self.orphans and (ns, key) not in self.sessions.refs
+
+    def forget(self, ns: str, key: bytes) -> None:
+        """The block left DRAM by demotion (its SSD copy was written or it was dropped)."""
+        self.orphans.discard((ns, key))
 
     def _unretain(self, ns: str, key: bytes) -> bool:
         size = self.retained.pop((ns, key), None)
