@@ -136,3 +136,23 @@ def test_unknown_model_preset_is_refused_before_anything_starts(tmp_path: Path) 
 
     res = CliRunner().invoke(engine_cmd, ["--model", "nosuch", "--engine-python", "x"])
     assert res.exit_code != 0 and "unknown model preset" in res.output
+
+
+def test_outputs_that_differ_from_prefix_are_listed_with_their_cache_hits() -> None:
+    from kvstore_bench.engine_report import summarize
+    from kvstore_bench.engine_run import ConfigRun, Result
+    from kvstore_bench.engine_workload import Script, Turn
+
+    prompt = tuple(range(3, 303))
+    scripts = [Script("s", 0.0, (Turn("s", 0, prompt, 4, 0.0, 0), Turn("s", 1, prompt, 4, 0.0, 1)))]
+
+    def res(turn: int, cached: int, tokens: list[int], lp: float) -> Result:
+        return Result("s", turn, turn, 300, cached, 0.1, 0.2, turn, turn + 0.5, tokens, [lp])
+
+    ref = ConfigRun("prefix", True, results=[res(0, 0, [5, 6], -1.0), res(1, 0, [5, 6], -1.0)])
+    run = ConfigRun("kvstore", True, results=[res(0, 0, [5, 6], -1.0), res(1, 256, [5, 7], -1.2)])
+    s = summarize(run, scripts, 128, ref)
+    assert s.equal_outputs == 0.5 and s.first_logprob_within_tol == 0.5
+    (m,) = s.mismatches
+    assert (m["turn"], m["cached_tokens"], m["prefix_cached_tokens"]) == (1, 256, 0)
+    assert m["first_differing_token"] == 1 and abs(m["first_logprob_diff"] - 0.2) < 1e-9
