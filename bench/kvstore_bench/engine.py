@@ -34,7 +34,7 @@ from rich.table import Table
 from kvstore.config import parse_size
 
 from . import synth
-from .engine_models import MAX_LEN, VOCAB, preset_unavailable
+from .engine_models import MAX_LEN, VOCAB, block_size, engine_block_size, preset_unavailable
 from .engine_peers import ABLATIONS, CONFIGS, Context
 from .engine_report import TABLE_COLUMNS, Summary, plot, summarize, table_rows, to_json
 from .engine_run import ConfigRun, EngineSpec, Result, run_config
@@ -44,7 +44,6 @@ from .traces import load_agentic
 __all__ = ["engine_cmd"]
 
 ROOT = Path(__file__).resolve().parents[2]
-BLOCK = 32
 
 
 def _engine_python(path: str | None) -> Path:
@@ -58,12 +57,10 @@ def _engine_python(path: str | None) -> Path:
 
 
 def _model(py: Path, preset: str, cache: Path) -> str:
-    why = preset_unavailable(preset)
-    if why:
-        raise click.ClickException(why)
     out = cache / f"model-{preset}"
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench"), env.get("PYTHONPATH", "")])
+    # ROOT too: the lfm2 preset is written by tests/e2e/tiny_model.py
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench"), str(ROOT), env.get("PYTHONPATH", "")])
     r = subprocess.run(
         [str(py), "-m", "kvstore_bench.engine_models", preset, str(out)],
         capture_output=True,
@@ -133,6 +130,10 @@ def engine_cmd(
 ) -> None:
     """Replay agent sessions on real vLLM engines, per KV backing configuration."""
     console = Console(stderr=True)
+    why = preset_unavailable(preset)
+    if why:
+        raise click.BadParameter(why, param_hint="--model")
+    block = block_size(preset)  # the engine's tokens per KV block: the ideal's unit
     py = _engine_python(engine_python)
     if quick:
         max_sessions = max_sessions or 2
@@ -181,12 +182,17 @@ def engine_cmd(
         f"{engines} engines, model {preset}, configs {', '.join(names)}; logs in {wdir}"
     )
     console.print("writing the model ...")
-    spec = EngineSpec(python=py, model=_model(py, preset, cache), block_size=BLOCK)
-    ctx = Context(py, wdir, parse_size(memory), BLOCK)
+    spec = EngineSpec(
+        python=py,
+        model=_model(py, preset, cache),
+        block_size=engine_block_size(preset),
+        expect_block_size=block,
+    )
+    ctx = Context(py, wdir, parse_size(memory), block)
 
     runs = _run_all(names, ctx, spec, scripts, engines, n_turns, console, progress)
     ref = runs[0] if runs and runs[0].name == "prefix" else None
-    summaries = [summarize(r, scripts, BLOCK, ref) for r in runs]
+    summaries = [summarize(r, scripts, block, ref) for r in runs]
     _print_table(console, summaries)
     stem = f"engine-{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
@@ -205,7 +211,7 @@ def engine_cmd(
             "max_turns": max_turns,
             "max_output": max_output,
             "memory_bytes": ctx.memory_bytes,
-            "block_size": BLOCK,
+            "block_size": block,
             "traces": [str(p) for p in paths],
             "work_dir": str(wdir),
         }

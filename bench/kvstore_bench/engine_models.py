@@ -10,8 +10,12 @@ No tokenizer: the bench sends token ids.
 - ``larger``: a Llama with 8 layers, hidden 1024, GQA 16/4, head 64 (~110 M parameters,
   16 KiB of KV per token): prefill costs more per KV byte, closer to a real model's
   ratio of prefill time to transfer time.
-- ``lfm2``: the hybrid LFM2 (attention + short convolutions); needs the hybrid connector
-  (state blocks), not there yet: :func:`preset_unavailable` says so.
+- ``lfm2``: the e2e tests' hybrid LFM2 (4 layers: short convolution, attention, conv,
+  attention; hidden 256; tests/e2e/tiny_model.py writes it, so the bench and the e2e test
+  serve the same model). vLLM sizes a hybrid's blocks itself (the engine gets no
+  ``block_size``) and resolves the attention block to 128 tokens, the size the bench
+  aligns its ideal to; prefix caching on puts the convolution state in ``align`` mode,
+  kept at each block boundary where a prefill chunk ends.
 
 Writing a model needs torch and transformers, so it runs in the engine venv:
 ``python -m kvstore_bench.engine_models PRESET DIR`` (idempotent).
@@ -25,7 +29,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PRESETS", "model_config", "preset_unavailable", "write_model"]
+__all__ = [
+    "PRESETS",
+    "block_size",
+    "engine_block_size",
+    "model_config",
+    "preset_unavailable",
+    "write_model",
+]
 
 VOCAB = 1000
 MAX_LEN = 4096
@@ -64,24 +75,39 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4,
         "head_dim": 64,
     },
-    "lfm2": {},
+    "lfm2": {},  # tests/e2e/tiny_model.py's lfm2_config()
 }
+
+# Tokens per KV block as the engine resolves them: what the ideal and the hit accounting
+# use. The Llama presets set it; vLLM picks the hybrid's (attention block of 128 tokens).
+BLOCK_SIZES: dict[str, int] = {"tiny": 32, "larger": 32, "lfm2": 128}
+HYBRID = frozenset({"lfm2"})
+_TINY_MODEL = "tests.e2e.tiny_model"  # torch is imported only when a model is written
 
 
 def preset_unavailable(preset: str) -> str | None:
     """Why ``preset`` cannot run now, or None."""
     if preset not in PRESETS:
         return f"unknown model preset {preset!r} (one of {', '.join(PRESETS)})"
-    if preset == "lfm2":
-        return (
-            "the lfm2 preset needs the hybrid connector (KV + recurrent state blocks), "
-            "which has not landed yet"
-        )
     return None
 
 
+def block_size(preset: str) -> int:
+    """Tokens per KV block of ``preset`` inside the engine (128 for the hybrid)."""
+    return BLOCK_SIZES[preset]
+
+
+def engine_block_size(preset: str) -> int | None:
+    """The ``block_size`` the engine is built with: None for a hybrid, whose block size
+    vLLM resolves itself (the e2e test does the same)."""
+    return None if preset in HYBRID else BLOCK_SIZES[preset]
+
+
 def model_config(preset: str) -> dict[str, Any]:
-    """The HF config of ``preset`` (a Llama)."""
+    """The HF config of ``preset`` (a Llama, or the e2e tests' tiny LFM2)."""
+    if preset in HYBRID:
+        cfg: dict[str, Any] = importlib.import_module(_TINY_MODEL).lfm2_config()
+        return cfg
     return {**_BASE, **PRESETS[preset]}
 
 
@@ -91,6 +117,9 @@ def write_model(preset: str, path: str | Path) -> Path:
     if why:
         raise ValueError(why)
     out = Path(path)
+    if preset in HYBRID:  # the e2e test's writer (idempotent, stamped by revision)
+        written: Path = importlib.import_module(_TINY_MODEL).write_tiny_lfm2(out)
+        return written
     stamp = out / "kvstore-bench-model.json"
     want = {"revision": REVISION, "seed": SEED, "preset": preset}
     if stamp.exists() and json.loads(stamp.read_text()) == want:

@@ -9,14 +9,16 @@ output goes to stderr):
 
 - in: ``{"op": "add", "id": str, "prompt": [ids], "max_tokens": n}`` (greedy, EOS ignored)
 - in: ``{"op": "exit"}``: stop at once (unfinished requests are dropped)
+- out, once: ``{"event": "ready", "block_size": n}`` (the resolved tokens per KV block)
 - out: ``{"event": "done", "id", "tokens", "logprobs", "num_cached_tokens", "ttft_s",
   "e2e_s"}`` where ``ttft_s`` runs from the request's arrival in this process to the
   step that produced its first token, ``e2e_s`` to its last
 - out: ``{"event": "error", "id", "error"}`` for a request the engine refused
 
-CONFIG_JSON: ``model``, ``block_size``, ``max_len``, ``kv_cache_bytes``, ``dtype``,
-``kv_transfer_config`` (a dict or null) and ``warmup_seed``. Nothing here is imported by
-the bench itself (it lives in another venv); vLLM is imported by name at run time.
+CONFIG_JSON: ``model``, ``block_size`` (null: vLLM picks it), ``max_len``,
+``kv_cache_bytes``, ``dtype``, ``kv_transfer_config`` (a dict or null) and ``warmup_seed``.
+Nothing here is imported by the bench itself (it lives in another venv); vLLM is imported
+by name at run time.
 """
 
 from __future__ import annotations
@@ -55,12 +57,13 @@ def make_llm(cfg: dict[str, Any]) -> Any:
         skip_tokenizer_init=True,
         enforce_eager=True,
         max_model_len=int(cfg["max_len"]),
-        block_size=int(cfg["block_size"]),
         dtype=cfg.get("dtype", "float32"),
         seed=0,
         enable_prefix_caching=True,
         kv_cache_memory_bytes=int(cfg["kv_cache_bytes"]),
     )
+    if cfg.get("block_size") is not None:  # None: vLLM resolves it (a hybrid's is 128)
+        kw["block_size"] = int(cfg["block_size"])
     if cfg.get("kv_transfer_config"):
         kw["kv_transfer_config"] = cfg["kv_transfer_config"]
         _llvmlite_workaround()
@@ -172,7 +175,9 @@ def main() -> None:
     # The first request pays one-off set-up; keep it out of the measurements.
     warm = [rng.randrange(3, 1000) for _ in range(min(1024, int(cfg["max_len"]) - 8))]
     llm.generate([token_prompt(warm)], sampling(2), use_tqdm=False)
-    out.write(json.dumps({"event": "ready"}) + "\n")
+    # the attention block size vLLM resolved (a hybrid's is set after the layers are built)
+    resolved = llm.llm_engine.vllm_config.cache_config.block_size
+    out.write(json.dumps({"event": "ready", "block_size": resolved}) + "\n")
     Server(llm, out).serve()
     out.write(json.dumps({"event": "bye"}) + "\n")
     out.flush()

@@ -51,6 +51,9 @@ class Summary:
     loads_slower_than_recompute: int | None = None
     first_logprob_within_tol: float | None = None
     equal_outputs: float | None = None
+    # requests whose output differs from prefix's: where, how many tokens were cached in
+    # each run, the first token's logprob difference, the first differing output position
+    mismatches: list[dict[str, Any]] = field(default_factory=list)
     ttfts_ms: list[float] = field(default_factory=list)
 
 
@@ -124,7 +127,29 @@ def summarize(
             ]
             s.first_logprob_within_tol = sum(close) / len(close)
             s.equal_outputs = sum(1 for r, p in pairs if r.tokens == p.tokens) / len(pairs)
+            s.mismatches = [_mismatch(r, p) for r, p in pairs if not _same(r, p)]
     return s
+
+
+def _same(r: Result, p: Result) -> bool:
+    return r.tokens == p.tokens and _first_close(r, p)
+
+
+def _mismatch(r: Result, p: Result) -> dict[str, Any]:
+    diff = abs(r.logprobs[0] - p.logprobs[0]) if r.logprobs and p.logprobs else None
+    pos = next(
+        (i for i, (a, b) in enumerate(zip(r.tokens, p.tokens, strict=False)) if a != b), None
+    )
+    return {
+        "script": r.script,
+        "turn": r.turn,
+        "engine": r.engine,
+        "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens,
+        "prefix_cached_tokens": p.cached_tokens,
+        "first_logprob_diff": diff,
+        "first_differing_token": pos,
+    }
 
 
 def _first_close(r: Result, p: Result) -> bool:

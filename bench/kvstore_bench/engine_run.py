@@ -41,7 +41,8 @@ class EngineSpec:
 
     python: Path
     model: str
-    block_size: int = 32
+    block_size: int | None = 32  # None: vLLM resolves it (hybrid models)
+    expect_block_size: int = 32  # what the engine must report resolved (the ideal's unit)
     max_len: int = 4096
     kv_cache_bytes: int = 256 << 20
     dtype: str = "float32"
@@ -137,8 +138,15 @@ class EngineProc:
         if b"\n" not in self._buf:
             raise EngineError(f"engine {self.name} exited with {self.proc.poll()}:\n{self.tail()}")
         line, self._buf = self._buf.split(b"\n", 1)
-        if json.loads(line).get("event") != "ready":
+        ready = json.loads(line)
+        if ready.get("event") != "ready":
             raise EngineError(f"engine {self.name}: unexpected {line!r}")
+        got = ready.get("block_size")
+        if got is not None and int(got) != self.spec.expect_block_size:
+            raise EngineError(
+                f"engine {self.name} resolved {got}-token blocks, the bench counts hits in "
+                f"{self.spec.expect_block_size}-token blocks (engine_models.BLOCK_SIZES)"
+            )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 

@@ -103,3 +103,56 @@ def test_ablations_without_a_connector_knob_say_so(tmp_path: Path) -> None:
         make_backing("kvstore-load-or-recompute", ctx)  # needs the prefix run's speed
     with pytest.raises(ValueError):
         make_backing("nosuch", ctx)
+
+
+def test_lfm2_preset_counts_hits_in_the_hybrids_128_token_blocks() -> None:
+    from kvstore_bench.engine_models import (
+        block_size,
+        engine_block_size,
+        model_config,
+        preset_unavailable,
+    )
+    from tests.e2e.tiny_model import lfm2_config
+
+    assert preset_unavailable("lfm2") is None
+    assert block_size("lfm2") == 128  # vLLM's resolved attention block for the tiny LFM2
+    assert engine_block_size("lfm2") is None  # vLLM sizes a hybrid's blocks itself
+    assert block_size("tiny") == engine_block_size("tiny") == 32
+    assert model_config("lfm2") == lfm2_config()  # the e2e test's model, no torch needed
+    # A 300-token prefix shared across engines: 2 whole 128-token blocks for the hybrid
+    # (9 of 32 tokens for the Llama presets); never the prompt's last token.
+    a = tuple(range(3, 303))
+    b = a + tuple(range(400, 450))
+    reqs = [Timed(a, 0, 0.0, 1.0), Timed(b, 1, 2.0, 3.0), Timed(a[:257], 1, 4.0, 5.0)]
+    assert ideal_hits(reqs, block_size("lfm2"))[0] == [0, 256, 256]
+    assert ideal_hits(reqs, block_size("tiny"))[0] == [0, 288, 256]
+    assert cacheable(256, 128) == 128 and cacheable(257, 128) == 256
+
+
+def test_unknown_model_preset_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from kvstore_bench.engine import engine_cmd
+
+    res = CliRunner().invoke(engine_cmd, ["--model", "nosuch", "--engine-python", "x"])
+    assert res.exit_code != 0 and "unknown model preset" in res.output
+
+
+def test_outputs_that_differ_from_prefix_are_listed_with_their_cache_hits() -> None:
+    from kvstore_bench.engine_report import summarize
+    from kvstore_bench.engine_run import ConfigRun, Result
+    from kvstore_bench.engine_workload import Script, Turn
+
+    prompt = tuple(range(3, 303))
+    scripts = [Script("s", 0.0, (Turn("s", 0, prompt, 4, 0.0, 0), Turn("s", 1, prompt, 4, 0.0, 1)))]
+
+    def res(turn: int, cached: int, tokens: list[int], lp: float) -> Result:
+        return Result("s", turn, turn, 300, cached, 0.1, 0.2, turn, turn + 0.5, tokens, [lp])
+
+    ref = ConfigRun("prefix", True, results=[res(0, 0, [5, 6], -1.0), res(1, 0, [5, 6], -1.0)])
+    run = ConfigRun("kvstore", True, results=[res(0, 0, [5, 6], -1.0), res(1, 256, [5, 7], -1.2)])
+    s = summarize(run, scripts, 128, ref)
+    assert s.equal_outputs == 0.5 and s.first_logprob_within_tol == 0.5
+    (m,) = s.mismatches
+    assert (m["turn"], m["cached_tokens"], m["prefix_cached_tokens"]) == (1, 256, 0)
+    assert m["first_differing_token"] == 1 and abs(m["first_logprob_diff"] - 0.2) < 1e-9
