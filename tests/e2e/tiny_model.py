@@ -113,5 +113,109 @@ def write_tiny_llama(path: str | Path) -> Path:
     return out
 
 
+def qwen3_next_config() -> dict[str, object]:
+    """A tiny Qwen3-Next: gated delta net (linear attention) and full attention,
+    a small MoE in every layer; bf16 (vLLM's CPU gated-delta-net kernels need it)."""
+    return {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "vocab_size": VOCAB,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 256,
+        "shared_expert_intermediate_size": 256,
+        "decoder_sparse_step": 1,
+        "layer_types": [
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+            "full_attention",
+        ],
+        "max_position_embeddings": MAX_LEN,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.1,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def granite_hybrid_config() -> dict[str, object]:
+    """A tiny GraniteMoeHybrid (Granite 4): Mamba-2 layers and full attention."""
+    return {
+        "architectures": ["GraniteMoeHybridForCausalLM"],
+        "model_type": "granitemoehybrid",
+        "vocab_size": VOCAB,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "shared_intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 0,
+        "num_experts_per_tok": 0,
+        "position_embedding_type": "rope",
+        "layer_types": ["mamba", "attention", "mamba", "attention"],
+        "mamba_n_heads": 8,
+        "mamba_n_groups": 1,
+        "mamba_d_state": 64,
+        "mamba_d_head": 64,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_chunk_size": 256,
+        "max_position_embeddings": MAX_LEN,
+        "rms_norm_eps": 1e-5,
+        "initializer_range": 0.1,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "torch_dtype": "float32",
+    }
+
+
+def _write(path: str | Path, cfg_name: str, model_name: str, conf: dict[str, object]) -> Path:
+    out = Path(path)
+    stamp = out / "kvstore-tiny.json"
+    if stamp.exists() and json.loads(stamp.read_text()).get("revision") == REVISION:
+        return out
+    import torch
+    import transformers
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(SEED)
+    dtype = getattr(torch, str(conf["torch_dtype"]))
+    cfg = getattr(transformers, cfg_name)(**{k: v for k, v in conf.items() if k != "architectures"})
+    model = getattr(transformers, model_name)(cfg).to(dtype)
+    model.save_pretrained(out, safe_serialization=True)
+    stamp.write_text(json.dumps({"revision": REVISION, "seed": SEED}))
+    return out
+
+
+def write_tiny_qwen3_next(path: str | Path) -> Path:
+    """Write the tiny Qwen3-Next (bf16) to ``path`` (idempotent)."""
+    return _write(path, "Qwen3NextConfig", "Qwen3NextForCausalLM", qwen3_next_config())
+
+
+def write_tiny_granite_hybrid(path: str | Path) -> Path:
+    """Write the tiny GraniteMoeHybrid to ``path`` (idempotent)."""
+    return _write(
+        path, "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", granite_hybrid_config()
+    )
+
+
 if __name__ == "__main__":
     print(write_tiny_llama(sys.argv[1] if len(sys.argv) > 1 else "/tmp/kvstore-tiny-llama"))
