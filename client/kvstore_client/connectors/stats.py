@@ -23,6 +23,7 @@ COUNTER_NAMES = (
     "skipped_slow_blocks",
     "dropped_save_blocks",
     "loaded_states",
+    "sync_loaded_blocks",
     "stored_states",
     "session_hints",
     "session_hints_dropped",

@@ -296,7 +296,9 @@ class WorkerSide:
         receiving, only their failed blocks."""
         while self._loads or self._queued:
             for rid in list(self._loads):
-                self._finish_load(self._loads.pop(rid))  # waits for its futures
+                pl = self._loads.pop(rid)
+                self._finish_load(pl)  # waits for its futures
+                record(NAME, self._interval, "sync_loaded_blocks", len(pl.transfer.hashes))
             self._start_queued()
 
     def _start_queued(self) -> None:
