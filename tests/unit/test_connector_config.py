@@ -74,3 +74,14 @@ def test_ablation_settings() -> None:
             ConnectorConfig.from_dict({"master": "h:1", key: bad})
     with pytest.raises(ValueError, match=r"unknown setting\(s\) \['load'\]"):
         ConnectorConfig.from_dict({"master": "h:1", "load": "sync"})
+
+
+def test_every_counter_has_its_prometheus_metric() -> None:
+    """Bug (first sync-load engine run): a new counter without a Prometheus metric
+    raised KeyError in ``record`` inside the engine."""
+    from kvstore_client.connectors.stats import COUNTER_NAMES, TOTALS, record
+
+    for name in COUNTER_NAMES:
+        before = TOTALS.peek()[name]
+        record("test", None, name, 1)
+        assert TOTALS.peek()[name] == before + 1

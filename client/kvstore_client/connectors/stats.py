@@ -78,6 +78,11 @@ def _prom() -> dict[str, Any]:
                 "Hybrid-model boundary states loaded",
                 lab,
             ),
+            "sync_loaded_blocks": Counter(
+                "kvstore_connector_sync_loaded_blocks_total",
+                "Blocks loaded synchronously (load_mode sync: before the forward)",
+                lab,
+            ),
             "stored_states": Counter(
                 "kvstore_connector_stored_states_total",
                 "Hybrid-model boundary states written",
