@@ -47,19 +47,23 @@ ABLATIONS: dict[str, tuple[dict[str, Any] | None, str]] = {
         "(the default connector always loads)",
     ),
     "kvstore-write-all": (
-        None,
-        "no connector knob: ConnectorConfig has no setting to write every block "
-        "(the connector always skips blocks known to be hits)",
+        {"save_policy": "all"},
+        "write every block: save_policy all (the connector also sends blocks the store "
+        "had at lookup; the default sends only new ones)",
     ),
     "kvstore-exists-per-block": (
-        None,
-        "no connector knob: the scheduler-side lookup is always one batched exists call "
-        "per worker (ConnectorConfig has no per-block or match_prefix switch)",
+        {"lookup": "per_block"},
+        "one exists call per block, in order until the first miss: lookup per_block "
+        "(the default is one batched exists per rank namespace)",
+    ),
+    "kvstore-match-prefix": (
+        {"lookup": "prefix"},
+        "one match_prefix per rank namespace: lookup prefix",
     ),
     "kvstore-sync-load": (
-        None,
-        "no connector knob: loads are always asynchronous (between steps); "
-        "ConnectorConfig has no synchronous mode",
+        {"load_mode": "sync"},
+        "synchronous load: load_mode sync (the hit loads before the forward of the step "
+        "that schedules the request; the default loads between steps)",
     ),
 }
 

@@ -50,3 +50,38 @@ def test_counters_interval_merge_and_reduce() -> None:
     assert r["stored_blocks"] == 5 and r["store_count"] == 3
     assert r["store_mean_ms"] == 4.0 and r["store_max_ms"] == 6.0
     assert stats_empty(Counters().take()) and not stats_empty(m)
+
+
+def test_ablation_settings() -> None:
+    """save_policy / lookup / load_mode: defaults, every value, and a clear error
+    (naming the setting and its values) for anything else."""
+    c = ConnectorConfig.from_dict({"master": "h:1"})
+    assert (c.save_policy, c.lookup, c.load_mode) == ("new", "batch", "async")
+    assert c.ablations() == []
+    c = ConnectorConfig.from_dict(
+        {"master": "h:1", "save_policy": "all", "lookup": "per_block", "load_mode": "sync"}
+    )
+    assert (c.save_policy, c.lookup, c.load_mode) == ("all", "per_block", "sync")
+    assert c.ablations() == ["save_policy=all", "lookup=per_block", "load_mode=sync"]
+    assert ConnectorConfig.from_dict({"master": "h:1", "lookup": "prefix"}).lookup == "prefix"
+    for key, bad, msg in [
+        ("save_policy", "everything", r'save_policy must be "new" or "all", not \'everything\''),
+        ("lookup", "batched", r'lookup must be "batch" or "per_block" or "prefix"'),
+        ("load_mode", "blocking", r'load_mode must be "async" or "sync", not \'blocking\''),
+        ("load_mode", "", "load_mode must be"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            ConnectorConfig.from_dict({"master": "h:1", key: bad})
+    with pytest.raises(ValueError, match=r"unknown setting\(s\) \['load'\]"):
+        ConnectorConfig.from_dict({"master": "h:1", "load": "sync"})
+
+
+def test_every_counter_has_its_prometheus_metric() -> None:
+    """Bug (first sync-load engine run): a new counter without a Prometheus metric
+    raised KeyError in ``record`` inside the engine."""
+    from kvstore_client.connectors.stats import COUNTER_NAMES, TOTALS, record
+
+    for name in COUNTER_NAMES:
+        before = TOTALS.peek()[name]
+        record("test", None, name, 1)
+        assert TOTALS.peek()[name] == before + 1

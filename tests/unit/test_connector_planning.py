@@ -233,3 +233,29 @@ def test_cache_groups_the_connector_serves_or_refuses() -> None:
         attn, state, why = classify_groups(specs)
         assert why and attn == [] and state == [], what
     assert "pure state" in str(classify_groups([mamba])[2])
+
+
+def test_save_policy_all_sends_blocks_the_store_had() -> None:
+    """``save_policy: all`` (save_known): blocks present at lookup, loaded or not,
+    are planned for saving; each block still goes out once, and only a confirmed
+    save moves the watermark."""
+    b = 4
+    toks = list(range(22))  # 5 full blocks
+    new, every = RequestTracker("n", b), RequestTracker("a", b, save_known=True)
+    for tr in (new, every):
+        tr.extend_hashes(toks)
+        tr.present = [True, True, True, False, True]
+        tr.hit_blocks = 3
+        tr.plan_hit(len(toks), 0, LoadPolicy(min_hit_tokens=b), 1.0, None)
+        tr.plan_load([10, 11, 12, 13, 14, 15], 11)
+    out, skipped = new.blocks_to_save(22, toks)
+    assert [r.index for r in out] == [3] and skipped == 4
+    out, skipped = every.blocks_to_save(22, toks)
+    assert [(r.index, r.block_id) for r in out] == [(0, 10), (1, 11), (2, 12), (3, 13), (4, 14)]
+    assert skipped == 0 and every.saved_upto == 0
+    assert every.blocks_to_save(22, toks) == ([], 0)  # in flight: not sent twice
+    every.save_done([0, 1, 2], ok=True)
+    every.save_done([3, 4], ok=False)
+    assert every.saved_upto == 3
+    out, _ = every.blocks_to_save(22, toks)
+    assert [r.index for r in out] == [3, 4]  # failed saves are retried, as for "new"

@@ -6,8 +6,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
+
 from kvstore_client import Client, block_hashes
 from kvstore_client.connectors.holder import ClientHolder
+from kvstore_client.connectors.lookup import kv_lookup
 from kvstore_client.connectors.naming import STATE_KIND, namespace
 from kvstore_client.connectors.planning import hybrid_hit_blocks
 
@@ -60,3 +63,31 @@ def test_client_holder_connects_in_the_background(make_cluster: Any) -> None:
     cl = h.get(wait=5.0)
     assert cl is not None and h.get() is cl
     h.close()
+
+
+def test_lookup_modes_through_the_client_api(make_cluster: Any) -> None:
+    """The scheduler's ``lookup`` modes on a real cluster: "batch" reports blocks
+    present after a gap, "per_block" and "prefix" stop at the first miss; a block
+    counts only when every rank's namespace holds it, in every mode."""
+    c = make_cluster(workers=2)
+    ns0 = namespace("org/m", "bfloat16", "l2", 16, tp_rank=0, tp_size=2)
+    ns1 = namespace("org/m", "bfloat16", "l2", 16, tp_rank=1, tp_size=2)
+    hs = block_hashes(list(range(16 * 6)), 16)
+    with Client(c.address) as cl:
+        assert all(cl.batch_put(ns0, hs, [bytes([i]) * 64 for i in range(6)]))
+        assert all(cl.batch_put(ns1, [hs[i] for i in (0, 1, 2, 4, 5)], [b"x" * 64] * 5))
+        want = {
+            "batch": [True, True, True, False, True, True],
+            "per_block": [True, True, True, False, False, False],
+            "prefix": [True, True, True, False, False, False],
+        }
+        for mode, flags in want.items():
+            assert kv_lookup(cl, [ns0, ns1], hs, mode) == flags, mode
+            assert kv_lookup(cl, [ns0], hs, mode) == [True] * 6, mode
+            assert kv_lookup(cl, [ns0, ns1], [], mode) == []
+        cl.remove(ns0, [hs[0]])
+        assert kv_lookup(cl, [ns0, ns1], hs, "batch") == [False, True, True, False, True, True]
+        for mode in ("per_block", "prefix"):  # a miss at block 0: nothing past it is asked
+            assert kv_lookup(cl, [ns0, ns1], hs, mode) == [False] * 6, mode
+        with pytest.raises(ValueError, match="unknown lookup mode"):
+            kv_lookup(cl, [ns0], hs, "sometimes")

@@ -10,6 +10,11 @@ from typing import Any
 # Keys SGLang puts into its storage backend's extra config for its own use.
 SGLANG_OWN_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 
+# The ablation knobs' values, the default first.
+SAVE_POLICIES = ("new", "all")
+LOOKUP_MODES = ("batch", "per_block", "prefix")
+LOAD_MODES = ("async", "sync")
+
 
 def parse_bool(v: object) -> bool:
     if isinstance(v, str):
@@ -46,6 +51,20 @@ class ConnectorConfig:
                          copies through a staging buffer (same stored bytes)
     session_hints        send the sessions hints of requests' kv_transfer_params
                          (``session_id``, ``session_state``) to the store, default true
+    save_policy          "new" (default: a request's blocks the store held at lookup
+                         are not sent again) or "all" (every full block the request
+                         computes or loads is sent; the store still skips keys it
+                         holds) -- an ablation baseline
+    lookup               "batch" (default: one batched exists per rank namespace),
+                         "per_block" (one exists call per block, in order, until the
+                         first miss: the naive baseline) or "prefix" (one
+                         ``Client.match_prefix`` per rank namespace); hybrid models'
+                         state lookups are the same in every mode
+    load_mode            "async" (default: a hit loads between steps while the request
+                         waits in WAITING_FOR_REMOTE_KVS) or "sync" (the load runs in
+                         the step that schedules the request, and the worker waits
+                         for it before the forward); "sync" is refused for models
+                         with several KV cache groups (hybrid)
     test_fault_file      fault injection for tests only: while this file exists and
                          holds {"remove_from_block": k}, each load first removes its
                          blocks from k on from the store, so they really miss
@@ -65,6 +84,17 @@ class ConnectorConfig:
     load_failure_policy: str = "recompute"
     zero_copy: bool = True
     session_hints: bool = True
+    save_policy: str = "new"
+    lookup: str = "batch"
+    load_mode: str = "async"
+
+    def ablations(self) -> list[str]:
+        """The ablation settings (``save_policy``, ``lookup``, ``load_mode``) set to
+        something other than their default, as "key=value"."""
+        pairs = [("save_policy", self.save_policy, SAVE_POLICIES),
+                 ("lookup", self.lookup, LOOKUP_MODES),
+                 ("load_mode", self.load_mode, LOAD_MODES)]  # fmt: skip
+        return [f"{k}={v}" for k, v, allowed in pairs if v != allowed[0]]
 
     @classmethod
     def known_keys(cls) -> list[str]:
@@ -99,9 +129,14 @@ class ConnectorConfig:
                 raise ValueError(f"kvstore connector: {k} must be positive, not {v!r}")
             return v
 
-        policy = str(d.get("load_failure_policy", "recompute"))
-        if policy not in ("recompute", "fail"):
-            raise ValueError(f'load_failure_policy must be "recompute" or "fail", not {policy!r}')
+        def choice(k: str, allowed: tuple[str, ...]) -> str:
+            v = str(d.get(k, allowed[0]))
+            if v not in allowed:
+                names = " or ".join(f'"{a}"' for a in allowed)
+                raise ValueError(f"kvstore connector: {k} must be {names}, not {v!r}")
+            return v
+
+        policy = choice("load_failure_policy", ("recompute", "fail"))
         return cls(
             master=str(master),
             timeout_s=num("timeout_s", float, 5.0, True),
@@ -117,4 +152,7 @@ class ConnectorConfig:
             load_failure_policy=policy,
             zero_copy=parse_bool(d.get("zero_copy", True)),
             session_hints=parse_bool(d.get("session_hints", True)),
+            save_policy=choice("save_policy", SAVE_POLICIES),
+            lookup=choice("lookup", LOOKUP_MODES),
+            load_mode=choice("load_mode", LOAD_MODES),
         )

@@ -132,7 +132,9 @@ class RequestTracker:
     watermark: every block below it is known to be in the store (it was there at
     lookup, or its save was confirmed). Blocks being saved are in ``saving``; a
     save reported failed is planned again, up to ``max_save_attempts`` times.
-    Nothing here talks to the store or the engine."""
+    ``save_known`` True (the connector's ``save_policy: all``) ignores what the
+    lookup found: every full block is planned once, present at lookup or not (only
+    confirmed saves count as held). Nothing here talks to the store or the engine."""
 
     req_id: str
     block_tokens: int
@@ -152,6 +154,7 @@ class RequestTracker:
     attempts: dict[int, int] = field(default_factory=dict)
     max_save_attempts: int = 3
     looked_up_tokens: int = -1
+    save_known: bool = False
     _planned_upto: int = 0  # blocks below were considered for saving once
 
     def extend_hashes(self, tokens: Sequence[int]) -> None:
@@ -223,7 +226,8 @@ class RequestTracker:
         self.saved_upto = min([self.saved_upto, *indices])
 
     def _held(self, i: int) -> bool:
-        return i in self.saved or (i < len(self.present) and self.present[i])
+        known = not self.save_known and i < len(self.present) and self.present[i]
+        return i in self.saved or known
 
     def blocks_to_save(
         self, computed_tokens: int, tokens: Sequence[int]

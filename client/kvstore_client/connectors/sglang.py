@@ -84,6 +84,11 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> None:
         extra = dict(storage_config.extra_config or {})
         self._cfg = ConnectorConfig.from_dict(extra, ignore=SGLANG_OWN_KEYS)
+        if self._cfg.ablations():  # never silently ignored
+            raise ValueError(
+                f"kvstore connector: {self._cfg.ablations()} are settings of the vLLM "
+                "connector only; SGLang's storage backend does not have them"
+            )
         self._sc = storage_config
         self._holder = ClientHolder(self._cfg.master, self._cfg.timeout_s)
         self._holder.start()

@@ -23,6 +23,7 @@ COUNTER_NAMES = (
     "skipped_slow_blocks",
     "dropped_save_blocks",
     "loaded_states",
+    "sync_loaded_blocks",
     "stored_states",
     "session_hints",
     "session_hints_dropped",
@@ -75,6 +76,11 @@ def _prom() -> dict[str, Any]:
             "loaded_states": Counter(
                 "kvstore_connector_loaded_states_total",
                 "Hybrid-model boundary states loaded",
+                lab,
+            ),
+            "sync_loaded_blocks": Counter(
+                "kvstore_connector_sync_loaded_blocks_total",
+                "Blocks loaded synchronously (load_mode sync: before the forward)",
                 lab,
             ),
             "stored_states": Counter(

@@ -22,7 +22,10 @@ Shape (as vLLM's own offloading connector): this facade makes one
   (None); past ``lookup_timeout_s`` it is a miss. A full hit is capped at
   ``num_tokens - 1``; hits shorter than ``min_hit_tokens`` or slower to load than to
   recompute are skipped and counted. Hits load asynchronously (the request waits
-  in WAITING_FOR_REMOTE_KVS). ``build_connector_meta`` ships the loads and, per
+  in WAITING_FOR_REMOTE_KVS), or with ``load_mode: sync`` in the step that
+  schedules the request (the worker waits for them in ``start_load_kv``). The
+  ``lookup`` and ``save_policy`` settings switch the lookup and the save plan to
+  the ablation baselines (see ConnectorConfig). ``build_connector_meta`` ships the loads and, per
   scheduled request, the full blocks past its save watermark the store lacks. The
   watermark moves when the workers confirm the save, so a failed or dropped save
   is planned again (up to three attempts).
@@ -209,12 +212,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Worker, each step: start this step's loads (never blocks on the store)."""
+        """Worker, each step: start this step's loads (never blocks on the store,
+        except with ``load_mode: sync``: then it returns once they are in the cache)."""
         assert self._worker is not None
         self._worker.start_load_kv(self._connector_metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are asynchronous (between steps): nothing of this forward waits."""
+        """Nothing to wait for per layer: asynchronous loads land between steps, and
+        synchronous ones are complete when ``start_load_kv`` returns."""
         return
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -240,7 +240,8 @@ class Setup:
 
 def make_setup(vllm_config: Any, kv_cache_config: Any, kv_transfer_config: Any) -> Setup:
     """Read the engine's config; raises ValueError on settings the connector cannot
-    serve correctly (unknown keys, context parallelism, a bad ``kv_role``). Models
+    serve correctly (unknown keys, context parallelism, a bad ``kv_role``,
+    ``load_mode: sync`` with several KV cache groups). Models
     whose cache groups it cannot serve run with it switched off (one warning)."""
     from vllm.platforms import current_platform  # type: ignore[import-not-found, unused-ignore]
 
@@ -275,6 +276,12 @@ def make_setup(vllm_config: Any, kv_cache_config: Any, kv_transfer_config: Any) 
     if why:
         log.warning("kvstore connector: switched off for this model: %s; the engine runs as "
                     "without the connector (never a wrong hit)", why)  # fmt: skip
+    if why is None and cfg.load_mode == "sync" and len(groups) > 1:
+        raise ValueError(
+            "kvstore connector: load_mode sync is not supported for models with several KV "
+            "cache groups (hybrid): vLLM cannot recompute a failed synchronous load there "
+            '(it needs per-request failures, which only asynchronous loads report); use "async"'
+        )
     block = specs[attn[0]][1] if attn else 1
     mc = vllm_config.model_config
     cache_dtype = str(vllm_config.cache_config.cache_dtype)

@@ -15,6 +15,7 @@ import torch  # type: ignore[import-not-found, unused-ignore]
 
 from ...keys import leading_run
 from ..holder import ClientHolder
+from ..lookup import kv_lookup
 from ..naming import STATE_KIND, embeds_digest, extra_keys
 from ..planning import (
     BandwidthMeter,
@@ -74,6 +75,8 @@ class SchedulerSide:
         self._lookups: Lookups[tuple[list[bool], list[bool]]] = Lookups(
             cfg.lookup_concurrency, cfg.lookup_timeout_s, cfg.lookup_wait_s
         )
+        self._save_known = cfg.save_policy == "all"  # send blocks the store had too
+        self._sync_load = cfg.load_mode == "sync"
         self._namespaces = setup.all_ns()  # every rank's: a hit needs all shards
         self._state_ns = setup.all_ns(STATE_KIND)
         self._gids: dict[str, list[list[int]]] = {}  # per request, block ids per group
@@ -123,13 +126,14 @@ class SchedulerSide:
             self._hints.offer(hint, list(tr.hashes))
 
     def _ask(self, hashes: list[bytes]) -> tuple[list[bool], list[bool]]:
-        """Lookup thread: which KV blocks every rank holds (one batched call per
-        rank) and, for hybrid models, which boundary states."""
+        """Lookup thread: which KV blocks every rank holds (as the ``lookup`` setting
+        asks: see :func:`kv_lookup`) and, for hybrid models, which boundary states
+        (one batched call per rank, in every mode)."""
         client = self._holder.get(wait=self.s.cfg.lookup_timeout_s)
         if client is None or not hashes:
             return [False] * len(hashes), [False] * len(hashes)
         t0 = time.perf_counter()
-        kv = all_ranks([client.batch_exists(ns, hashes) for ns in self._namespaces])
+        kv = kv_lookup(client, self._namespaces, hashes, self.s.cfg.lookup)
         state: list[bool] = []
         n = leading_run(kv)
         if self.s.hybrid and n:  # states only matter under the KV run
@@ -147,7 +151,9 @@ class SchedulerSide:
         rid = request.request_id
         tr = self._trackers.get(rid)
         if tr is None:
-            tr = self._trackers[rid] = RequestTracker(rid, self.s.block, request_extra(request))
+            tr = self._trackers[rid] = RequestTracker(
+                rid, self.s.block, request_extra(request), save_known=self._save_known
+            )
             self._read_hint(request, tr)
         self._requests[rid] = request
         if not self.s.may_load:  # kv_producer: saves only, never looks up
@@ -183,7 +189,9 @@ class SchedulerSide:
             self._bytes_per_token,
             self._meter.bytes_per_s,
         )
-        return ext, ext > 0
+        # load_mode sync: vLLM schedules the request now; the worker loads its blocks
+        # in start_load_kv and waits for them before the forward.
+        return ext, ext > 0 and not self._sync_load
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """After blocks were allocated; plans the load of the hit (hybrid models:
@@ -276,7 +284,8 @@ class SchedulerSide:
     def _plan_state_saves(self, scheduler_output: Any, meta: KVStoreConnectorMetadata) -> None:
         """The boundary states vLLM offers this step (its committed "align"
         snapshots): one per boundary whose state block exists in every state group
-        and whose block hash is known, unless the store held it at lookup."""
+        and whose block hash is known, unless the store held it at lookup (and
+        ``save_policy`` is "new")."""
         bs = getattr(scheduler_output, "kv_connector_block_state", None)
         offers = getattr(bs, "boundary_state_offloads", None) or {}
         for rid, entries in offers.items():
@@ -294,7 +303,8 @@ class SchedulerSide:
                     continue
                 if any(blocks.get(g, 0) == 0 for g in self.s.state_groups):
                     continue  # missing, or vLLM's null block 0: no state there
-                if k - 1 < len(tr.state_present) and tr.state_present[k - 1]:
+                known = k - 1 < len(tr.state_present) and tr.state_present[k - 1]
+                if known and not self._save_known:
                     record(NAME, self._interval, "skipped_present_blocks", 1)
                     continue
                 ids = [blocks[g] for g in self.s.state_groups]

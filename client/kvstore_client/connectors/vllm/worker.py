@@ -279,11 +279,27 @@ class WorkerSide:
 
     def start_load_kv(self, meta: Any) -> None:
         """Each step: queue this step's loads and start those the staging cap allows.
-        Never blocks on the store."""
+        Never blocks on the store, except with ``load_mode: sync``: then it returns
+        once every load of the step is in the cache (or failed: its blocks are
+        reported by :meth:`block_ids_with_load_errors` and vLLM recomputes them)."""
         if isinstance(meta, KVStoreConnectorMetadata):
             self._queued.extend(meta.loads)
             self.note_saves(meta)
         self._start_queued()
+        if self.s.cfg.load_mode == "sync":
+            self._finish_all_loads()
+
+    def _finish_all_loads(self) -> None:
+        """``load_mode: sync``: wait for every started and queued load and copy it
+        into the cache. Each wait is bounded by the client's deadline (``timeout_s``);
+        these requests are running, so they are never reported as finished
+        receiving, only their failed blocks."""
+        while self._loads or self._queued:
+            for rid in list(self._loads):
+                pl = self._loads.pop(rid)
+                self._finish_load(pl)  # waits for its futures
+                record(NAME, self._interval, "sync_loaded_blocks", len(pl.transfer.hashes))
+            self._start_queued()
 
     def _start_queued(self) -> None:
         while self._queued:
