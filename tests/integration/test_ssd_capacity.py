@@ -45,9 +45,12 @@ def test_footprint_is_whole_pages(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("value_size", [4096, 64 * 1024])
 def test_ssd_holds_its_size_in_pages(store: BlockStore, value_size: int) -> None:
-    """Push 3x the SSD size through the tiers: the SSD ends up holding at least 80% of
-    its size in value pages, LMDB never runs out of map, and every LMDB entry is one
-    the index knows (no entry left behind by a failed delete)."""
+    """Push 3x the SSD size through the tiers: the SSD ends up holding at least 70% of
+    its size in value pages (it evicts from 95% down to 85%, and an SSD write that finds
+    it full evicts one more batch at once, so the level at the end depends on where the
+    background writer stood; the old accounting held 56%), LMDB never runs out of map,
+    and every LMDB entry is one the index knows (no entry left behind by a failed
+    delete)."""
     assert store.ssd is not None
     n = 3 * store.ssd.size // value_size
     batch = 32
@@ -57,7 +60,7 @@ def test_ssd_holds_its_size_in_pages(store: BlockStore, value_size: int) -> None
     store.demote(0)  # nothing: just let queued SSD work finish
     idx = store.ssd_index
     foot = -(-(value_size + 48) // 4096) * 4096  # LMDB pages of one value (4 KiB pages)
-    assert len(idx) * foot >= 0.8 * store.ssd.size, (len(idx), idx.used_bytes)
+    assert len(idx) * foot >= 0.7 * store.ssd.size, (len(idx), idx.used_bytes)
     assert idx.used_bytes == len(idx) * foot <= store.ssd.size
     assert store.policy.counters.ssd_write_errors == 0
     assert store.policy.counters.evicted_lost == 0
