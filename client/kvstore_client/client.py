@@ -12,7 +12,6 @@ All methods are thread-safe. Every call has a deadline (``timeout``).
 from __future__ import annotations
 
 import concurrent.futures as cf
-import functools
 import logging
 import os
 import threading
@@ -24,6 +23,7 @@ import grpc
 import numpy as np
 
 from . import wire
+from .copyreads import read_copies
 from .errors import (
     CallerError,
     InvalidArgument,
@@ -40,12 +40,11 @@ from .proto import master_pb2, master_pb2_grpc, store_pb2, store_pb2_grpc
 from .replicas import (
     ReplicaStats,
     any_owner_groups,
-    by_worker,
-    read_order,
-    repairs,
     replica_count,
 )
 from .routing import Links, View, frames
+from .routing import bind as _bind
+from .routing import misses_only as _misses_only
 from .security import Tls, metadata, open_channel
 from .sessions import SessionHints
 from .sharding import DEFAULT_VNODES_PER_GIB, build_ring
@@ -476,7 +475,7 @@ class Client:
         view, groups = self._groups(hashes)
         r = self._copies(view, ns, None)
         if r > 1 and groups:
-            return self._read_copies(view, nsb, hashes, None, r)[1]
+            return read_copies(self, view, nsb, hashes, None, r)[1]
         result: list[bytes | None] = [None] * len(hashes)
         tasks: list[Callable[[], Any]] = [
             _bind(view.workers[w].get, self.timeout, nsb, [hashes[i] for i in idx], None)
@@ -549,7 +548,7 @@ class Client:
         r = self._copies(view, ns, None)
         if r > 1:
             return self._executor.submit(
-                lambda: self._read_copies(view, nsb, hashes, views, r)[0].tolist()
+                lambda: read_copies(self, view, nsb, hashes, views, r)[0].tolist()
             )
         remaining = [len(groups)]
         lock = threading.Lock()
@@ -583,103 +582,6 @@ class Client:
             )
             fut.add_done_callback(lambda f, idx=idx: finish(idx, f))  # type: ignore[misc]
         return done
-
-    def _read_copies(
-        self,
-        view: View,
-        nsb: bytes,
-        hashes: list[bytes],
-        bufs: list[BlockView] | None,
-        r: int,
-    ) -> tuple[np.ndarray, list[bytes | None]]:
-        """Read keys with ``r`` owners: round k asks each missing key's k-th owner
-        (shm-reachable owners first); the first round also asks the other owners
-        whether they hold the key, and copies they lack are written back in the
-        background. Returns (found flags, values when ``bufs`` is None)."""
-        n = len(hashes)
-        owners = view.ring.lookup(hashes, r)
-        order = read_order(owners, view.local if view.local is not None else np.zeros(0, bool))
-        found_at = np.full(n, -1, dtype=np.int64)
-        values: list[bytes | None] = [None] * n
-        present: dict[int, dict[int, bool]] = {}
-        todo = np.arange(n)
-        for col in range(order.shape[1]):
-            if not len(todo):
-                break
-            gets = by_worker(order[todo, col], todo)
-            tasks: list[Callable[[], Any]] = [
-                _bind(
-                    view.workers[w].get,
-                    self.timeout,
-                    nsb,
-                    [hashes[i] for i in idx],
-                    [bufs[i] for i in idx] if bufs is not None else None,
-                )
-                for w, idx in gets
-            ]
-            checks: list[tuple[int, np.ndarray]] = []
-            if col == 0:  # which other owners hold a copy: for the repair
-                rest = [(w, idx[order[idx, 0] != w]) for w, idx in any_owner_groups(owners)]
-                checks = [(w, idx) for w, idx in rest if len(idx)]
-                tasks += [
-                    _bind(view.workers[w].exists, self.timeout, nsb, [hashes[i] for i in idx])
-                    for w, idx in checks
-                ]
-            res = self._fan_out(tasks, _misses_only)
-            for (w, idx), got in zip(gets, res[: len(gets)], strict=True):
-                if got is None:
-                    continue
-                for j, i in enumerate(idx):
-                    if got.found[j]:
-                        found_at[i] = w
-                        if bufs is None:
-                            v = got.values[j]
-                            values[int(i)] = bytes(v) if v is not None else None
-                present.setdefault(w, {}).update(
-                    (int(i), bool(f)) for i, f in zip(idx, got.found, strict=True)
-                )
-            for (w, idx), flags in zip(checks, res[len(gets) :], strict=True):
-                if flags is not None:
-                    present.setdefault(w, {}).update(
-                        (int(i), bool(f)) for i, f in zip(idx, flags, strict=True)
-                    )
-            todo = todo[found_at[todo] < 0]
-        fallback = int(np.count_nonzero((found_at >= 0) & (found_at != owners[:, 0])))
-        if fallback:
-            self.replica_stats.add(fallback_reads=fallback)
-        fix = repairs(owners, found_at, present)
-        if fix:
-            src = {
-                int(i): bytes(values[int(i)] or b"") if bufs is None else _joined(bufs[int(i)])
-                for _, idx in fix
-                for i in idx
-            }
-            self._executor.submit(self._repair, view, nsb, hashes, src, fix)
-        return found_at >= 0, values
-
-    def _repair(
-        self,
-        view: View,
-        nsb: bytes,
-        hashes: list[bytes],
-        src: dict[int, bytes],
-        fix: list[tuple[int, np.ndarray]],
-    ) -> None:
-        """Write the copies that a read found missing (background, best effort)."""
-        for w, idx in fix:
-            vs: list[wire.Block] = [memoryview(src[int(i)]) for i in idx]
-            try:
-                status = view.workers[w].put(
-                    self.timeout,
-                    nsb,
-                    [hashes[i] for i in idx],
-                    vs,
-                    [wire.block_checksum(v) for v in vs],
-                )
-            except KVStoreError:
-                self.replica_stats.add(copies_failed=len(idx))
-                continue
-            self.replica_stats.add(repaired=sum(1 for x in status if x in (0, 1)))
 
     def remove(self, ns: str, hashes: list[bytes]) -> int:
         """Remove blocks (every copy); returns how many copies were present."""
@@ -780,10 +682,6 @@ class Client:
         self.close()
 
 
-def _bind(fn: Callable[..., Any], *args: object) -> Callable[[], Any]:
-    return functools.partial(fn, *args)
-
-
 def _byte_views(items: Sequence[Any], what: str) -> list[memoryview]:
     """Flat byte views of bytes-like objects; InvalidArgument for anything else."""
     out: list[memoryview] = []
@@ -797,13 +695,3 @@ def _byte_views(items: Sequence[Any], what: str) -> list[memoryview]:
                 f"{what} {i} is a {type(v).__name__}, not a bytes-like object: {e}"
             ) from e
     return out
-
-
-def _joined(b: BlockView) -> bytes:
-    return b"".join(b) if isinstance(b, list) else bytes(b)
-
-
-def _misses_only(_: int, e: KVStoreError) -> None:
-    """Worker trouble becomes misses; the caller's own mistakes are raised."""
-    if isinstance(e, CallerError):
-        raise e

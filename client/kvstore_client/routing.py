@@ -10,12 +10,15 @@ its lock.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from . import wire
+from .errors import CallerError, KVStoreError
 from .proto import master_pb2
 from .security import Tls
 from .sharding import Ring
@@ -28,6 +31,18 @@ from .transport.ucx import UcxPool, find_ucx_url, parse_ucx_url
 # value at least), so big batches stream over several connections at once.
 FRAME_BYTES = 32 << 20
 runs = wire.runs
+
+
+def bind(fn: Callable[..., Any], *args: object) -> Callable[[], Any]:
+    """A task for a fan-out: ``fn(*args)`` later."""
+    return functools.partial(fn, *args)
+
+
+def misses_only(_: int, e: KVStoreError) -> None:
+    """Fan-out error policy: worker trouble becomes misses; the caller's own mistakes
+    are raised."""
+    if isinstance(e, CallerError):
+        raise e
 
 
 def frames(idx: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
