@@ -151,7 +151,7 @@ def observe_request(op: str, code: str, seconds: float) -> None:
 
 class StatsCollector(Collector):
     """Reads a worker's counters at scrape time from a callable returning its stats
-    record (kvstore.worker.store.StoreStats; read by attribute name, so this module
+    record (kvstore.worker.storerecords.StoreStats; read by attribute name, so this module
     does not import worker code)."""
 
     def __init__(self, read: Callable[[], Any]) -> None:

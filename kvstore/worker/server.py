@@ -36,7 +36,8 @@ from .masterlink import IdInUse, MasterLink
 from .requests import Limits, RequestCore
 from .servicer import StoreServicer
 from .sessions import SessionTable
-from .store import BlockStore, StoreStats
+from .store import BlockStore
+from .storerecords import StoreStats
 from .tiers.policy import Promoter, QuotaBook, Watermarks, parse_pins
 from .tiers.ssd import SsdStore
 from .transfer.shm import ArenaShare

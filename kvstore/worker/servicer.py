@@ -19,7 +19,8 @@ from .. import metrics
 from ..auth import Tenant, bearer
 from ..errors import InvalidArgument, Unavailable, abort, to_grpc_code
 from .requests import RequestCore
-from .store import BlockStore, StoreStats
+from .store import BlockStore
+from .storerecords import StoreStats
 
 R = TypeVar("R")
 

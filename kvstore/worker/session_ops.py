@@ -46,7 +46,7 @@ def prefetch(store: BlockStore) -> None:
     each verified against its checksum, committed only if still on SSD, and only
     while DRAM is below its low watermark (a prefetch never evicts: when the cache is
     full, promoting one session's blocks would push out another's)."""
-    from .store import Held
+    from .storerecords import Held
 
     with store.lock:
         todo, store._todo.prefetch = store._todo.prefetch, []

@@ -33,7 +33,8 @@ from kvstore_client.keys import HASH_LEN
 
 from ..arena import SHM_PREFIX, Arena
 from ..requests import Holder, RequestCore, put_status
-from ..store import BlockStore, Reading
+from ..store import BlockStore
+from ..storerecords import Reading
 from ..tiers.dram import Block
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,88 @@
+"""Records of the block store (:mod:`kvstore.worker.store`): its counters and stats
+snapshot, a read in progress (:class:`Reading` of :class:`Held` blocks), and the
+bookkeeping it carries between its lock and the I/O it runs outside it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .tiers.dram import Block
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    checksum_errors: int = 0
+    bad_frames: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    ssd_hits: int = 0
+    prefetched: int = 0  # blocks copied SSD -> DRAM for a resumed session
+
+
+@dataclass(slots=True, frozen=True)
+class StoreStats:
+    """One snapshot of a worker's store, read by the gRPC Stats call, the heartbeat
+    and the Prometheus collector (the only stats record; no string-keyed dicts)."""
+
+    dram_capacity_bytes: int
+    dram_used_bytes: int
+    dram_keys: int
+    hits: int
+    misses: int
+    evictions: int
+    puts: int
+    checksum_errors: int
+    bad_frames: int
+    demotions: int
+    promotions: int
+    ssd_hits: int
+    has_ssd: bool
+    ssd_capacity_bytes: int = 0
+    ssd_used_bytes: int = 0
+    ssd_keys: int = 0
+    ssd_evictions: int = 0
+    ssd_write_errors: int = 0
+    sessions: int = 0
+    retained_bytes: int = 0
+    prefetched: int = 0
+
+
+@dataclass(slots=True)
+class Held:
+    """A block being read: its bytes (zero-copy view) and stored checksum."""
+
+    view: memoryview
+    checksum: int
+    block: Block | None  # the pinned DRAM block, or None when served from SSD / staged
+
+
+@dataclass(slots=True)
+class Reading:
+    """The result of :meth:`BlockStore.read`; give it back with :meth:`BlockStore.done`."""
+
+    held: list[Held | None]
+    txn: Any = None  # LMDB read transaction holding SSD views
+    released: bool = False
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(h.view) for h in self.held if h is not None)
+
+
+@dataclass(slots=True)
+class _Staged:
+    """An evicted block's bytes on their way to SSD (readable meanwhile)."""
+
+    data: bytes
+    checksum: int
+    writing: bool = False
+
+
+@dataclass(slots=True)
+class _Todo:
+    """Instructions produced under the lock, executed after it is released."""
+
+    deletes: list[tuple[str, bytes]] = field(default_factory=list)
+    write_staged: bool = False
+    prefetch: list[tuple[str, tuple[bytes, ...]]] = field(default_factory=list)
