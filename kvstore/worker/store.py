@@ -20,6 +20,14 @@ the lock, so one client's 65,536-key batch cannot stall everyone else's lookups.
 Reads look in DRAM, the staged copies, then SSD. A read pins what it returns until
 :meth:`BlockStore.done`: DRAM blocks by a pin count, SSD blocks by an open LMDB
 read transaction whose memory-mapped views go straight to the socket.
+
+CHAIN ORDER. A batch of keys is a run of one prefix chain, head first (the
+connector and the client's prefix calls send them so), and a prefix match stops at
+the first gap: a chain whose head is evicted is worth nothing, however much of its
+tail is kept. So every batch touches its keys last one first (reads unpin, SSD hits
+and commits run in reverse), leaving the block nearest the head the most recently
+used in both tiers: eviction then shortens a chain from its tail instead of cutting
+its head. A paused session's whole chain is reordered the same way (TailFirst).
 """
 
 from __future__ import annotations
@@ -282,6 +290,9 @@ class BlockStore:
 
     def finish_many(self, blocks: Sequence[Block], ok: Sequence[bool]) -> None:
         """Commit the blocks whose bytes arrived intact, abort the others."""
+        # Committed last block first: a batch is a chain's run, and the block nearest
+        # the chain's head must be the most recently used (see CHAIN ORDER above).
+        blocks, ok = blocks[::-1], ok[::-1]
         for s in self._slices(len(blocks)):
             with self.lock:
                 for b, good in zip(blocks[s], ok[s], strict=True):
@@ -366,7 +377,7 @@ class BlockStore:
         if on_ssd and self.ssd is not None:
             reading.txn = self.ssd.begin_read()
             now = time.monotonic()
-            for i in on_ssd:
+            for i in reversed(on_ssd):  # touched last block first (chain order)
                 got = self.ssd.view(reading.txn, ns, keys[i])
                 if got is None:
                     self._bad_ssd(ns, keys[i])
@@ -402,7 +413,8 @@ class BlockStore:
         if reading.txn is not None:
             reading.txn.abort()
             reading.txn = None
-        pinned = [h.block for h in reading.held if h is not None and h.block is not None]
+        # Unpinned last block first, so the chain's head is the most recently used.
+        pinned = [h.block for h in reversed(reading.held) if h is not None and h.block is not None]
         for s in self._slices(len(pinned)):
             with self.lock:
                 for b in pinned[s]:

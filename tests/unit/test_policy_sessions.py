@@ -178,12 +178,26 @@ def test_ssd_evicts_a_paused_sessions_blocks_last() -> None:
     (out,) = p.handle(NeedSsdRoom(3000, force=True))
     assert out.keys == tuple((NS, k) for k in other)  # type: ignore[union-attr]
     (out,) = p.handle(NeedSsdRoom(1, force=True))
-    assert out.keys == ((NS, a[0]),), "when nothing else is left, protected blocks go"  # type: ignore[union-attr]
-    p.ssd_retain_budget = 2000  # spares one block of 2000 bytes: the next one goes
+    assert out.keys == ((NS, a[1]),), "when nothing else is left, protected blocks go, tail first"  # type: ignore[union-attr]
+    p.ssd_retain_budget = 2000  # spares one block of 2000 bytes: the chain's head
     p.handle(SsdWritten(tuple((NS, k, 1000, 2000, True) for k in a + other)))
     hint(p, "s2", "paused", a)
-    (out,) = p.handle(NeedSsdRoom(2000, force=True))
-    assert out.keys == ((NS, a[1]),), "a[0] is spared (budget), a[1] is not"  # type: ignore[union-attr]
+    (out,) = p.handle(NeedSsdRoom(6000, force=True))
+    assert out.keys == ((NS, other[0]), (NS, other[1]), (NS, a[1])), (  # type: ignore[union-attr]
+        "a[0] is spared (budget), a[1] is not"
+    )
+
+
+def test_pause_orders_the_chain_tail_first_on_ssd_too() -> None:
+    """A chain written head first sits on SSD head-oldest: LRU would evict its head
+    first and lose the whole prefix. Pausing reorders it so the tail goes first."""
+    a, other = ks("a", 4), ks("o", 2)
+    p = policy({})
+    p.ssd_retain_budget = 0
+    p.handle(SsdWritten(tuple((NS, k, 1000, 2000, True) for k in a + other)))
+    hint(p, "s1", "paused", a)
+    (out,) = p.handle(NeedSsdRoom(12_000, force=True))
+    assert out.keys == tuple((NS, k) for k in (*other, *reversed(a)))  # type: ignore[union-attr]
 
 
 def test_paused_ttl_expires_and_releases() -> None:

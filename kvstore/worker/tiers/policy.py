@@ -45,6 +45,7 @@ from kvstore_client.errors import InvalidArgument
 from ..sessions import Change, SessionTable
 
 PROMOTE_MODES = ("always", "second-hit", "never")
+SPARE_SCAN = 1 << 16  # SSD keys examined, newest first, for the paused sessions' share
 
 
 @dataclass(slots=True)
@@ -151,19 +152,30 @@ class SsdIndex:
     ) -> list[tuple[str, bytes]]:
         """Least recently used unpinned keys whose removal frees at least ``nbytes``.
 
-        Up to ``keep_bytes`` of keys for which ``keep(ns, key)`` holds (a paused
-        session's) are passed over, taken only if the others are not enough."""
+        The most recently used ``keep_bytes`` of keys for which ``keep(ns, key)`` holds
+        (a paused session's; its chain ordered tail first, so these are the chain's
+        leading blocks) are passed over, and taken, least recently used first, only
+        if the others are not enough. Finding them looks at most SPARE_SCAN keys from
+        the most recently used end."""
+        spared: set[tuple[str, bytes]] = set()
+        if keep is not None and keep_bytes > 0:
+            held = 0
+            for n, (k, e) in enumerate(reversed(self.entries.items())):
+                if held >= keep_bytes or n >= SPARE_SCAN:
+                    break
+                if k[0] not in self.pinned and held + e.stored <= keep_bytes and keep(*k):
+                    spared.add(k)
+                    held += e.stored
         out: list[tuple[str, bytes]] = []
         kept: list[tuple[str, bytes]] = []
-        freed = skipped = 0
+        freed = 0
         for k, e in self.entries.items():
             if freed >= nbytes:
                 return out
             if k[0] in self.pinned:
                 continue
-            if skipped < keep_bytes and keep is not None and keep(*k):
+            if k in spared:
                 kept.append(k)
-                skipped += e.stored
                 continue
             out.append(k)
             freed += e.stored
@@ -581,6 +593,10 @@ class TierPolicy:
                 self.retained_bytes += size
                 keep.append(k)
             if ch.tail_first:
+                # The SSD order too: a prefix match stops at the first gap, so a
+                # chain's tail must leave either tier before its head.
+                for k in ch.tail_first:
+                    self.ssd.touch(ns, k)
                 out.append(TailFirst(ns, tuple(ch.tail_first)))
             if keep:
                 out.append(Retain(ns, tuple(keep)))
