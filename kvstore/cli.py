@@ -302,6 +302,12 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
 @click.option(
     "--session-budget", type=float, default=None, help="DRAM share for paused sessions [0.25]."
 )
+@click.option(
+    "--session-share",
+    type=float,
+    default=None,
+    help="Most of DRAM + SSD one hinted session may fill; 0 = no cap [0.5].",
+)
 @click.option("--session-ttl", default=None, help="How long a paused session is kept [300s].")
 @click.option("--max-sessions", type=int, default=None, help="Live sessions per worker [4096].")
 @click.option(

@@ -138,6 +138,7 @@ class WorkerConfig:
     token: str = ""  # this worker's token for the master (an admin tenant's)
     # Agent sessions (worker/sessions.py): hints keep a paused session's blocks.
     session_budget: float = 0.25  # share of DRAM a worker may retain for paused sessions
+    session_share: float = 0.5  # share of DRAM + SSD one hinted session may fill (0: no cap)
     session_ttl: float = _dur("300s")  # how long a paused session's blocks are kept
     session_idle_ttl: float = _dur("3600s")  # an active session with no hint leaves the table
     max_sessions: int = 4096  # live sessions per worker (more push out the oldest)
@@ -333,6 +334,8 @@ def validate(cfg: Config) -> None:
             )
     if not 0 <= w.session_budget <= 1:
         raise InvalidArgument(f"worker.session_budget must be in [0, 1], got {w.session_budget}")
+    if not 0 <= w.session_share <= 1:
+        raise InvalidArgument(f"worker.session_share must be in [0, 1], got {w.session_share}")
     if w.max_session_blocks < 0:
         raise InvalidArgument("worker.max_session_blocks must not be negative")
     for name in ("kv_events", "kv_events_replay"):

@@ -68,6 +68,11 @@ class QuotaExceeded(ResourceExhausted):
     """A pinned namespace or a tenant is over its byte quota."""
 
 
+class SessionShareFull(ResourceExhausted):
+    """A hinted session already holds its share of a worker's tiers: its deeper blocks
+    are not admitted. Puts report them as not stored; they never raise it."""
+
+
 class PermissionDenied(CallerError):
     """The caller may not touch this namespace."""
 

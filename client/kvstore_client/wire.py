@@ -83,6 +83,7 @@ PUT_FULL = 2
 PUT_CORRUPT = 3
 PUT_TOO_LARGE = 4
 PUT_QUOTA = 5
+PUT_DECLINED = 6  # not admitted: its session holds its share of the worker (not an error)
 
 GET_HIT = 1
 GET_MISS = 0

@@ -33,6 +33,7 @@ from kvstore_client.errors import (
     InvalidArgument,
     QuotaExceeded,
     ResourceExhausted,
+    SessionShareFull,
 )
 from kvstore_client.keys import check_namespace
 
@@ -236,6 +237,8 @@ def put_status(slot: Block | ResourceExhausted | None) -> int:
     """The wire status of a put slot that was not written: present, full or over quota."""
     if isinstance(slot, QuotaExceeded):
         return wire.PUT_QUOTA
+    if isinstance(slot, SessionShareFull):
+        return wire.PUT_DECLINED
     if isinstance(slot, ResourceExhausted):
         return wire.PUT_FULL
     return wire.PUT_PRESENT

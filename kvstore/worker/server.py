@@ -98,6 +98,9 @@ class Worker:
                     idle_ttl=cfg.session_idle_ttl,
                 ),
                 retain_budget=int(cfg.session_budget * cfg.dram_size),
+                session_share=int(
+                    cfg.session_share * (cfg.dram_size + (cfg.ssd_size if cfg.ssd_path else 0))
+                ),
             )
             self.events: KvEventPublisher | None = None
             if cfg.kv_events:

@@ -52,6 +52,7 @@ class Session:
     hit_blocks: int = 0  # over its active hints: leading blocks present ...
     lookup_blocks: int = 0  # ... of the blocks asked about
     last: float = 0.0  # last hint
+    room: int = -1  # bytes it may still add within its share (-1: no limit known)
 
     @property
     def hit_rate(self) -> float:

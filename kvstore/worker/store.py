@@ -39,7 +39,7 @@ from collections.abc import Iterator, Sequence
 
 import xxhash
 
-from kvstore_client.errors import QuotaExceeded, ResourceExhausted
+from kvstore_client.errors import QuotaExceeded, ResourceExhausted, SessionShareFull
 
 from . import session_ops
 from .arena import Arena
@@ -101,6 +101,7 @@ class BlockStore:
         slice_keys: int = SLICE_KEYS,
         sessions: SessionTable | None = None,
         retain_budget: int = 0,
+        session_share: int = 0,
         events: EventSink | None = None,
     ) -> None:
         self.arena = arena
@@ -122,6 +123,7 @@ class BlockStore:
             retain_budget=retain_budget,
             ssd_retain_budget=(ssd.size * retain_budget) // max(arena.size, 1) if ssd else 0,
             dram_size=self.tier.size_of,
+            session_share=session_share,
         )
         self.events = events  # KV events (stored / removed per tier), or None
         self.ssd_index = self.policy.ssd
@@ -277,6 +279,13 @@ class BlockStore:
             return None
         if not self.policy.admits(ns, size):
             return QuotaExceeded(f"namespace {ns!r} is over its quota")
+        if (
+            self.policy.session_share
+            and self.policy.sessions.owner
+            and not self.tier.contains(ns, k)
+            and not self.policy.session_admits(ns, k, size)
+        ):
+            return SessionShareFull(f"its session holds its share of worker memory ({ns!r})")
         try:
             b = self.tier.reserve(ns, k, size, c)
         except ResourceExhausted as e:
@@ -314,7 +323,14 @@ class BlockStore:
             ns, keys, [len(v) for v in values], [xxhash.xxh3_64_intdigest(v) for v in values]
         )
         blocks = [r for r in res if isinstance(r, Block)]
-        err = next((r for r in res if isinstance(r, ResourceExhausted)), None)
+        err = next(
+            (
+                r
+                for r in res
+                if isinstance(r, ResourceExhausted) and not isinstance(r, SessionShareFull)
+            ),
+            None,
+        )
         if err is not None:
             self.finish_many(blocks, [False] * len(blocks))
             raise err

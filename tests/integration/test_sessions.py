@@ -187,3 +187,37 @@ def test_session_hints_reach_every_worker_and_bad_hints_are_rejected(
         assert doc["totals"]["live"] == 302
         cl.session_hint(NS, "agent-1", "ended")
         assert sum(t.retained_bytes for t in cl.sessions()) == 0
+
+
+@pytest.mark.parametrize("share", ["0.5", "0"])
+def test_a_session_past_its_share_keeps_its_head_and_spares_the_others(
+    make_cluster: Callable[..., LocalCluster], share: str
+) -> None:
+    """A hinted session whose chain outgrows the worker: with a share, its deeper
+    blocks are declined (reported not stored, no error) and everyone's blocks stay;
+    without one (0), it pushes the other session out under LRU."""
+    c = make_cluster(
+        workers=1,
+        dram_size="4MiB",
+        max_value_size="64KiB",
+        extra_worker_args=["--session-share", share],
+    )
+    size = 64 << 10
+    with Client(c.address) as cl:
+        other = [key(i, "other") for i in range(16)]  # 1 MiB
+        cl.session_hint(NS, "other", "active", hashes=other)
+        assert all(cl.batch_put(NS, other, [value_for(k, size) for k in other]))
+        big = [key(i, "big") for i in range(64)]  # 4 MiB: the whole worker
+        cl.session_hint(NS, "big", "active", hashes=big)
+        stored = []
+        for i in range(0, 64, 8):
+            stored += cl.batch_put(NS, big[i : i + 8], [value_for(k, size) for k in big[i : i + 8]])
+        if share == "0":
+            assert all(stored)
+            assert cl.match_prefix(NS, other) < 16, "LRU: the other session was pushed out"
+            return
+        assert stored == [True] * 32 + [False] * 32, "2 MiB admitted, the rest declined"
+        assert cl.match_prefix(NS, big) == 32, "its head is kept"
+        assert cl.match_prefix(NS, other) == 16, "the other session is untouched"
+        got = cl.batch_get(NS, big[:32])
+        assert got == [value_for(k, size) for k in big[:32]]

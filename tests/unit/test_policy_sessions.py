@@ -302,3 +302,30 @@ def test_store_keeps_a_paused_session_in_dram_and_prefetches_on_resume(tmp_path:
     finally:
         st.close()
         arena.close()
+
+
+def test_a_session_over_its_share_gets_no_new_blocks() -> None:
+    """One session whose chain outgrows the worker would push every other session
+    out; past its share its deeper blocks are declined, so its head stays too."""
+    a, shared = ks("a", 6), ks("sys", 1)
+    dram: dict[tuple[str, bytes], int] = {}
+    p = policy(dram)
+    p.session_share = 3000
+    hint(p, "other", "active", shared)
+    hint(p, "s1", "active", shared + a)
+    assert p.session_admits(NS, shared[0], 1000), "a block two live sessions list: admitted"
+    assert [p.session_admits(NS, k, 1000) for k in a] == [True] * 3 + [False] * 3
+    assert p.counters.share_declined == 3
+    assert p.session_admits(NS, key(0, "nobody"), 1000), "blocks no session listed: admitted"
+    for k in a[:3]:  # what was admitted is now stored
+        dram[(NS, k)] = 1000
+    hint(p, "s1", "paused")
+    assert not p.session_admits(NS, a[3], 1000), "recounted at the next hint: still full"
+    del dram[(NS, a[2])]  # one of its blocks left the worker: room for one more
+    hint(p, "s1", "active")
+    assert p.session_admits(NS, a[3], 1000) and not p.session_admits(NS, a[4], 1000)
+    hint(p, "s1", "ended")
+    assert p.session_admits(NS, a[5], 1000), "an ended session no longer limits"
+    p.session_share = 0
+    hint(p, "s2", "active", ks("b", 2))
+    assert p.session_admits(NS, ks("b", 2)[1], 10**9), "share 0: no cap"

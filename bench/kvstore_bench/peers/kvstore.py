@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 from collections.abc import Iterator, Sequence
 
@@ -10,6 +11,14 @@ import numpy as np
 
 from .base import ClusterSpec
 from .procs import StartError
+
+
+def ssd_footprint(block_bytes: int) -> int:
+    """Bytes of SSD (LMDB pages) one block of ``block_bytes`` occupies."""
+    from kvstore.worker.tiers.ssd import HEADER_LEN, PAGE_HEADER
+
+    page = mmap.PAGESIZE
+    return -(-(HEADER_LEN + block_bytes + PAGE_HEADER) // page) * page
 
 
 class KVStoreBackend:
@@ -78,7 +87,9 @@ class KVStoreBackend:
             if block_bytes > slab:
                 return 0
             total += blocks_that_fit(int(w.info.capacity_bytes), slab, block_bytes)
-            total += int(w.stats.ssd_capacity_bytes) // block_bytes
+            # LMDB keeps a value in whole pages (with its header and LMDB's): a 4 KiB
+            # block takes two 4 KiB pages, so count what the SSD really holds.
+            total += int(w.stats.ssd_capacity_bytes) // ssd_footprint(block_bytes)
         return total
 
     def close(self) -> None:

@@ -446,6 +446,7 @@ class PolicyCounters:
     ssd_write_errors: int = 0
     evicted_lost: int = 0  # DRAM evictions that left no SSD copy (ended sessions' too)
     retain_refused: int = 0  # paused sessions' DRAM blocks over the retain budget
+    share_declined: int = 0  # new blocks of a session already holding its share
 
 
 class TierPolicy:
@@ -472,6 +473,7 @@ class TierPolicy:
         retain_budget: int = 0,
         ssd_retain_budget: int = 0,
         dram_size: Callable[[str, bytes], int] = lambda ns, key: 0,
+        session_share: int = 0,
     ) -> None:
         self.has_ssd = has_ssd
         self.ssd = SsdIndex(ssd_capacity if has_ssd else 0, pinned=pinned)
@@ -486,6 +488,7 @@ class TierPolicy:
         self.retain_budget = retain_budget
         self.ssd_retain_budget = ssd_retain_budget  # SSD bytes of paused sessions spared
         self.dram_size = dram_size  # payload bytes of a block in DRAM, 0 when not there
+        self.session_share = session_share  # bytes one hinted session may hold; 0: no limit
         self.retained: dict[tuple[str, bytes], int] = {}  # DRAM blocks kept off the LRU
         self.retained_bytes = 0
         self.orphans: set[tuple[str, bytes]] = set()  # ended sessions' DRAM-only blocks
@@ -564,9 +567,11 @@ class TierPolicy:
             if excess > 0:
                 return [Demote(excess)]
         elif isinstance(ev, SessionHint):
-            return self._changes(
+            out = self._changes(
                 self.sessions.hint(ev.ns, ev.session, ev.state, ev.keys, ev.ttl, ev.now)
             )
+            self._measure_room(ev.ns, ev.session)
+            return out
         elif isinstance(ev, Lookup):
             return self._changes(self.sessions.lookup(ev.ns, ev.keys, ev.now))
         elif isinstance(ev, SessionTick):
@@ -619,6 +624,45 @@ class TierPolicy:
             if fetch:
                 out.append(Prefetch(ns, tuple(fetch)))
         return out
+
+    def session_admits(self, ns: str, key: bytes, size: int) -> bool:
+        """May a new block be stored? Not when the one live session that listed it
+        already holds its share (``session_share`` bytes) of this worker's tiers: one
+        session whose chain outgrows the worker would otherwise push every other
+        session out, and itself too, from the head (its blocks are written head first).
+        Declined blocks are the chain's deepest, so its head stays. Blocks no session
+        listed, or shared by several live sessions, are always admitted."""
+        if self.session_share <= 0:
+            return True
+        owners = self.sessions
+        sid = owners.owner.get((ns, key))
+        if sid is None or owners.refs.get((ns, key), 0) > 1:
+            return True
+        s = owners.by_sid.get(sid)
+        if s is None or s.room < 0:
+            return True
+        if s.room < size:
+            self.counters.share_declined += 1
+            return False
+        s.room -= size
+        return True
+
+    def _measure_room(self, ns: str, name: str) -> None:
+        """After a hint: what the session may still add within its share. Counted over
+        its chain, in order, up to the share (so a hint costs at most one pass)."""
+        s = self.sessions.get(ns, name)
+        if s is None or self.session_share <= 0 or s.state == "ended":
+            return
+        held = 0
+        for k in s.keys:
+            size = self.dram_size(ns, k)
+            if not size:
+                e = self.ssd.get(ns, k)
+                size = e.size if e is not None else 0
+            held += size
+            if held >= self.session_share:
+                break
+        s.room = max(0, self.session_share - held)
 
     def dead(self, ns: str, key: bytes) -> bool:
         """Is this DRAM block an ended session's that no live session holds now? Its
