@@ -420,6 +420,8 @@ def run_replay(
         rp.run(sessions)
     finally:
         rp.buffers.close()
+        if rp.hints is not None:
+            rp.hints.close()
     wall = time.perf_counter() - rp.t0
     capacity = backend.capacity_blocks(block_bytes)
     return ReplayResult(
@@ -440,6 +442,9 @@ def run_replay(
 # --------------------------------------------------------------------------- sessions
 
 
+PAUSED_TTL_MS = 300_000  # the worker's default session_ttl
+
+
 class _Hints:
     """``--sessions-aware on``: the hints a connector sends, driven from the trace (a
     turn starts: ``active``; it ends with a next turn to come: ``paused``; the last
@@ -450,6 +455,13 @@ class _Hints:
         self.client = getattr(backend, "client", None)
         self.ns = str(getattr(backend, "ns", ""))
         self.failed = 0
+        self.backend = backend
+        if hasattr(backend, "soft_pin_ms"):  # Mooncake: soft pins, the TTL of a pause
+            backend.soft_pin_ms = PAUSED_TTL_MS
+
+    def close(self) -> None:
+        if hasattr(self.backend, "soft_pin_ms"):
+            self.backend.soft_pin_ms = 0
 
     def send(self, session: str, state: str, hashes: list[bytes]) -> None:
         if self.client is None or not hasattr(self.client, "session_hint"):
@@ -721,7 +733,7 @@ def replay_cmd(
             console.print(f"[yellow]skipping {kind}[/]: {reason}")
             continue
         plan = _plan(kind, levels, ablate, cfg)
-        if sessions_aware != "off" and kind == "kvstore":
+        if sessions_aware != "off" and kind in ("kvstore", "mooncake"):
             modes = [False, True] if sessions_aware == "both" else [True]
             plan = [
                 (f"{lb}, sessions {'on' if m else 'off'}", dataclasses.replace(c, sessions_aware=m))

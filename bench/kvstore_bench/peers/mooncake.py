@@ -350,6 +350,9 @@ class MooncakeBackend:
         self.prefix = prefix + "/"
         self.description = description
         self.capacity = capacity
+        # Session-aware replays: Mooncake's nearest feature is a soft pin with a TTL on
+        # put (evicted only after unpinned objects); 0 = plain puts.
+        self.soft_pin_ms = 0
 
     def _keys(self, keys: list[bytes]) -> list[str]:
         p = self.prefix
@@ -376,7 +379,14 @@ class MooncakeBackend:
         if not keys:
             return 0, 0
         sizes = [v.nbytes for v in values]
-        rcs = self.store.batch_put_from(self._keys(keys), _addresses(values), sizes)
+        if self.soft_pin_ms:
+            ms = importlib.import_module("mooncake.store")
+            cfg = ms.ReplicateConfig()
+            cfg.soft_pin_action = ms.SoftPinAction.ENABLE
+            cfg.soft_pin_ttl_ms = self.soft_pin_ms
+            rcs = self.store.batch_put_from(self._keys(keys), _addresses(values), sizes, cfg)
+        else:
+            rcs = self.store.batch_put_from(self._keys(keys), _addresses(values), sizes)
         ok = sum(1 for rc in rcs if rc == 0)
         return ok, len(rcs) - ok
 
@@ -406,8 +416,13 @@ def _mooncake(spec: ClusterSpec, prefix: str, tmp: str) -> Iterator[MooncakeBack
     client_bin = _mooncake_bin("mooncake_client")
     if master_bin is None or client_bin is None:
         raise StartError("mooncake_master / mooncake_client not found")
-    if spec.dram_bytes < 16 << 20:
-        raise StartError("Mooncake segments must be at least 16 MiB (--dram-size)")
+    # Equal memory: with an SSD size, a segment holds what a kvstore worker's DRAM and
+    # SSD hold together (Mooncake has no SSD tier here, so all of it is DRAM).
+    from kvstore.config import parse_size
+
+    seg = spec.dram_bytes + (parse_size(spec.ssd_size) if spec.ssd_size else 0)
+    if seg < 16 << 20:
+        raise StartError("Mooncake segments must be at least 16 MiB (--dram-size [+ --ssd-size])")
     env = dict(os.environ, MC_LOG_LEVEL="ERROR")
     procs: list[Proc] = []
     store: Any = None
@@ -442,7 +457,7 @@ def _mooncake(spec: ClusterSpec, prefix: str, tmp: str) -> Iterator[MooncakeBack
                         client_bin,
                         f"--master_server_address=127.0.0.1:{rpc}",
                         f"--metadata_server={meta_url}",
-                        f"--global_segment_size={spec.dram_bytes}",
+                        f"--global_segment_size={seg}",
                         "--host=127.0.0.1",
                         f"--port={port}",
                         "--protocol=tcp",
@@ -457,9 +472,9 @@ def _mooncake(spec: ClusterSpec, prefix: str, tmp: str) -> Iterator[MooncakeBack
             if rc != 0:
                 raise StartError(f"Mooncake client setup failed with {rc}:\n{master.tail()}")
             _mooncake_probe(store, spec.timeout)
-            desc = f"mooncake: {spec.workers} segments x {spec.dram_bytes >> 20} MiB, tcp"
+            desc = f"mooncake: {spec.workers} segments x {seg >> 20} MiB, tcp"
             yield MooncakeBackend(
-                store, prefix, desc, spec.workers * spec.dram_bytes, [p.proc.pid for p in procs]
+                store, prefix, desc, spec.workers * seg, [p.proc.pid for p in procs]
             )
         finally:
             if store is not None:
