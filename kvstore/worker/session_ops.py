@@ -24,20 +24,26 @@ if TYPE_CHECKING:
 def hint(
     store: BlockStore, ns: str, session: str, state: str, keys: Sequence[bytes], ttl: float | None
 ) -> int:
-    """Apply a session hint (see :mod:`kvstore.worker.sessions`); returns how many
-    leading ``keys`` are present, counted into the session's hit rate when ``active``.
-    InvalidArgument for a bad state, id or TTL (nothing changes). Any thread."""
+    """Apply a session hint (see :mod:`kvstore.worker.sessions`). For ``active``,
+    returns how many leading blocks of the session's whole chain here (every key it
+    listed so far, in order, not only this hint's: hints are incremental) are present,
+    counted into its hit rate; 0 otherwise. InvalidArgument for a bad state, id or TTL
+    (nothing changes). Any thread."""
     check_hint(session, state, ttl)
     if store._demoter is None and time.monotonic() >= store._next_tick:
         store.session_tick(time.monotonic())  # no demoter thread to expire sessions
-    hits = store.match_prefix(ns, keys) if state == "active" and keys else 0
     with store.lock:
         store._queue(
             store.policy.handle(SessionHint(ns, session, state, tuple(keys), ttl, time.monotonic()))
         )
-        if state == "active" and keys:
-            store.policy.sessions.record(ns, session, hits, len(keys))
+        s = store.policy.sessions.get(ns, session)
+        chain = list(s.keys) if state == "active" and s is not None else []
     store._execute()
+    if not chain:
+        return 0
+    hits = store.match_prefix(ns, chain)
+    with store.lock:
+        store.policy.sessions.record(ns, session, hits, len(chain))
     return hits
 
 

@@ -145,6 +145,10 @@ def test_session_hints_reach_every_worker_and_bad_hints_are_rejected(
         assert cl.session_hint(NS, "agent-1", "active", hashes=more) == 2
         rows = [s for t in cl.sessions() for s in t.sessions]
         assert sum(s.blocks for s in rows) == 50, "the 10 new hashes were added"
+        # The hit ratio counts the whole chain at each active hint, not only the hashes
+        # an incremental hint carried: 40 of 40, then 40 of 50.
+        assert sum(s.lookup_blocks for s in rows) == 90
+        assert sum(s.hit_blocks for s in rows) == 80
         for bad in (
             ("agent-1", "sleeping", None),
             ("x" * 300, "paused", None),
