@@ -54,6 +54,7 @@ from .transport.ucx import available as ucx_available
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_KEY = np.dtype((np.void, HASH_LEN))  # one packed hash, to gather whole rows
 
 TRANSPORTS = ("auto", "tcp", "shm", "ucx")
 
@@ -490,7 +491,7 @@ class Client:
             owner = view.ring.primary_packed(packed)
             held = np.flatnonzero(np.bincount(owner)).tolist()
             groups = [(w, np.flatnonzero(owner == w)) for w in held]
-        rows = np.frombuffer(packed, dtype=np.uint8).reshape(n, HASH_LEN)
+        rows = np.frombuffer(packed, dtype=_KEY)
         run = n
         sent: list[tuple[TcpPool, TcpConnection, np.ndarray]] = []
         deadline = time.monotonic() + self.timeout

@@ -23,7 +23,7 @@ in a fraction of a second.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
@@ -107,6 +107,12 @@ class Ring:
     points: np.ndarray  # sorted uint64
     owners: np.ndarray  # int32, shape (len(points), replicas)
     host_of: np.ndarray | None = None  # host index per worker, when hosts were given
+    # first owner per point, plus the first point's again (a key past the last point)
+    wrapped: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        first = self.owners[:, 0] if self.owners.size else np.empty(0, dtype=np.int32)
+        object.__setattr__(self, "wrapped", np.append(first, first[:1]))
 
     @property
     def replicas(self) -> int:
@@ -120,9 +126,7 @@ class Ring:
         """:meth:`primary` of hashes packed as 16*N bytes (one pass, no list)."""
         if not len(self.points):
             raise ValueError("the ring has no workers")
-        idx = np.searchsorted(self.points, packed_positions(packed), side="left")
-        idx[idx == len(self.points)] = 0
-        owner: np.ndarray = self.owners[idx, 0]
+        owner: np.ndarray = self.wrapped[np.searchsorted(self.points, packed_positions(packed))]
         return owner
 
     def lookup(self, hashes: Sequence[bytes], replicas: int | None = None) -> np.ndarray:

@@ -126,10 +126,13 @@ def test_check_hashes_rejects_what_it_did_before() -> None:
 
 
 def test_packed_positions_and_primary_match_the_list_forms() -> None:
-    hs = [os.urandom(16) for _ in range(1000)] + [k(i) for i in range(50)]
+    # 20,000 keys: some land past the ring's last point (they wrap to the first owner)
+    hs = [os.urandom(16) for _ in range(20000)] + [k(i) for i in range(50)]
     packed = b"".join(hs)
     words = np.frombuffer(packed, dtype="<u8").reshape(-1, 2)
     assert (packed_positions(packed) == _mix(words[:, 0] ^ _mix(words[:, 1]))).all()
     assert (packed_positions(packed) == key_positions(hs)).all()
     ring = build_ring([("w1", 1 << 30), ("w2", 1 << 30), ("w3", 4 << 30)])
+    pos = key_positions(hs)
+    assert (pos > ring.points[-1]).any()
     assert (ring.primary_packed(packed) == ring.primary(hs)).all()
