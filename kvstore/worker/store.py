@@ -202,13 +202,17 @@ class BlockStore:
         """Leading run of present keys; with ``state_ns`` the state at the last one too."""
         n = 0
         for s in self._lookup_slices(len(keys)):
+            size = s.stop - s.start
             with self.lock:
-                # A cold chain misses its first key: answer that without a batch probe.
-                first = self._present(ns, keys[s.start])
-                flags = self._present_many(ns, keys[s]) if first else np.zeros(1, dtype=bool)
-            run = len(flags) if flags.all() else int(np.argmin(flags))
+                # A cold chain misses its first key, and short lookups go key by key:
+                # neither needs a batch probe.
+                if size < _SCALAR_KEYS or not self._present(ns, keys[s.start]):
+                    run = next((i for i, k in enumerate(keys[s]) if not self._present(ns, k)), size)
+                else:
+                    flags = self._present_many(ns, keys[s])
+                    run = size if flags.all() else int(np.argmin(flags))
             n += run
-            if run < len(flags):
+            if run < size:
                 break
         self._looked(ns, keys)
         if state_ns and n:
