@@ -167,6 +167,8 @@ class BlockStore:
         return flags
 
     def _present(self, ns: str, key: bytes) -> bool:
+        if type(key) is not bytes:
+            key = bytes(key)  # any bytes-like key (the SSD and staged maps hash it)
         return (
             self.tier.contains(ns, key)
             or (ns, key) in self.ssd_index.entries
