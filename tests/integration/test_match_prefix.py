@@ -5,10 +5,13 @@ bitmap path, an old worker's bitmap answer, and hostile prefix frames."""
 from __future__ import annotations
 
 import random
+import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from kvstore.cluster import LocalCluster
@@ -162,3 +165,27 @@ def test_hostile_prefix_frames_get_a_clear_error_and_the_worker_keeps_serving(
         c.batch_put(NS, keys[:10], [b"v"] * 10)
         assert c.match_prefix(NS, keys) == 10
         c.remove(NS, keys)
+
+
+def test_a_killed_owner_ends_the_prefix_at_its_first_key(cluster: LocalCluster) -> None:
+    keys = [key(i, "killed") for i in range(200)]
+    with Client(cluster.address, timeout=2.0) as c:
+        assert all(c.batch_put(NS, keys, [b"v"] * len(keys)))
+        assert c.match_prefix(NS, keys) == len(keys)
+        view = c._view
+        assert view is not None and len(view.workers) == 2
+        owner = view.ring.primary(keys)
+        victim = cluster.worker_procs[0]
+        w = next(i for i, x in enumerate(view.workers) if x.info.id == victim.ready["id"])
+        first_lost = int(np.flatnonzero(owner == w)[0])
+        victim.signal(signal.SIGKILL)
+        victim.proc.wait(5)
+        # Before and after the map drops it, its keys are misses, never an error: the
+        # prefix ends at the first of them (after the drop they route to the survivor,
+        # which does not hold them).
+        assert c.match_prefix(NS, keys) == first_lost
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline and len(c.workers()) > 1:
+            time.sleep(0.1)
+        assert len(c.workers()) == 1
+        assert c.match_prefix(NS, keys) == first_lost
