@@ -6,7 +6,11 @@
   two processes (``sendall`` of 1 MiB memoryviews, ``recv_into`` pre-faulted
   memory), the bound of any TCP transport written in Python.
 
-Both are best-of-``repeats`` so a neighbour's burst on a shared machine costs
+- :func:`socket_streams_gib_s`: N such streams at once (one sender process each,
+  one receiving thread each in this process), the bound of a client that keeps N
+  connections busy (``workers x concurrency`` of a bench point).
+
+All are best-of-``repeats`` so a neighbour's burst on a shared machine costs
 less; ``python -m kvstore_bench.ceilings`` prints them.
 """
 
@@ -16,6 +20,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -122,6 +127,95 @@ def _one_stream(total: int, chunk: int, view: memoryview, timeout: float) -> flo
                 child.kill()
                 child.wait(5)
     return total / dt / GIB
+
+
+def socket_streams_gib_s(
+    streams: int,
+    total_bytes: int = 1 << 30,
+    repeats: int = 3,
+    chunk: int = CHUNK,
+    timeout: float = 60.0,
+) -> float:
+    """Aggregate loopback bandwidth of ``streams`` bare Python TCP streams at once:
+    ``streams`` child processes each ``sendall`` ``total_bytes / streams`` bytes, one
+    thread per stream here ``recv_into``s its own pre-faulted buffer; the clock runs
+    from the first "go" to the last byte. Best of ``repeats``; one stream is
+    :func:`socket_stream_gib_s`. Children are ended by pid on any failure."""
+    if streams <= 0 or total_bytes <= 0 or chunk <= 0:
+        raise ValueError("streams, total_bytes and chunk must be positive")
+    if streams == 1:
+        return socket_stream_gib_s(total_bytes, repeats, chunk, timeout)
+    per = max(chunk, total_bytes // streams)
+    landing = [np.ones(max(chunk, min(per, 16 << 20)), dtype=np.uint8) for _ in range(streams)]
+    views = [a.data.cast("B") for a in landing]
+    return max(_many_streams(per, chunk, views, timeout) for _ in range(max(1, repeats)))
+
+
+def _many_streams(per: int, chunk: int, views: list[memoryview], timeout: float) -> float:
+    n = len(views)
+    children: list[subprocess.Popen[bytes]] = []
+    conns: list[socket.socket] = []
+    errors: list[BaseException] = []
+    with socket.create_server(("127.0.0.1", 0), backlog=n) as server:
+        server.settimeout(timeout)
+        port = server.getsockname()[1]
+        try:
+            for _ in range(n):
+                children.append(subprocess.Popen(
+                    [sys.executable, "-c", _SENDER, "127.0.0.1", str(port), str(per), str(chunk)],
+                    stdin=subprocess.DEVNULL,
+                ))  # fmt: skip
+            for _ in range(n):
+                conn, _ = server.accept()
+                conn.settimeout(timeout)
+                conns.append(conn)
+            start = threading.Barrier(n + 1, timeout=timeout)
+
+            def receive(conn: socket.socket, view: memoryview) -> None:
+                try:
+                    start.wait()
+                    conn.sendall(b"g")
+                    got, size = 0, len(view)
+                    while got < per:
+                        off = got % size
+                        r = conn.recv_into(view[off : min(size, off + chunk)])
+                        if r == 0:
+                            raise ConnectionError("sender closed early")
+                        got += r
+                except BaseException as e:  # reported after the join
+                    errors.append(e)
+
+            threads = [threading.Thread(target=receive, args=(c, v), daemon=True)
+                       for c, v in zip(conns, views, strict=True)]  # fmt: skip
+            for t in threads:
+                t.start()
+            start.wait()
+            t0 = time.perf_counter()
+            for t in threads:
+                t.join(timeout)
+            dt = time.perf_counter() - t0
+            if errors or any(t.is_alive() for t in threads):
+                raise ConnectionError(f"a socket stream failed: {errors[:1] or 'timed out'}")
+            for conn in conns:
+                conn.sendall(b"d")
+            for child in children:
+                child.wait(timeout)
+        finally:
+            for conn in conns:
+                conn.close()
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait(5)
+    return n * per / dt / GIB
+
+
+def client_streams(concurrency: list[int], aggregate_workers: int) -> list[int]:
+    """The stream counts (above 1) a transfer grid's points keep busy at once:
+    ``workers x concurrency`` per point (the sweep runs one worker at each
+    concurrency; the aggregate point, ``aggregate_workers`` at concurrency 1)."""
+    ns = set(concurrency) | ({aggregate_workers} if aggregate_workers > 1 else set())
+    return sorted(n for n in ns if n > 1)
 
 
 def measure(quick: bool = False) -> Ceilings:

@@ -5,8 +5,9 @@ prefix-lookup latency (``--match-prefix``).
 keys and ``batch_get_into_parts`` of a stored working set, each block split into N near-equal
 views of one pre-faulted engine-like buffer (no staging copies). Reports GiB/s, that
 against the one-part point, and CPU seconds per GiB (this process plus the workers,
-counted while the clock runs). The ceilings (memcpy, one bare socket stream) are
-measured three times in the run and reported with their spread. With ``--vs mooncake``,
+counted while the clock runs). The ceilings (memcpy, one bare socket stream, and as
+many streams at once as frames a batch is cut into, when more than one) are measured
+three times in the run and reported with their spread. With ``--vs mooncake``,
 Mooncake Store over TCP moves the same part lists with ``batch_put_from_multi_buffers``
 / ``batch_get_into_multi_buffers`` in the same run.
 
@@ -29,6 +30,7 @@ from rich.console import Console
 from kvstore.cluster import LocalCluster
 from kvstore.config import format_size, parse_size
 from kvstore_client import Client
+from kvstore_client.routing import FRAME_BYTES
 
 from . import ceilings
 from .peers import MooncakeServer, MooncakeStoreAdapter, PeerUnavailable, cpu_seconds
@@ -41,16 +43,21 @@ def _cpu(pids: list[int]) -> float:
     return cpu_seconds(None) + sum(cpu_seconds(p) for p in pids)
 
 
-def ceilings_3x(total: int) -> dict[str, Any]:
-    """memcpy and one socket stream, three runs each, with their spread."""
+def ceilings_3x(total: int, streams: int = 1) -> dict[str, Any]:
+    """memcpy and one socket stream, three runs each, with their spread; with
+    ``streams`` > 1 also that many socket streams at once (three runs)."""
     mem = [ceilings.memcpy_gib_s(min(total, 256 << 20), 0.3, 1) for _ in range(3)]
     sock = [ceilings.socket_stream_gib_s(min(total, 512 << 20), 1) for _ in range(3)]
-    return {
+    out: dict[str, Any] = {
         "memcpy_gib_s": mem,
         "socket_gib_s": sock,
         "memcpy_median": float(np.median(mem)),
         "socket_median": float(np.median(sock)),
     }
+    if streams > 1:
+        many = [ceilings.socket_streams_gib_s(streams, min(total, 512 << 20), 1) for _ in range(3)]
+        out["socket_streams"] = {str(streams): {"runs": many, "median": float(np.median(many))}}
+    return out
 
 
 def _timed(fn: Callable[[], None], reps: int, nbytes: int, pids: list[int]) -> dict[str, float]:
@@ -194,7 +201,8 @@ def main(
         console.print(f"match_prefix of {lk['blocks']} blocks over {lk['workers']} workers: "
                       f"p50 {lk['p50_ms']:.3f} ms, p99 {lk['p99_ms']:.3f} ms")  # fmt: skip
     if parts:
-        ceil = result["ceilings"] = ceilings_3x(total)
+        # One worker, one client thread: a batch goes out in FRAME_BYTES frames at once.
+        ceil = result["ceilings"] = ceilings_3x(total, -(-block * batch // FRAME_BYTES))
         with LocalCluster(workers=1, dram_size=dram or "1GiB") as cluster:
             pts = result["parts"] = parts_points(cluster, transports, parts, block, batch, total)
         if "mooncake" in vs:
@@ -204,7 +212,9 @@ def main(
                 console.print(f"[yellow]note:[/] mooncake skipped: {e}")
         console.print("ceilings, 3 runs each: memcpy " + ", ".join(
             f"{x:.2f}" for x in ceil["memcpy_gib_s"]) + " GiB/s; socket " + ", ".join(
-            f"{x:.2f}" for x in ceil["socket_gib_s"]) + " GiB/s")  # fmt: skip
+            f"{x:.2f}" for x in ceil["socket_gib_s"]) + " GiB/s" + "".join(
+            f"; {n} streams " + ", ".join(f"{x:.2f}" for x in v["runs"]) + " GiB/s"
+            for n, v in ceil.get("socket_streams", {}).items()))  # fmt: skip
         for p in pts:
             console.print(f"{p['transport']:>4} {p['op']} {format_size(p['block'])} in "
                           f"{p['parts']:>3} parts: {p['gib_s']:.2f} GiB/s "

@@ -208,6 +208,7 @@ class Point:
     cpu_s_per_gib: float
     frac_socket: float = 0.0
     frac_memcpy: float = 0.0
+    frac_socket_streams: float = 0.0  # over N bare streams at once, N = workers x concurrency
 
     @property
     def key(self) -> tuple[str, int, int, int, int]:
@@ -603,10 +604,11 @@ def evaluate_targets(
     return out
 
 
-def _socket_runs(quick: bool, n: int = 3) -> list[float]:
-    """``n`` separate bare-socket runs (GiB/s), to report a median and a spread."""
+def _socket_runs(quick: bool, n: int = 3, streams: int = 1) -> list[float]:
+    """``n`` separate bare-socket runs (GiB/s) of ``streams`` streams at once, to report
+    a median and a spread."""
     total = (256 << 20) if quick else (1 << 30)
-    return [ceilings.socket_stream_gib_s(total, repeats=1) for _ in range(n)]
+    return [ceilings.socket_streams_gib_s(streams, total, repeats=1) for _ in range(n)]
 
 
 # ---- command -------------------------------------------------------------------------
@@ -709,9 +711,11 @@ def transfer_cmd(
         console.width = max(console.width, 150)
     started = time.strftime("%Y%m%d-%H%M%S")
     notes: list[str] = []
-    console.print("measuring the ceilings (bare socket stream, memcpy) ...")
+    console.print("measuring the ceilings (bare socket, 1 and N streams; memcpy) ...")
     first = ceilings.measure(quick).to_json()
     socket_runs = _socket_runs(quick)
+    streams = ceilings.client_streams(plan.concurrency, plan.aggregate_workers)
+    stream_runs = {n: _socket_runs(quick, streams=n) for n in streams}
     progress = Progress(TextColumn("{task.description:<44}"), BarColumn(),
                         TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
                         console=console, auto_refresh=False)  # fmt: skip
@@ -736,10 +740,16 @@ def transfer_cmd(
         "memcpy_gib_s": max(first["memcpy_gib_s"], last["memcpy_gib_s"]),
         "socket_gib_s": float(np.median(socket_runs)),
         "socket_runs": socket_runs,
+        # N streams at once (3 runs each, N = workers x concurrency of some point)
+        "socket_streams": {
+            str(n): {"runs": r, "median": float(np.median(r))} for n, r in stream_runs.items()
+        },
     }
     for p in runner.points:
         p.frac_socket = p.gib_s / ceil["socket_gib_s"]
         p.frac_memcpy = p.gib_s / ceil["memcpy_gib_s"]
+        many = ceil["socket_streams"].get(str(p.workers * p.concurrency))
+        p.frac_socket_streams = p.gib_s / many["median"] if many else p.frac_socket
     result: dict[str, Any] = {
         "benchmark": "transfer", "version": 1, "started": started,
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(),

@@ -54,6 +54,7 @@ from .transport.ucx import available as ucx_available
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_KEY = np.dtype((np.void, HASH_LEN))  # one packed hash, to gather whole rows
 
 TRANSPORTS = ("auto", "tcp", "shm", "ucx")
 
@@ -459,6 +460,14 @@ class Client:
                 k -= 1
             return k
         nsb = self._check(ns, hashes)
+        view = self._view
+        if (
+            view is not None
+            and view.workers
+            and self._copies(view, ns, None) == 1
+            and all(w.ucx is None for w in view.workers)
+        ):
+            return self._prefix_scatter(nsb, hashes, view)
         view, groups = self._copy_groups(ns, hashes)
         if not groups:
             return 0
@@ -466,6 +475,59 @@ class Client:
             return leading_run(self._exists_threads(nsb, hashes, view, groups))
         flags = self._exists_scatter(nsb, hashes, view, groups)
         return len(flags) if flags.all() else int(np.argmin(flags))
+
+    def _prefix_scatter(self, nsb: bytes, hashes: list[bytes], view: View) -> int:
+        """match_prefix with one owner per key: every owner gets its keys (in chain
+        order) in one EXISTS with FLAG_PREFIX, all sent before any answer is read, and
+        answers how many of them lead its list; the chain's run ends at the first key
+        some owner stopped at. An owner that cannot answer ends it at its first key."""
+        n = len(hashes)
+        if not n:
+            return 0
+        packed = b"".join(hashes)
+        if len(view.workers) == 1:
+            groups = [(0, np.arange(n))]
+        else:
+            owner = view.ring.primary_packed(packed)
+            held = np.flatnonzero(np.bincount(owner)).tolist()
+            groups = [(w, np.flatnonzero(owner == w)) for w in held]
+        rows = np.frombuffer(packed, dtype=_KEY)
+        run = n
+        sent: list[tuple[TcpPool, TcpConnection, np.ndarray]] = []
+        deadline = time.monotonic() + self.timeout
+        for w, idx in groups:
+            pool = view.workers[w].pool
+            try:
+                conn = pool.take(self.timeout)
+                conn.sock.settimeout(self.timeout)
+                body = packed if len(groups) == 1 else rows[idx].tobytes()
+                conn.send_exists(nsb, body, len(idx), wire.FLAG_PREFIX)
+            except KVStoreError as e:
+                _misses_only(w, e)
+                run = min(run, int(idx[0]))
+                continue
+            except OSError:
+                conn.close()
+                run = min(run, int(idx[0]))
+                continue
+            sent.append((pool, conn, idx))
+        error: KVStoreError | None = None
+        for pool, conn, idx in sent:
+            try:
+                conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
+                k = conn.recv_prefix(len(idx))
+            except (OSError, KVStoreError) as e:
+                conn.close()
+                run = min(run, int(idx[0]))
+                if isinstance(e, CallerError):
+                    error = error or e
+                continue
+            pool.give(conn)
+            if k < len(idx):
+                run = min(run, int(idx[k]))
+        if error is not None:
+            raise error
+        return run
 
     def batch_get(self, ns: str, hashes: list[bytes]) -> list[bytes | None]:
         """The values, None for misses (absent, corrupt, or worker unreachable).

@@ -7,7 +7,10 @@ and the transfer server reject the same inputs with the same message.
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Sequence
+from functools import cache
+from operator import countOf
 
 import numpy as np
 
@@ -36,7 +39,8 @@ def check_hashes(hashes: Sequence[bytes]) -> None:
     """Raise InvalidArgument unless every element is a 16-byte bytes object."""
     if isinstance(hashes, (bytes, bytearray, memoryview, str)):
         raise InvalidArgument("hashes must be a list of 16-byte bytes objects, not one buffer")
-    if set(map(type, hashes)) <= {bytes} and set(map(len, hashes)) <= {HASH_LEN}:
+    n = len(hashes)
+    if countOf(map(type, hashes), bytes) == n and countOf(map(len, hashes), HASH_LEN) == n:
         return  # the common case, checked at C speed
     for i, h in enumerate(hashes):
         if not isinstance(h, bytes) or len(h) != HASH_LEN:
@@ -56,6 +60,32 @@ def unpack_hashes(packed: bytes) -> list[bytes]:
             f"packed hashes must be a multiple of {HASH_LEN} bytes, got {len(packed)}"
         )
     return [packed[i : i + HASH_LEN] for i in range(0, len(packed), HASH_LEN)]
+
+
+_SPLIT_MAX = 1024
+
+
+@cache
+def _splitter(n: int) -> struct.Struct:
+    return struct.Struct(f"{HASH_LEN}s" * n)
+
+
+def split_hashes(packed: bytes | bytearray | memoryview) -> list[bytes]:
+    """Split a packed hash field into 16-byte bytes objects (a few C calls: runs of
+    power-of-two lengths up to 1,024); InvalidArgument if its length is not a multiple
+    of 16."""
+    n, rest = divmod(len(packed), HASH_LEN)
+    if rest:
+        raise InvalidArgument(
+            f"packed hashes must be a multiple of {HASH_LEN} bytes, got {len(packed)}"
+        )
+    out: list[bytes] = []
+    i = 0
+    while i < n:
+        k = min(_SPLIT_MAX, 1 << ((n - i).bit_length() - 1))
+        out += _splitter(k).unpack_from(packed, i * HASH_LEN)
+        i += k
+    return out
 
 
 def to_bitmap(flags: Sequence[bool]) -> bytes:

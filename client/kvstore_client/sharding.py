@@ -23,7 +23,7 @@ in a fraction of a second.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
@@ -34,6 +34,8 @@ MIN_VNODES = 160
 MAX_VNODES = 65536
 DEFAULT_VNODES_PER_GIB = 16
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
 
 
 def vnode_count(capacity_bytes: int, vnodes_per_gib: int = DEFAULT_VNODES_PER_GIB) -> int:
@@ -57,8 +59,31 @@ def key_positions(hashes: Sequence[bytes]) -> np.ndarray:
     """Ring positions (uint64) of 16-byte hashes."""
     if not hashes:
         return np.empty(0, dtype=np.uint64)
-    words = np.frombuffer(b"".join(hashes), dtype="<u8").reshape(-1, HASH_LEN // 8)
-    return _mix(words[:, 0] ^ _mix(words[:, 1]))
+    return packed_positions(b"".join(hashes))
+
+
+def packed_positions(packed: bytes) -> np.ndarray:
+    """Ring positions (uint64) of hashes packed as 16*N bytes (same as key_positions,
+    computed in place: one array and one scratch, no temporaries)."""
+    words = np.frombuffer(packed, dtype="<u8").reshape(-1, HASH_LEN // 8)
+    x = words[:, 1].astype(np.uint64)
+    t = np.empty_like(x)
+    _mix_into(x, t)
+    x ^= words[:, 0]
+    _mix_into(x, t)
+    return x
+
+
+def _mix_into(x: np.ndarray, t: np.ndarray) -> None:
+    """:func:`_mix` of ``x`` in place (``t``: scratch of the same shape)."""
+    np.right_shift(x, _S30, out=t)
+    x ^= t
+    x *= _M1
+    np.right_shift(x, _S27, out=t)
+    x ^= t
+    x *= _M2
+    np.right_shift(x, _S31, out=t)
+    x ^= t
 
 
 def worker_points(worker_id: str, count: int) -> np.ndarray:
@@ -82,6 +107,12 @@ class Ring:
     points: np.ndarray  # sorted uint64
     owners: np.ndarray  # int32, shape (len(points), replicas)
     host_of: np.ndarray | None = None  # host index per worker, when hosts were given
+    # first owner per point, plus the first point's again (a key past the last point)
+    wrapped: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        first = self.owners[:, 0] if self.owners.size else np.empty(0, dtype=np.int32)
+        object.__setattr__(self, "wrapped", np.append(first, first[:1]))
 
     @property
     def replicas(self) -> int:
@@ -90,6 +121,13 @@ class Ring:
     def primary(self, hashes: Sequence[bytes]) -> np.ndarray:
         """Index into worker_ids of each hash's first owner (int32 array)."""
         return self.lookup(hashes)[:, 0] if len(hashes) else np.empty(0, dtype=np.int32)
+
+    def primary_packed(self, packed: bytes) -> np.ndarray:
+        """:meth:`primary` of hashes packed as 16*N bytes (one pass, no list)."""
+        if not len(self.points):
+            raise ValueError("the ring has no workers")
+        owner: np.ndarray = self.wrapped[np.searchsorted(self.points, packed_positions(packed))]
+        return owner
 
     def lookup(self, hashes: Sequence[bytes], replicas: int | None = None) -> np.ndarray:
         """Owner indices, shape (len(hashes), R) with R = ``replicas`` (default: the

@@ -8,6 +8,7 @@ Request  = header(20) | namespace(ns_len) | body
   PUT     body: count x (hash 16 | size u32 | xxh3_64 u64)  then the payloads, in order
   GET     body: count x hash 16
   EXISTS  body: count x hash 16
+          flags: FLAG_PREFIX asks only for the length of the leading run of present keys
   REMOVE  body: count x hash 16
 
 Answer   = header(20) | body
@@ -16,7 +17,9 @@ Answer   = header(20) | body
   code != 0: body is `count` bytes of UTF-8 message; the server closes after it
   PUT     body: count x status u8 (PUT_STORED, PUT_PRESENT, PUT_FULL, PUT_CORRUPT, PUT_QUOTA)
   GET     body: count x (status u8 | pad 3 | size u32 | xxh3_64 u64)  then the found payloads
-  EXISTS  body: ceil(count/8) bytes of bitmap (see keys.to_bitmap)
+  EXISTS  body: ceil(count/8) bytes of bitmap (see keys.to_bitmap); with FLAG_PREFIX
+          (workers that know it) tag = TAG_RUN, count = the leading run, no body.
+          A worker that predates FLAG_PREFIX ignores it and sends the bitmap (tag 0).
   REMOVE  body: empty; count = number removed
 
 Same-host shared memory (shm://) uses the same connection for control only;
@@ -105,6 +108,10 @@ IOV_MAX = 1024
 # kvstore_client.transport.ucx).
 FLAG_PARTS = 1
 MAX_PARTS = 4096  # parts per block
+# Request flag (EXISTS): answer only how many leading keys are present (the worker
+# stops at its first miss); the answer carries TAG_RUN and the run in its count.
+FLAG_PREFIX = 1
+TAG_RUN = 1
 PART_COUNT = struct.Struct("<I")
 
 

@@ -76,6 +76,16 @@ def check_points(result: dict[str, Any], series: list[tuple[str, str]]) -> None:
             assert e["all_found"] and e["keys"] == 1024 and e["keys_per_s"] > 0, e
     ceil = result["ceilings"]
     assert 0 < ceil["socket_gib_s"] < 1000 and 0 < ceil["memcpy_gib_s"] < 1000
+    # N bare streams at once for every N = workers x concurrency above 1 (here 2: two
+    # client threads on one worker, and the aggregate point's two workers), 3 runs each.
+    many = ceil["socket_streams"]
+    assert set(many) == {"2"}, many
+    assert len(many["2"]["runs"]) == 3 and all(0 < x < 1000 for x in many["2"]["runs"])
+    for p in result["points"]:
+        if p["workers"] * p["concurrency"] == 2:
+            assert p["frac_socket_streams"] == pytest.approx(p["gib_s"] / many["2"]["median"])
+        else:
+            assert p["frac_socket_streams"] == pytest.approx(p["frac_socket"])
 
 
 def test_quick_kvstore(tmp_path: Path) -> None:

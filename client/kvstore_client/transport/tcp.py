@@ -151,11 +151,27 @@ class TcpConnection:
         flags: list[bool] = self.recv_exists().tolist()
         return flags
 
-    def send_exists(self, ns: bytes, packed: bytes, count: int) -> None:
-        """First half of EXISTS (so one thread can have requests out to many workers)."""
+    def send_exists(self, ns: bytes, packed: bytes, count: int, flags: int = 0) -> None:
+        """First half of EXISTS (so one thread can have requests out to many workers);
+        ``flags``: wire.FLAG_PREFIX to ask only for the leading run (see recv_prefix)."""
         self._req += 1
-        head = wire.encode_request_header(wire.OP_EXISTS, ns, count, self._req)
+        head = wire.encode_request_header(wire.OP_EXISTS, ns, count, self._req, flags)
         wire.send_buffers(self.sock, [head, packed])
+
+    def recv_prefix(self, count: int) -> int:
+        """Second half of an EXISTS sent with FLAG_PREFIX for ``count`` hashes: how
+        many leading ones the worker holds. A worker that predates the flag answers
+        with the whole bitmap; its leading run is taken here."""
+        h = self._answer(wire.OP_EXISTS, self._req)
+        if h.ns_len == wire.TAG_RUN:
+            if h.count > count:
+                raise ProtocolError(f"prefix answer {h.count} for {count} hashes")
+            return h.count
+        if h.count != count:
+            raise ProtocolError(f"EXISTS answer for {h.count} hashes, sent {count}")
+        bitmap = wire.recv_exact(self.sock, (count + 7) // 8)
+        flags = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8), count=count, bitorder="little")
+        return count if flags.all() else int(np.argmin(flags))
 
     def recv_exists(self) -> np.ndarray:
         """Second half of EXISTS: a bool array, one flag per hash sent."""

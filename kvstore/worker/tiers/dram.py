@@ -203,10 +203,25 @@ class DramTier(SlotIndex):
             return [False] * len(keys)
         if len(keys) < _SCALAR_BATCH:
             return [self.contains(ns, k) for k in keys]
-        slots = self.find_many(nsid, list(keys))
-        st = np.frombuffer(self.state, dtype=np.uint8)
-        found: list[bool] = ((slots >= 0) & (st[np.maximum(slots, 0)] == READY)).tolist()
+        found: list[bool] = self.ready_flags(ns, b"".join(keys), keys).tolist()
         return found
+
+    def ready_flags(self, ns: str, packed: bytes, keys: Sequence[bytes]) -> np.ndarray:
+        """Per key (also given packed, 16*N bytes): is it ready? A bool array; one
+        numpy pass (:meth:`SlotIndex.find_packed`); no counters, no LRU change."""
+        nsid = self._ns_ids.get(ns)
+        if nsid is None or not keys:
+            return np.zeros(len(keys), dtype=bool)
+        if not (set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {16}):
+            keys = [bytes(k) for k in keys]  # any bytes-like key; wrong sizes never match
+            if set(map(len, keys)) != {16}:
+                return np.array([self.contains(ns, k) for k in keys], dtype=bool)
+        if len(packed) != 16 * len(keys):
+            raise ValueError("packed must hold the keys, 16 bytes each")
+        slots = self.find_packed(nsid, packed, keys)
+        st = np.frombuffer(self.state, dtype=np.uint8)
+        flags: np.ndarray = (slots >= 0) & (st[np.maximum(slots, 0)] == READY)
+        return flags
 
     def keys_of(self, ns: str) -> list[bytes]:
         """Keys of the namespace's ready blocks (any order)."""

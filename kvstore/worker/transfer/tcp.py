@@ -28,7 +28,7 @@ from kvstore_client.errors import (
     ResourceExhausted,
     Unauthenticated,
 )
-from kvstore_client.keys import HASH_LEN, to_bitmap
+from kvstore_client.keys import HASH_LEN, split_hashes, to_bitmap
 
 from ...auth import Tenant, Tenants
 from ..requests import Holder, Limits, RequestCore, put_status
@@ -304,12 +304,26 @@ class TcpTransferServer:
         elif h.op >= wire.OP_GET_LOC:
             self._shm(conn, h, ns, st.shm)
         elif h.op == wire.OP_EXISTS:
-            keys = self._hashes(conn, h.count)
-            bitmap = to_bitmap(self.store.exists(ns, keys))
-            wire.send_buffers(conn, [wire.encode_answer_header(h.op, 0, h.count, h.req_id), bitmap])
+            self._exists(conn, h, ns)
         else:  # OP_REMOVE
             n = self.store.remove(ns, self._hashes(conn, h.count))
             conn.sendall(wire.encode_answer_header(h.op, 0, n, h.req_id))
+
+    def _exists(self, conn: socket.socket, h: wire.Header, ns: str) -> None:
+        """EXISTS: a bitmap of the keys present; with FLAG_PREFIX only the length of
+        their leading run (the lookup stops at the first miss), answered in the header
+        (count) and marked with TAG_RUN so the client can tell it from a bitmap."""
+        if h.flags_or_code & ~wire.FLAG_PREFIX:
+            err = InvalidArgument(f"unknown EXISTS flags {h.flags_or_code:#x}")
+            self._fail(conn, h, err)
+            raise ProtocolError(str(err))
+        keys = split_hashes(wire.recv_exact(conn, h.count * HASH_LEN))
+        if h.flags_or_code & wire.FLAG_PREFIX:
+            run = self.store.match_prefix(ns, keys)
+            conn.sendall(wire.encode_answer_header(h.op, 0, run, h.req_id, wire.TAG_RUN))
+            return
+        bitmap = to_bitmap(self.store.exists(ns, keys))
+        wire.send_buffers(conn, [wire.encode_answer_header(h.op, 0, h.count, h.req_id), bitmap])
 
     def _shm(self, conn: socket.socket, h: wire.Header, ns: str, st: shm.ShmState) -> None:
         if h.op == wire.OP_RELEASE:
