@@ -190,6 +190,11 @@ class StatsCollector(Collector):
             ("kvstore_checksum_errors", "checksum_errors", "Blocks dropped for a bad checksum"),
             ("kvstore_stored_blocks", "puts", "Blocks stored"),
             ("kvstore_prefetched_blocks", "prefetched", "Blocks prefetched for resumed sessions"),
+            (
+                "kvstore_session_declined_blocks",
+                "share_declined",
+                "New blocks of a session already holding its share, not stored",
+            ),
         ):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], s.get(key, 0))

@@ -756,6 +756,7 @@ class BlockStore:
             sessions=len(self.policy.sessions),
             retained_bytes=self.policy.retained_bytes,
             prefetched=self.counters.prefetched,
+            share_declined=pc.share_declined,
         )
 
     def close(self, demote_timeout: float = 30.0) -> None:

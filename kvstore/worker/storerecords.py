@@ -46,6 +46,7 @@ class StoreStats:
     sessions: int = 0
     retained_bytes: int = 0
     prefetched: int = 0
+    share_declined: int = 0
 
 
 @dataclass(slots=True)

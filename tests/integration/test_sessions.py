@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -200,11 +201,12 @@ def test_a_session_past_its_share_keeps_its_head_and_spares_the_others(
     """A hinted session whose chain outgrows the worker: with a share, its deeper
     blocks are declined (reported not stored, no error) and everyone's blocks stay;
     without one (0), it pushes the other session out under LRU."""
+    port = free_port()
     c = make_cluster(
         workers=1,
         dram_size="4MiB",
         max_value_size="64KiB",
-        extra_worker_args=["--session-share", share],
+        extra_worker_args=["--session-share", share, "--metrics-port", str(port)],
     )
     size = 64 << 10
     with Client(c.address) as cl:
@@ -225,3 +227,6 @@ def test_a_session_past_its_share_keeps_its_head_and_spares_the_others(
         assert cl.match_prefix(NS, other) == 16, "the other session is untouched"
         got = cl.batch_get(NS, big[:32])
         assert got == [value_for(k, size) for k in big[:32]]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        page = r.read().decode()
+    assert "kvstore_session_declined_blocks_total 32.0" in page
