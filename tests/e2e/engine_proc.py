@@ -82,7 +82,11 @@ def generate(
 
         wait_for_saves(30.0)
         after = TOTALS.peek()
-        stats = {k: v - before[k] for k, v in after.items() if not isinstance(v, list)}
+        # Counters as deltas; timers (lists of samples) as the sum of this call's samples.
+        stats = {
+            k: sum(v[len(before[k]) :]) if isinstance(v, list) else v - before[k]
+            for k, v in after.items()
+        }
     comp = out.outputs[0]
     logprobs = [
         lp[tok].logprob for tok, lp in zip(comp.token_ids, comp.logprobs or [], strict=False)
