@@ -49,6 +49,7 @@ from .security import Tls, metadata, open_channel
 from .sessions import SessionHints
 from .sharding import DEFAULT_VNODES_PER_GIB, build_ring
 from .transport import BlockView
+from .transport.shm import ShmTransfer
 from .transport.tcp import GetResult, TcpConnection, TcpPool
 from .transport.ucx import available as ucx_available
 
@@ -550,6 +551,20 @@ class Client:
             return self._executor.submit(
                 lambda: read_copies(self, view, nsb, hashes, views, r)[0].tolist()
             )
+        if len(groups) == 1:
+            link = view.workers[groups[0][0]]
+            via = link.via
+            if isinstance(via, ShmTransfer) and not via.arena.stale:
+                # A same-host worker's blocks are copied by this thread anyway: no hop
+                # through the executor (the future comes back done).
+                try:
+                    got = via.get(self.timeout, nsb, hashes, views)
+                    done.set_result(list(got.found))
+                except PeerError:
+                    done.set_result(result)
+                except Exception as e:  # CallerError, or a bug: surface it
+                    done.set_exception(e)
+                return done
         remaining = [len(groups)]
         lock = threading.Lock()
 

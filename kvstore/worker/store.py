@@ -345,14 +345,15 @@ class BlockStore:
         """
         held: list[Held | None] = []
         on_ssd: list[int] = []
+        slot = self.arena.slot
         for s in self._slices(len(keys)):
             with self.lock:
-                for i in range(s.start, s.stop):
-                    k = keys[i]
-                    b = self.tier.acquire(ns, k)
+                blocks = self.tier.acquire_many(ns, keys[s])
+                for i, b in zip(range(s.start, s.stop), blocks, strict=True):
                     if b is not None:
-                        held.append(Held(self.view(b), b.checksum, b))
+                        held.append(Held(slot(b.offset, b.size), b.checksum, b))
                         continue
+                    k = keys[i]
                     st = self._staged.get((ns, k))
                     if st is not None:
                         self._count_hit()
@@ -405,8 +406,7 @@ class BlockStore:
         pinned = [h.block for h in reading.held if h is not None and h.block is not None]
         for s in self._slices(len(pinned)):
             with self.lock:
-                for b in pinned[s]:
-                    self.tier.release(b)
+                self.tier.release_many(pinned[s])
 
     def end_txn(self, reading: Reading) -> None:
         """End the LMDB read transaction early (its views were sent); DRAM pins stay."""
