@@ -251,8 +251,11 @@ class BlockStore:
         out: list[Block | ResourceExhausted | None] = []
         for s in self._slices(len(keys)):
             with self.lock:
-                for k, size, c in zip(keys[s], sizes[s], checksums[s], strict=True):
-                    out.append(self._reserve_one(ns, k, size, c))
+                if self.policy.charges(ns):
+                    for k, size, c in zip(keys[s], sizes[s], checksums[s], strict=True):
+                        out.append(self._reserve_one(ns, k, size, c))
+                else:
+                    out += self._reserve_free(ns, keys[s], sizes[s], checksums[s])
             self._execute()
         if self._demoter is not None:
             with self.lock:
@@ -276,6 +279,26 @@ class BlockStore:
         if b is not None:
             self.policy.handle(Reserved(ns, size))
         return b
+
+    def _reserve_free(
+        self, ns: str, keys: Sequence[bytes], sizes: Sequence[int], checksums: Sequence[int]
+    ) -> list[Block | ResourceExhausted | None]:
+        """:meth:`_reserve_one` of each key of a namespace no quota counts (caller holds
+        the lock): no quota to check or charge, the rest the same."""
+        on_ssd, staged, reserve = self.policy.ssd, self._staged, self.tier.reserve
+        skipped = 0
+        out: list[Block | ResourceExhausted | None] = []
+        for k, size, c in zip(keys, sizes, checksums, strict=True):
+            if (ns, k) in on_ssd or (ns, k) in staged:
+                skipped += 1
+                out.append(None)
+                continue
+            try:
+                out.append(reserve(ns, k, size, c))
+            except ResourceExhausted as e:
+                out.append(e)
+        self.tier.counters.skipped += skipped
+        return out
 
     def view(self, b: Block) -> memoryview:
         return self.arena.slot(b.offset, b.size)
