@@ -32,7 +32,7 @@ import xxhash
 
 from .. import wire
 from ..errors import KVStoreError, Unavailable
-from .tcp import GetResult, TcpConnection, TcpPool, TcpTransfer
+from .tcp import SENDS_PENDING, GetResult, TcpConnection, TcpPool, TcpTransfer
 
 SOCKET_PREFIX = "kvstore-"
 
@@ -201,7 +201,7 @@ def get(
         cuts = [(a, min(a + 32, n)) for a in range(0, n, 32)] if n > 32 else [(0, n)]
     sock = conn.sock
     reqs: list[int] = []
-    out: list[bytes | bytearray | memoryview] = []
+    out: list[bytes | bytearray | memoryview] = [*conn.take_pending()]
     for a, b in cuts:
         conn._req += 1
         reqs.append(conn._req)
@@ -211,8 +211,9 @@ def get(
     found = [False] * n
     values: list[bytearray | None] = [None] * n
     total = 0
+    last = reqs[-1]
     for (a, b), req in zip(cuts, reqs, strict=True):
-        total += _get_piece(conn, arena, ns, req, a, b - a, buffers, found, values)
+        total += _get_piece(conn, arena, ns, req, a, b - a, buffers, found, values, req == last)
     return GetResult(found, values, total)
 
 
@@ -226,9 +227,12 @@ def _get_piece(
     buffers: Sequence[memoryview | list[memoryview]] | None,
     found: list[bool],
     values: list[bytearray | None],
+    defer: bool,
 ) -> int:
     """Read one GET_LOC answer (blocks first..first+count), copy, release; returns the
-    payload bytes found."""
+    payload bytes found. ``defer``: the RELEASE (one-way) rides along with the
+    connection's next request instead of waking the worker now (the pool's flusher
+    sends it if the connection stays idle, TcpPool.FLUSH_AFTER)."""
     sock = conn.sock
     h = conn._answer(wire.OP_GET_LOC, req)
     try:
@@ -313,7 +317,11 @@ def _get_piece(
                 found[i] = digest(out) == checksum
     finally:
         # One-way: the worker unpins; no answer to wait for.
-        wire.send_buffers(sock, [wire.encode_request_header(wire.OP_RELEASE, ns, 0, req)])
+        release = wire.encode_request_header(wire.OP_RELEASE, ns, 0, req)
+        if defer:
+            conn.pending.append(release)
+        else:
+            wire.send_buffers(sock, [release])
     return total
 
 
@@ -333,7 +341,7 @@ def put(
     cuts = pieces(sizes)
     sock = conn.sock
     reqs: list[int] = []
-    out: list[bytes | bytearray | memoryview] = []
+    out: list[bytes | bytearray | memoryview] = [*conn.take_pending()]
     for a, b in cuts:
         conn._req += 1
         reqs.append(conn._req)
@@ -388,6 +396,9 @@ def put(
         s if loc[0] == wire.PUT_LOC_SLOT else loc[0]
         for s, loc in zip(status, all_locs, strict=True)
     )
+
+
+SENDS_PENDING.update((get, put))  # they send a connection's owed RELEASEs themselves
 
 
 class ShmTransfer(TcpTransfer):
