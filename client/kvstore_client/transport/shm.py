@@ -195,8 +195,10 @@ def get(
     given as parts gets one copy per part. Pipelined: every piece's GET_LOC is sent at
     once, and each piece is released (one-way RELEASE) as soon as it is copied."""
     n = len(hashes)
+    sizes: list[int] = []
     if buffers is not None:
-        cuts = pieces([wire.block_size(b) for b in buffers])
+        sizes = [wire.block_size(b) for b in buffers]
+        cuts = pieces(sizes)
     else:
         cuts = [(a, min(a + 32, n)) for a in range(0, n, 32)] if n > 32 else [(0, n)]
     sock = conn.sock
@@ -213,7 +215,9 @@ def get(
     total = 0
     last = reqs[-1]
     for (a, b), req in zip(cuts, reqs, strict=True):
-        total += _get_piece(conn, arena, ns, req, a, b - a, buffers, found, values, req == last)
+        total += _get_piece(
+            conn, arena, ns, req, a, b - a, buffers, sizes, found, values, req == last
+        )
     return GetResult(found, values, total)
 
 
@@ -225,6 +229,7 @@ def _get_piece(
     first: int,
     count: int,
     buffers: Sequence[memoryview | list[memoryview]] | None,
+    sizes: list[int],
     found: list[bool],
     values: list[bytearray | None],
     defer: bool,
@@ -259,7 +264,7 @@ def _get_piece(
                     values[i], found[i] = buf, True
                 continue
             dest = buffers[i]
-            if wire.block_size(dest) != size:
+            if sizes[i] != size:
                 wire.discard(sock, size, conn._scratch)
             elif isinstance(dest, list):
                 wire.recv_into_parts(sock, dest)
@@ -287,7 +292,7 @@ def _get_piece(
                     values[i] = buf
                     found[i] = True
             elif isinstance(out, list):
-                if wire.block_size(out) != size:
+                if sizes[i] != size:
                     continue
                 if len(out) == 1:
                     np.copyto(np.frombuffer(out[0], dtype=np.uint8), src[off : off + size])
