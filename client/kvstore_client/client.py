@@ -505,12 +505,11 @@ class Client:
         if len(buffers) != len(hashes):
             raise InvalidArgument(f"{len(hashes)} hashes but {len(buffers)} buffers")
         views = _byte_views(buffers, "buffer")
-        for i, v in enumerate(views):
-            if v.readonly:
-                raise InvalidArgument(f"buffer {i} is read-only")
         view = self._view
         limit = view.max_value if view is not None else 0
         for i, v in enumerate(views):
+            if v.readonly:
+                raise InvalidArgument(f"buffer {i} is read-only")
             if v.nbytes == 0 or (limit and v.nbytes > limit):
                 raise InvalidArgument(
                     f"buffer {i} is {v.nbytes} bytes: no block can fill it (blocks are "
@@ -701,6 +700,9 @@ def _byte_views(items: Sequence[Any], what: str) -> list[memoryview]:
     """Flat byte views of bytes-like objects; InvalidArgument for anything else."""
     out: list[memoryview] = []
     for i, v in enumerate(items):
+        if type(v) is memoryview and v.ndim == 1 and v.format == "B" and v.c_contiguous:
+            out.append(v)  # already a flat byte view: no cast, no new object
+            continue
         if isinstance(v, str):
             raise InvalidArgument(f"{what} {i} is a str: encode it to bytes first")
         try:
