@@ -10,9 +10,14 @@ tcp://. Every LOC answer carries the arena's tag; a mismatch (the worker restart
 behind the same address) is an error for that call and the mapping is dropped.
 
 Then a get is one GET_LOC round trip for the locations, one numpy copy per block out
-of the mapping (checked against the block's xxh3-64), and a one-way RELEASE. A put is
-a PUT_LOC round trip for reserved slots, copies into them, and a PUT_COMMIT round
-trip. Control frames travel over the tcp:// connection (codec in kvstore_client.wire).
+of the mapping into the caller's buffer, whose bytes are then checked against the
+block's xxh3-64 (a mismatch is a miss), and a one-way RELEASE that rides along with
+the connection's next request (or is sent by the pool's flusher once the connection
+has been idle for ``TcpPool.FLUSH_AFTER``). A block read into several parts is copied
+out of the mapping once, into a per-thread bounce buffer, verified there and scattered
+from cache. A single same-host worker's get runs on the caller's thread. A put is a
+PUT_LOC round trip for reserved slots, copies into them, and a PUT_COMMIT round trip.
+Control frames travel over the tcp:// connection (codec in kvstore_client.wire).
 """
 
 from __future__ import annotations
