@@ -154,11 +154,20 @@ def _receive(ep: ShmEndpoint, timeout: float) -> ShmArena | None:
 _local = threading.local()  # per thread: .array / .view, the bounce buffer of a parts read
 
 
+# The bounce buffer starts this far past a 4 KiB boundary. Arena slots start on one,
+# and a copy whose source and destination share their address modulo 4 KiB ran 2.5x
+# slower here (4K aliasing: 1.4 against 3.6 GiB/s for 1 MiB copies out of the arena).
+BOUNCE_SKEW = 256
+
+
 def _bounce(size: int) -> np.ndarray:
     """This thread's bounce buffer, at least ``size`` bytes (grown on demand)."""
     arr: np.ndarray | None = getattr(_local, "array", None)
     if arr is None or len(arr) < size:
-        arr = np.empty(max(size, 1 << 20), dtype=np.uint8)
+        n = max(size, 1 << 20)
+        raw = np.empty(n + 4096, dtype=np.uint8)
+        start = (BOUNCE_SKEW - raw.ctypes.data) % 4096
+        arr = raw[start : start + n]
         _local.array = arr
         _local.view = arr.data
     return arr
