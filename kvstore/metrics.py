@@ -145,8 +145,15 @@ def observe_request(op: str, code: str, seconds: float) -> None:
 
     Callable from any thread; ``op`` and ``code`` must come from small fixed sets.
     """
-    REQUESTS.labels(op, code).inc()
-    LATENCY.labels(op).observe(seconds)
+    children = _REQUEST_CHILDREN.get((op, code))
+    if children is None:  # labels() takes a lock and builds a key: once per (op, code)
+        children = _REQUEST_CHILDREN[(op, code)] = (REQUESTS.labels(op, code), LATENCY.labels(op))
+    children[0].inc()
+    children[1].observe(seconds)
+
+
+# (op, code) -> its counter and histogram children (a small fixed set, see above).
+_REQUEST_CHILDREN: dict[tuple[str, str], tuple[Any, Any]] = {}
 
 
 class StatsCollector(Collector):

@@ -49,6 +49,7 @@ from .security import Tls, metadata, open_channel
 from .sessions import SessionHints
 from .sharding import DEFAULT_VNODES_PER_GIB, build_ring
 from .transport import BlockView
+from .transport.shm import ShmTransfer
 from .transport.tcp import GetResult, TcpConnection, TcpPool
 from .transport.ucx import available as ucx_available
 
@@ -560,18 +561,19 @@ class Client:
         never raises for worker failures (those are misses). A buffer that no block
         can fill (empty, or above the workers' max value size) raises InvalidArgument
         at once; to learn a stored block's size, read it with :meth:`batch_get`.
-        Calls on a closed client raise InvalidArgument.
+        Calls on a closed client raise InvalidArgument. When every block lives on one
+        same-host worker reached over shm://, the copies run on the calling thread and
+        the future comes back already done (no executor hop).
         """
         self._check(ns, hashes)
         if len(buffers) != len(hashes):
             raise InvalidArgument(f"{len(hashes)} hashes but {len(buffers)} buffers")
         views = _byte_views(buffers, "buffer")
-        for i, v in enumerate(views):
-            if v.readonly:
-                raise InvalidArgument(f"buffer {i} is read-only")
         view = self._view
         limit = view.max_value if view is not None else 0
         for i, v in enumerate(views):
+            if v.readonly:
+                raise InvalidArgument(f"buffer {i} is read-only")
             if v.nbytes == 0 or (limit and v.nbytes > limit):
                 raise InvalidArgument(
                     f"buffer {i} is {v.nbytes} bytes: no block can fill it (blocks are "
@@ -612,6 +614,20 @@ class Client:
             return self._executor.submit(
                 lambda: read_copies(self, view, nsb, hashes, views, r)[0].tolist()
             )
+        if len(groups) == 1:
+            link = view.workers[groups[0][0]]
+            via = link.via
+            if isinstance(via, ShmTransfer) and not via.arena.stale:
+                # A same-host worker's blocks are copied by this thread anyway: no hop
+                # through the executor (the future comes back done).
+                try:
+                    got = via.get(self.timeout, nsb, hashes, views)
+                    done.set_result(list(got.found))
+                except PeerError:
+                    done.set_result(result)
+                except Exception as e:  # CallerError, or a bug: surface it
+                    done.set_exception(e)
+                return done
         remaining = [len(groups)]
         lock = threading.Lock()
 
@@ -748,6 +764,9 @@ def _byte_views(items: Sequence[Any], what: str) -> list[memoryview]:
     """Flat byte views of bytes-like objects; InvalidArgument for anything else."""
     out: list[memoryview] = []
     for i, v in enumerate(items):
+        if type(v) is memoryview and v.ndim == 1 and v.format == "B" and v.c_contiguous:
+            out.append(v)  # already a flat byte view: no cast, no new object
+            continue
         if isinstance(v, str):
             raise InvalidArgument(f"{what} {i} is a str: encode it to bytes first")
         try:

@@ -49,6 +49,13 @@ def part_views(
         views: list[memoryview] = []
         total = 0
         for j, p in enumerate(block):
+            if type(p) is memoryview and p.ndim == 1 and p.format == "B" and p.c_contiguous:
+                # Already a flat byte view (the common case): no cast, no new object.
+                if writable and p.readonly:
+                    raise InvalidArgument(f"block {i} part {j} is read-only")
+                views.append(p)
+                total += p.nbytes
+                continue
             if isinstance(p, str):
                 raise InvalidArgument(f"block {i} part {j} is a str: encode it to bytes first")
             try:

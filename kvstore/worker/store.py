@@ -286,8 +286,13 @@ class BlockStore:
         out: list[Block | ResourceExhausted | None] = []
         for s in self._slices(len(keys)):
             with self.lock:
-                for k, size, c in zip(keys[s], sizes[s], checksums[s], strict=True):
-                    out.append(self._reserve_one(ns, k, size, c))
+                if self.policy.charges(ns) or (
+                    self.policy.session_share and self.policy.sessions.owner
+                ):
+                    for k, size, c in zip(keys[s], sizes[s], checksums[s], strict=True):
+                        out.append(self._reserve_one(ns, k, size, c))
+                else:
+                    out += self._reserve_free(ns, keys[s], sizes[s], checksums[s])
             self._execute()
         if self._demoter is not None:
             with self.lock:
@@ -318,6 +323,27 @@ class BlockStore:
         if b is not None:
             self.policy.handle(Reserved(ns, size))
         return b
+
+    def _reserve_free(
+        self, ns: str, keys: Sequence[bytes], sizes: Sequence[int], checksums: Sequence[int]
+    ) -> list[Block | ResourceExhausted | None]:
+        """:meth:`_reserve_one` of each key of a namespace no quota counts, while no
+        session share applies (caller holds the lock): no quota or share to check or
+        charge, the rest the same."""
+        on_ssd, staged, reserve = self.policy.ssd, self._staged, self.tier.reserve
+        skipped = 0
+        out: list[Block | ResourceExhausted | None] = []
+        for k, size, c in zip(keys, sizes, checksums, strict=True):
+            if (ns, k) in on_ssd or (ns, k) in staged:
+                skipped += 1
+                out.append(None)
+                continue
+            try:
+                out.append(reserve(ns, k, size, c))
+            except ResourceExhausted as e:
+                out.append(e)
+        self.tier.counters.skipped += skipped
+        return out
 
     def view(self, b: Block) -> memoryview:
         return self.arena.slot(b.offset, b.size)
@@ -397,14 +423,15 @@ class BlockStore:
         """
         held: list[Held | None] = []
         on_ssd: list[int] = []
+        slot = self.arena.slot
         for s in self._slices(len(keys)):
             with self.lock:
-                for i in range(s.start, s.stop):
-                    k = keys[i]
-                    b = self.tier.acquire(ns, k)
+                blocks = self.tier.acquire_many(ns, keys[s])
+                for i, b in zip(range(s.start, s.stop), blocks, strict=True):
                     if b is not None:
-                        held.append(Held(self.view(b), b.checksum, b))
+                        held.append(Held(slot(b.offset, b.size), b.checksum, b))
                         continue
+                    k = keys[i]
                     st = self._staged.get((ns, k))
                     if st is not None:
                         self._count_hit()
@@ -458,8 +485,7 @@ class BlockStore:
         pinned = [h.block for h in reversed(reading.held) if h is not None and h.block is not None]
         for s in self._slices(len(pinned)):
             with self.lock:
-                for b in pinned[s]:
-                    self.tier.release(b)
+                self.tier.release_many(pinned[s])
 
     def end_txn(self, reading: Reading) -> None:
         """End the LMDB read transaction early (its views were sent); DRAM pins stay."""

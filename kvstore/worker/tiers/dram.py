@@ -275,6 +275,72 @@ class DramTier(SlotIndex):
             self,
         )
 
+    def acquire_many(self, ns: str, keys: Sequence[bytes]) -> list[Block | None]:
+        """:meth:`acquire` of each key in order, in one pass: the same pins, counters,
+        LRU order and handles as one call per key (a key given twice is pinned twice).
+        The probe is :meth:`acquire`'s, inlined (numpy's find_many measured 3x slower
+        than this for batches of 32)."""
+        nsid = self._ns_ids.get(ns)
+        n = len(keys)
+        if nsid is None:
+            self.counters.misses += n
+            return [None] * n
+        salt = self.ns_salt[nsid]
+        table, mask, shift = self.table, self._tmask, self._tshift
+        h32, kb, nsids = self.h32, self.kb, self.nsid
+        state, pins, tick, gen = self.state, self.pins, self.tick, self.gen
+        off, size, csum, lst = self.off, self.size, self.csum, self.lst
+        classes, unlink = self.class_sizes, self._unlink
+        out: list[Block | None] = []
+        hits = 0
+        t = self._tick
+        for key in keys:
+            if len(key) != 16:
+                out.append(None)
+                continue
+            if type(key) is not bytes:
+                key = bytes(key)
+            h = ((hash(key) >> 32) ^ salt) & U32
+            i = h >> shift
+            while True:
+                s = table[i]
+                if s < 0 or (h32[s] == h and kb[16 * s : 16 * s + 16] == key and nsids[s] == nsid):
+                    break
+                i = (i + 1) & mask
+            if s < 0 or state[s] != READY:
+                out.append(None)
+                continue
+            hits += 1
+            p = pins[s]
+            if p == 0:
+                unlink(s)
+            pins[s] = p + 1
+            t += 1
+            tick[s] = t
+            out.append(
+                Block(ns, key, off[s], size[s], csum[s], classes[lst[s] >> 1], s, gen[s], self)
+            )
+        self._tick = t
+        self.counters.hits += hits
+        self.counters.misses += n - hits
+        return out
+
+    def release_many(self, blocks: Iterable[Block]) -> None:
+        """:meth:`release` of each block in order, in one pass (same effect)."""
+        pins, gen, state = self.pins, self.gen, self.state
+        for b in blocks:
+            s = b.slot
+            p = pins[s]
+            if p == 0 or gen[s] != b.gen:
+                continue
+            if p > 1:
+                pins[s] = p - 1
+            elif state[s] == READY:
+                pins[s] = 0
+                self._link(s)
+            else:  # doomed
+                self._free(s)
+
     def slot_size_for(self, size: int) -> int:
         """Bytes of arena a value of ``size`` bytes occupies (its size class)."""
         return self.class_sizes[

@@ -209,6 +209,12 @@ class QuotaBook:
     def is_pinned(self, ns: str) -> bool:
         return ns in self.quotas
 
+    def tracks(self, ns: str) -> bool:
+        """Is ``ns`` charged to an account of this book (else admits is always True and
+        charge / refund do nothing)?"""
+        k = self._key_of(ns)
+        return k is not None and (k in self.quotas or k in self.used)
+
     def admits(self, ns: str, size: int) -> bool:
         k = self._key_of(ns)
         return k is None or k not in self.quotas or self.used[k] + size <= self.quotas[k]
@@ -502,6 +508,11 @@ class TierPolicy:
 
     def on_ssd(self, ns: str, key: bytes) -> bool:
         return (ns, key) in self.ssd
+
+    def charges(self, ns: str) -> bool:
+        """Does any quota book count ``ns``? When not, :meth:`admits` is True and
+        ``Reserved`` / ``Aborted`` change nothing for it (callers may skip both)."""
+        return any(q.tracks(ns) for q in self.books)
 
     # ---- events ------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ OP_NAMES = {
     wire.OP_GET_LOC: "shm_get",
     wire.OP_PUT_LOC: "shm_reserve",
     wire.OP_PUT_COMMIT: "shm_commit",
-    wire.OP_RELEASE: "shm_release",
+    wire.OP_RELEASE: "shm_release",  # not counted by tcp:// (one-way, between reads)
 }
 
 

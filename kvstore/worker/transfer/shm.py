@@ -203,28 +203,30 @@ def get_loc(
     """
     _check_open(core, st)
     keys = _hashes(conn, h.count)
-    if not st.holder.take(0, h.count):
-        raise ResourceExhausted("too many shm entries held open: release some first")
     reading = store.read(ns, keys, verify_dram=False)
-    # Bytes of distinct pinned slots (a hash repeated pins one slot, not more memory).
-    slots = {x.block.offset: len(x.view) for x in reading.held if x is not None and x.block}
-    pinned = sum(slots.values())
-    if not st.holder.take(pinned, whole=True):
-        store.done(reading)
-        st.holder.give(0, h.count)
-        raise ResourceExhausted("too many shm bytes held pinned: release some first")
-    meta = bytearray(h.count * wire.LOC_ENTRY.size)
+    # One pass: the answer's entries, and the bytes of distinct pinned slots (a hash
+    # repeated pins one slot, not more memory).
+    size = wire.LOC_ENTRY.size
+    pack = wire.LOC_ENTRY.pack_into
+    meta = bytearray(h.count * size)
     inline: list[memoryview] = []
+    slots: dict[int, int] = {}
     for i, held in enumerate(reading.held):
-        off = i * wire.LOC_ENTRY.size
         if held is None:
-            wire.LOC_ENTRY.pack_into(meta, off, wire.GET_MISS, 0, 0, 0)
-        elif held.block is not None:
-            b = held.block
-            wire.LOC_ENTRY.pack_into(meta, off, wire.LOC_ARENA, b.size, b.checksum, b.offset)
+            continue  # zeroed: GET_MISS
+        b = held.block
+        if b is not None:
+            pack(meta, i * size, wire.LOC_ARENA, b.size, b.checksum, b.offset)
+            slots[b.offset] = b.size
         else:
-            wire.LOC_ENTRY.pack_into(meta, off, wire.LOC_INLINE, len(held.view), held.checksum, 0)
+            pack(meta, i * size, wire.LOC_INLINE, len(held.view), held.checksum, 0)
             inline.append(held.view)
+    pinned = sum(slots.values())
+    # Entries and pinned bytes are taken from the budget together, after the pins (a
+    # refused request unpins at once: nothing stays pinned).
+    if not st.holder.take(pinned, h.count, whole=True):
+        store.done(reading)
+        raise ResourceExhausted("too many shm entries or bytes held open: release some first")
     st.open[h.req_id] = _Open(reading, [], pinned, h.count)
     try:
         head = wire.encode_answer_header(h.op, 0, h.count, h.req_id, store.arena.tag)

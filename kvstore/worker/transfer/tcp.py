@@ -228,9 +228,12 @@ class TcpTransferServer:
                 conn.close()
 
     def _mark(self, conn: socket.socket, *, busy: bool) -> None:
-        with self._conns_lock:
-            if conn in self._conns:
-                self._since[conn] = (busy, time.monotonic())
+        # No lock: a set lookup and a dict store are atomic, and only this connection's
+        # thread marks it. Racing the reaper or a connection-limit eviction (both pop the
+        # entry, then shut the socket down) can at worst put an entry back for a socket
+        # that is already shut: its thread sees the error and _forget removes it.
+        if conn in self._conns:
+            self._since[conn] = (busy, time.monotonic())
 
     def _longest_idle(self) -> socket.socket | None:
         """The connection waiting longest for its next frame (caller holds the lock)."""
@@ -286,6 +289,12 @@ class TcpTransferServer:
         if h.ns_len == 0 or h.ns_len > 255:
             raise ProtocolError(f"namespace length {h.ns_len} out of range")
         ns_raw = wire.recv_exact(conn, h.ns_len)
+        if h.op == wire.OP_RELEASE:
+            # One-way, and it only ever gives back what this connection holds (by its
+            # request id): no namespace to admit, nothing to answer. It sits between a
+            # client's reads, so it is kept off the per-frame accounting.
+            shm.release(self.store, st.shm, h)
+            return
         try:
             ns = self.core.admit(st.tenant, ns_raw)
             self.core.check_batch(h.count)
@@ -326,9 +335,6 @@ class TcpTransferServer:
         wire.send_buffers(conn, [wire.encode_answer_header(h.op, 0, h.count, h.req_id), bitmap])
 
     def _shm(self, conn: socket.socket, h: wire.Header, ns: str, st: shm.ShmState) -> None:
-        if h.op == wire.OP_RELEASE:
-            shm.release(self.store, st, h)
-            return
         try:
             if h.op == wire.OP_GET_LOC:
                 n = shm.get_loc(self.store, self.core, st, conn, h, ns)
