@@ -71,18 +71,8 @@ def remove_stale_namespaces() -> None:
     for line in out.splitlines():
         name = line.split()[0] if line.split() else ""
         m = _NAME.match(name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not procs.pid_alive(int(m.group(1))):
             _ip("netns", "del", name, check=False)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _read_ready(proc: subprocess.Popen[bytes], timeout: float, what: str) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from . import session_ops
 from .arena import Arena
 from .events import DRAM, SSD, EventSink
 from .sessions import SessionTable
-from .storerecords import Held, Reading, StoreCounters, StoreStats, _Staged, _Todo
+from .storerecords import Held, Reading, StoreCounters, StoreStats, _Staged, _Todo, snapshot
 from .tiers.dram import Block, DramTier
 from .tiers.policy import (
     Aborted,
@@ -757,33 +757,7 @@ class BlockStore:
     # ---- stats and shutdown ----------------------------------------------------
 
     def stats(self) -> StoreStats:
-        t = self.tier
-        c = t.counters
-        pc = self.policy.counters
-        return StoreStats(
-            dram_capacity_bytes=t.capacity,
-            dram_used_bytes=t.used_bytes,
-            dram_keys=t.keys,
-            hits=c.hits,
-            misses=c.misses,
-            evictions=c.evictions,
-            puts=c.puts,
-            checksum_errors=self.counters.checksum_errors,
-            bad_frames=self.counters.bad_frames,
-            demotions=self.counters.demotions,
-            promotions=self.counters.promotions,
-            ssd_hits=self.counters.ssd_hits,
-            has_ssd=self.ssd is not None,
-            ssd_capacity_bytes=self.ssd.size if self.ssd else 0,
-            ssd_used_bytes=self.ssd_index.used_bytes,
-            ssd_keys=len(self.ssd_index),
-            ssd_evictions=self.ssd_index.evictions,
-            ssd_write_errors=pc.ssd_write_errors,
-            sessions=len(self.policy.sessions),
-            retained_bytes=self.policy.retained_bytes,
-            prefetched=self.counters.prefetched,
-            share_declined=pc.share_declined,
-        )
+        return snapshot(self)
 
     def close(self, demote_timeout: float = 30.0) -> None:
         """Stop the demoter; with an SSD, demote every DRAM block (bounded), then fsync."""

@@ -5,9 +5,12 @@ bookkeeping it carries between its lock and the I/O it runs outside it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .tiers.dram import Block
+
+if TYPE_CHECKING:
+    from .store import BlockStore
 
 
 @dataclass(slots=True)
@@ -87,3 +90,34 @@ class _Todo:
     deletes: list[tuple[str, bytes]] = field(default_factory=list)
     write_staged: bool = False
     prefetch: list[tuple[str, tuple[bytes, ...]]] = field(default_factory=list)
+
+
+def snapshot(store: BlockStore) -> StoreStats:
+    """The store's counters and tier sizes now (read without the lock: a scrape)."""
+    t = store.tier
+    c = t.counters
+    pc = store.policy.counters
+    return StoreStats(
+        dram_capacity_bytes=t.capacity,
+        dram_used_bytes=t.used_bytes,
+        dram_keys=t.keys,
+        hits=c.hits,
+        misses=c.misses,
+        evictions=c.evictions,
+        puts=c.puts,
+        checksum_errors=store.counters.checksum_errors,
+        bad_frames=store.counters.bad_frames,
+        demotions=store.counters.demotions,
+        promotions=store.counters.promotions,
+        ssd_hits=store.counters.ssd_hits,
+        has_ssd=store.ssd is not None,
+        ssd_capacity_bytes=store.ssd.size if store.ssd else 0,
+        ssd_used_bytes=store.ssd_index.used_bytes,
+        ssd_keys=len(store.ssd_index),
+        ssd_evictions=store.ssd_index.evictions,
+        ssd_write_errors=pc.ssd_write_errors,
+        sessions=len(store.policy.sessions),
+        retained_bytes=store.policy.retained_bytes,
+        prefetched=store.counters.prefetched,
+        share_declined=pc.share_declined,
+    )

@@ -31,6 +31,7 @@ from kvstore_client.errors import (
 )
 from kvstore_client.keys import HASH_LEN
 
+from ...procs import pid_alive
 from ..arena import SHM_PREFIX, Arena
 from ..requests import Holder, RequestCore, put_status
 from ..store import BlockStore
@@ -120,7 +121,7 @@ def sweep_stale(directory: str) -> int:
                     probe.close()
             else:  # an arena file of an older version: kvstore-PID-...
                 pid = int(name[len(SHM_PREFIX) :].split("-")[0])
-                if pid == os.getpid() or _alive(pid):
+                if pid == os.getpid() or pid_alive(pid):
                     continue
             os.unlink(path)
             gone += 1
@@ -129,16 +130,6 @@ def sweep_stale(directory: str) -> int:
     if gone:
         log.info("removed %d stale kvstore files from %s", gone, directory)
     return gone
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass(slots=True)
