@@ -350,13 +350,15 @@ class BlockStore:
 
     def finish_many(self, blocks: Sequence[Block], ok: Sequence[bool]) -> None:
         """Commit the blocks whose bytes arrived intact, abort the others."""
-        # Committed last block first: a batch is a chain's run, and the block nearest
-        # the chain's head must be the most recently used (see CHAIN ORDER above).
-        blocks, ok = blocks[::-1], ok[::-1]
-        for s in self._slices(len(blocks)):
+        # Committed last block first (slices from the end, each one in reverse): a batch
+        # is a chain's run, and the block nearest the chain's head must be the most
+        # recently used (see CHAIN ORDER above). KV events keep the batch's order
+        # within each slice, sent under the same hold of the lock as the commits.
+        for s in reversed(list(self._slices(len(blocks)))):
             with self.lock:
-                for b, good in zip(blocks[s], ok[s], strict=True):
-                    if good:
+                for i in range(s.stop - 1, s.start - 1, -1):
+                    b = blocks[i]
+                    if ok[i]:
                         self.tier.commit(b)
                     else:
                         self.tier.abort(b)

@@ -6,6 +6,7 @@ the head first, which loses the whole prefix). BlockStore on a real arena."""
 from __future__ import annotations
 
 from kvstore.worker.arena import Arena
+from kvstore.worker.events import EventSink
 from kvstore.worker.store import BlockStore
 from tests.helpers import key, value_for
 
@@ -49,6 +50,22 @@ def test_a_read_chain_loses_its_tail_first() -> None:
             k = key(i, "flood")
             st.put_bytes(NS, [k], [value_for(k, 4 * KiB)])
         assert leading(st, chain) == 8, "after a read, eviction takes the tail first"
+    finally:
+        st.close()
+        arena.close()
+
+
+def test_kv_events_keep_the_batch_order() -> None:
+    """Commits run last block first; the stored events still list the batch in order
+    (a router reads them as a chain)."""
+    arena = Arena(64 * KiB)
+    sink = EventSink()
+    st = BlockStore(arena, 4 * KiB, events=sink)
+    try:
+        chain = [key(i, "ev") for i in range(6)]
+        st.put_bytes(NS, chain, [value_for(k, 4 * KiB) for k in chain])
+        stored = [k for ok, _, items in sink.drain() if ok for _, k in items]
+        assert stored == chain
     finally:
         st.close()
         arena.close()
