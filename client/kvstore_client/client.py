@@ -414,29 +414,51 @@ class Client:
     ) -> np.ndarray:
         """EXISTS without threads: send one request to every owner, then read every
         answer. A prefix lookup is one round trip to the slowest worker."""
-        packed = np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(-1, HASH_LEN)
         out = np.zeros(len(hashes), dtype=bool)
-        sent: list[tuple[TcpPool, TcpConnection, np.ndarray]] = []
+        answers = self._scatter(
+            nsb, b"".join(hashes), view, groups, 0, lambda c, idx: c.recv_exists()
+        )
+        for (_, idx), flags in zip(groups, answers, strict=True):
+            if flags is not None:
+                out[idx] |= flags  # any copy counts (replicas)
+        return out
+
+    def _scatter(
+        self,
+        nsb: bytes,
+        packed: bytes,
+        view: View,
+        groups: list[tuple[int, np.ndarray]],
+        flags: int,
+        recv: Callable[[TcpConnection, np.ndarray], Any],
+    ) -> list[Any]:
+        """Send every owner its keys in one EXISTS (``flags``), all before any answer is
+        read, then ``recv`` each answer: one round trip to the slowest worker, no
+        threads. Per group its answer, or None where the worker failed (a miss); a
+        caller's error (bad namespace, auth) is raised once every answer is in."""
+        rows = np.frombuffer(packed, dtype=_KEY)
+        answers: list[Any] = [None] * len(groups)
+        sent: list[tuple[int, TcpPool, TcpConnection, np.ndarray]] = []
         deadline = time.monotonic() + self.timeout
-        for w, idx in groups:
+        for g, (w, idx) in enumerate(groups):
             pool = view.workers[w].pool
             try:
                 conn = pool.take(self.timeout)
                 conn.sock.settimeout(self.timeout)
-                body = packed.tobytes() if len(groups) == 1 else packed[idx].tobytes()
-                conn.send_exists(nsb, body, len(idx))
+                body = packed if len(groups) == 1 else rows[idx].tobytes()
+                conn.send_exists(nsb, body, len(idx), flags)
             except KVStoreError as e:
                 _misses_only(w, e)
                 continue
             except OSError:
                 conn.close()
                 continue
-            sent.append((pool, conn, idx))
+            sent.append((g, pool, conn, idx))
         error: KVStoreError | None = None
-        for pool, conn, idx in sent:
+        for g, pool, conn, idx in sent:
             try:
                 conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
-                out[idx] |= conn.recv_exists()  # any copy counts (replicas)
+                answers[g] = recv(conn, idx)
             except (OSError, KVStoreError) as e:
                 conn.close()
                 if isinstance(e, CallerError):
@@ -445,7 +467,7 @@ class Client:
             pool.give(conn)
         if error is not None:
             raise error
-        return out
+        return answers
 
     def match_prefix(self, ns: str, hashes: list[bytes], *, state_ns: str | None = None) -> int:
         """Number of leading hashes present (one batched EXISTS per owner, in parallel).
@@ -479,9 +501,9 @@ class Client:
 
     def _prefix_scatter(self, nsb: bytes, hashes: list[bytes], view: View) -> int:
         """match_prefix with one owner per key: every owner gets its keys (in chain
-        order) in one EXISTS with FLAG_PREFIX, all sent before any answer is read, and
-        answers how many of them lead its list; the chain's run ends at the first key
-        some owner stopped at. An owner that cannot answer ends it at its first key."""
+        order) in one EXISTS with FLAG_PREFIX and answers how many of them lead its
+        list; the chain's run ends at the first key some owner stopped at. An owner
+        that cannot answer ends it at its first key."""
         n = len(hashes)
         if not n:
             return 0
@@ -492,42 +514,15 @@ class Client:
             owner = view.ring.primary_packed(packed)
             held = np.flatnonzero(np.bincount(owner)).tolist()
             groups = [(w, np.flatnonzero(owner == w)) for w in held]
-        rows = np.frombuffer(packed, dtype=_KEY)
+        answers = self._scatter(
+            nsb, packed, view, groups, wire.FLAG_PREFIX, lambda c, idx: c.recv_prefix(len(idx))
+        )
         run = n
-        sent: list[tuple[TcpPool, TcpConnection, np.ndarray]] = []
-        deadline = time.monotonic() + self.timeout
-        for w, idx in groups:
-            pool = view.workers[w].pool
-            try:
-                conn = pool.take(self.timeout)
-                conn.sock.settimeout(self.timeout)
-                body = packed if len(groups) == 1 else rows[idx].tobytes()
-                conn.send_exists(nsb, body, len(idx), wire.FLAG_PREFIX)
-            except KVStoreError as e:
-                _misses_only(w, e)
+        for (_, idx), k in zip(groups, answers, strict=True):
+            if k is None:
                 run = min(run, int(idx[0]))
-                continue
-            except OSError:
-                conn.close()
-                run = min(run, int(idx[0]))
-                continue
-            sent.append((pool, conn, idx))
-        error: KVStoreError | None = None
-        for pool, conn, idx in sent:
-            try:
-                conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
-                k = conn.recv_prefix(len(idx))
-            except (OSError, KVStoreError) as e:
-                conn.close()
-                run = min(run, int(idx[0]))
-                if isinstance(e, CallerError):
-                    error = error or e
-                continue
-            pool.give(conn)
-            if k < len(idx):
+            elif k < len(idx):
                 run = min(run, int(idx[k]))
-        if error is not None:
-            raise error
         return run
 
     def batch_get(self, ns: str, hashes: list[bytes]) -> list[bytes | None]:
