@@ -97,6 +97,17 @@ def socket_stream_gib_s(
     return best
 
 
+def _receive(conn: socket.socket, view: memoryview, total: int, chunk: int) -> None:
+    """Read ``total`` bytes in ``chunk``-sized reads, cycling through ``view``."""
+    got, size = 0, len(view)
+    while got < total:
+        off = got % size
+        n = conn.recv_into(view[off : min(size, off + chunk)])
+        if n == 0:
+            raise ConnectionError("sender closed early")
+        got += n
+
+
 def _one_stream(total: int, chunk: int, view: memoryview, timeout: float) -> float:
     with socket.create_server(("127.0.0.1", 0)) as server:
         server.settimeout(timeout)
@@ -109,16 +120,9 @@ def _one_stream(total: int, chunk: int, view: memoryview, timeout: float) -> flo
             conn, _ = server.accept()
             with conn:
                 conn.settimeout(timeout)
-                got = 0
-                size = len(view)
                 t0 = time.perf_counter()
                 conn.sendall(b"g")
-                while got < total:
-                    off = got % size
-                    n = conn.recv_into(view[off : min(size, off + chunk)])
-                    if n == 0:
-                        raise ConnectionError("sender closed early")
-                    got += n
+                _receive(conn, view, total, chunk)
                 dt = time.perf_counter() - t0
                 conn.sendall(b"d")
             child.wait(timeout)
@@ -175,13 +179,7 @@ def _many_streams(per: int, chunk: int, views: list[memoryview], timeout: float)
                 try:
                     start.wait()
                     conn.sendall(b"g")
-                    got, size = 0, len(view)
-                    while got < per:
-                        off = got % size
-                        r = conn.recv_into(view[off : min(size, off + chunk)])
-                        if r == 0:
-                            raise ConnectionError("sender closed early")
-                        got += r
+                    _receive(conn, view, per, chunk)
                 except BaseException as e:  # reported after the join
                     errors.append(e)
 
