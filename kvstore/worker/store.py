@@ -286,9 +286,7 @@ class BlockStore:
         out: list[Block | ResourceExhausted | None] = []
         for s in self._slices(len(keys)):
             with self.lock:
-                if self.policy.charges(ns) or (
-                    self.policy.session_share and self.policy.sessions.owner
-                ):
+                if self.policy.charges(ns):
                     for k, size, c in zip(keys[s], sizes[s], checksums[s], strict=True):
                         out.append(self._reserve_one(ns, k, size, c))
                 else:
@@ -309,12 +307,7 @@ class BlockStore:
             return None
         if not self.policy.admits(ns, size):
             return QuotaExceeded(f"namespace {ns!r} is over its quota")
-        if (
-            self.policy.session_share
-            and self.policy.sessions.owner
-            and not self.tier.contains(ns, k)
-            and not self.policy.session_admits(ns, k, size)
-        ):
+        if self._over_share(ns, k, size):
             return SessionShareFull(f"its session holds its share of worker memory ({ns!r})")
         try:
             b = self.tier.reserve(ns, k, size, c)
@@ -327,10 +320,10 @@ class BlockStore:
     def _reserve_free(
         self, ns: str, keys: Sequence[bytes], sizes: Sequence[int], checksums: Sequence[int]
     ) -> list[Block | ResourceExhausted | None]:
-        """:meth:`_reserve_one` of each key of a namespace no quota counts, while no
-        session share applies (caller holds the lock): no quota or share to check or
-        charge, the rest the same."""
+        """:meth:`_reserve_one` of each key of a namespace no quota counts (caller holds
+        the lock): no quota to check or charge, the rest the same."""
         on_ssd, staged, reserve = self.policy.ssd, self._staged, self.tier.reserve
+        share = self.policy.session_share and self.policy.sessions.owner
         skipped = 0
         out: list[Block | ResourceExhausted | None] = []
         for k, size, c in zip(keys, sizes, checksums, strict=True):
@@ -338,12 +331,24 @@ class BlockStore:
                 skipped += 1
                 out.append(None)
                 continue
+            if share and self._over_share(ns, k, size):
+                out.append(SessionShareFull(f"its session holds its share ({ns!r})"))
+                continue
             try:
                 out.append(reserve(ns, k, size, c))
             except ResourceExhausted as e:
                 out.append(e)
         self.tier.counters.skipped += skipped
         return out
+
+    def _over_share(self, ns: str, k: bytes, size: int) -> bool:
+        """Is a new block declined because its session holds its share (see
+        TierPolicy.session_admits)? A block already here is never counted."""
+        return (
+            bool(self.policy.session_share and self.policy.sessions.owner)
+            and not self.tier.contains(ns, k)
+            and not self.policy.session_admits(ns, k, size)
+        )
 
     def view(self, b: Block) -> memoryview:
         return self.arena.slot(b.offset, b.size)
