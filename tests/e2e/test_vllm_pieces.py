@@ -1,5 +1,5 @@
 """Pieces of the vLLM connector that need torch and vLLM's classes but no engine:
-the vectorised block copy, the per-step worker metadata across ranks, and the
+the per-step worker metadata across ranks, and the
 statistics on vLLM's own Prometheus metrics (``build_prom_metrics``)."""
 
 from __future__ import annotations
@@ -16,43 +16,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # no
 
 from kvstore_client.connectors.vllm import KVStoreConnector  # noqa: E402
 from kvstore_client.connectors.vllm.common import KVStoreWorkerMetadata  # noqa: E402
-from kvstore_client.connectors.vllm.worker import _ids, describe_layer  # noqa: E402
-
-
-@pytest.mark.parametrize("split", [False, True])
-def test_one_index_copy_per_layer_moves_the_same_bytes_as_a_loop(split: bool) -> None:
-    nb = 8
-    shape = (2, nb, 4, 3) if split else (nb, 2, 4, 3)
-    a = torch.randn(shape)
-    b = torch.randn((nb, 5), dtype=torch.float64)  # a second layer, other dtype
-    la = describe_layer(a, nb, 0)
-    lb = describe_layer(b, nb, la.nbytes)
-    assert la.kv_split == split and la.nbytes == 2 * 4 * 3 * 4 and lb.nbytes == 40
-    src = [5, 2, 7]
-    staging = torch.empty((3, la.nbytes + lb.nbytes), dtype=torch.uint8)
-    for layer in (la, lb):
-        layer.gather(_ids([src]), staging)
-    # Row bytes: each layer's block in order (K then V for split layouts), as before.
-    for row, blk in enumerate(src):
-        parts = [a[0, blk], a[1, blk]] if split else [a[blk]]
-        want = b"".join(p.contiguous().numpy().tobytes() for p in parts)
-        want += b[blk].numpy().tobytes()
-        assert staging[row].numpy().tobytes() == want
-    a2, b2 = torch.zeros_like(a), torch.zeros_like(b)
-    la2, lb2 = describe_layer(a2, nb, 0), describe_layer(b2, nb, la.nbytes)
-    dst = [1, 6, 0]
-    for layer in (la2, lb2):
-        layer.scatter(_ids([dst]), staging)
-    for s, d in zip(src, dst, strict=True):
-        if split:
-            assert torch.equal(a2[:, d], a[:, s])
-        else:
-            assert torch.equal(a2[d], a[s])
-        assert torch.equal(b2[d], b[s])
-    untouched = [i for i in range(nb) if i not in dst]
-    assert not b2[untouched].any()
-    with pytest.raises(ValueError, match="unknown KV cache layout"):
-        describe_layer(torch.zeros((3, 4)), nb, 0)
 
 
 def test_worker_metadata_across_ranks() -> None:

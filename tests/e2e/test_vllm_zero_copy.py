@@ -26,12 +26,8 @@ from kvstore_client.connectors.vllm.common import (  # noqa: E402
     Setup,
     Transfer,
 )
-from kvstore_client.connectors.vllm.worker import (  # noqa: E402
-    WorkerSide,
-    _ids,
-    block_parts,
-    describe_layer,
-)
+from kvstore_client.connectors import blockcopy as bc  # noqa: E402
+from kvstore_client.connectors.vllm.worker import WorkerSide  # noqa: E402
 
 NB = 16
 SHAPE = (2, NB, 4, 32, 64)  # K/V split, as vLLM's CPU backend: 64 KiB per layer block
@@ -41,15 +37,14 @@ SHAPE = (2, NB, 4, 32, 64)  # K/V split, as vLLM's CPU backend: 64 KiB per layer
 def test_parts_are_the_staging_bytes(split: bool) -> None:
     a = torch.randn((2, NB, 3, 5) if split else (NB, 2, 3, 5))
     b = torch.randn((NB, 7), dtype=torch.float64)
-    la, lb = describe_layer(a, NB, 0), describe_layer(b, NB, 0)
+    la, lb = bc.describe(a, NB, 0), bc.describe(b, NB, 0)
     assert la.flat is not None and lb.flat is not None
     staging = torch.empty((2, la.nbytes + lb.nbytes), dtype=torch.uint8)
     lb.offset = la.nbytes
     src = [9, 2]
-    for layer in (la, lb):
-        layer.gather(_ids([src]), staging)
+    bc.HostMover().gather([la, lb], [src], staging)
     for row, blk in enumerate(src):
-        parts = block_parts([la, lb], [src], row)
+        parts = bc.value_views([la, lb], [src], row)
         assert len(parts) == (3 if split else 2)
         assert b"".join(parts) == staging[row].numpy().tobytes()
         for p in parts:
@@ -59,7 +54,7 @@ def test_parts_are_the_staging_bytes(split: bool) -> None:
 
 def test_a_block_that_is_not_one_run_falls_back_with_a_reason() -> None:
     t = torch.randn((4, 3, NB)).permute(2, 0, 1)  # blocks interleaved in memory
-    layer = describe_layer(t, NB, 0)
+    layer = bc.describe(t, NB, 0)
     assert layer.flat is None and "not one run of memory" in layer.why_not
 
 
@@ -143,7 +138,7 @@ def test_no_staging_in_steady_state(make_cluster: Any) -> None:
                 _, peak = tracemalloc.get_traced_memory()
                 tracemalloc.stop()
                 assert peak < 256 << 10, f"{peak} bytes allocated for 2 MiB moved"
-        assert ws.staging_allocs == 0
+        assert ws._rows == {}  # zero copy: no staging rows at all
         wm = ws.take_meta()
         assert wm is not None and wm.saved and wm.load_samples
     finally:

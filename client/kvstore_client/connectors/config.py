@@ -43,12 +43,17 @@ class ConnectorConfig:
     model_id             overrides the model (and revision) in the namespace
     max_pending_save_mb  unwritten save bytes allowed before new saves are dropped
     max_pending_load_mb  load staging bytes in flight; later loads wait, default 1024
+    staging_mb           rows allocated once per direction for the mover path (a CUDA
+                         cache, or a host layout that cannot be zero copy): pinned
+                         host memory, and on CUDA as much device memory; larger
+                         transfers go in chunks; default 256
     load_failure_policy  "recompute" (default: blocks missing at load are recomputed)
                          or "fail" (vLLM fails the request)
     zero_copy            move blocks straight between the paged KV cache and the
-                         store with multi-part calls (default true); false, or a
+                         store with multi-part calls (default true); false, a
                          cache layout whose blocks are not one run of CPU memory,
-                         copies through a staging buffer (same stored bytes)
+                         or a CUDA cache copies through the block mover's rows
+                         (same stored bytes)
     session_hints        send the sessions hints of requests' kv_transfer_params
                          (``session_id``, ``session_state``) to the store, default true
     save_policy          "new" (default: a request's blocks the store held at lookup
@@ -80,6 +85,7 @@ class ConnectorConfig:
     model_id: str | None = None
     max_pending_save_mb: int = 1024
     max_pending_load_mb: int = 1024
+    staging_mb: int = 256
     test_fault_file: str | None = None
     load_failure_policy: str = "recompute"
     zero_copy: bool = True
@@ -148,6 +154,7 @@ class ConnectorConfig:
             model_id=d.get("model_id") or None,
             max_pending_save_mb=num("max_pending_save_mb", int, 1024, False),
             max_pending_load_mb=num("max_pending_load_mb", int, 1024, True),
+            staging_mb=num("staging_mb", int, 256, True),
             test_fault_file=d.get("test_fault_file") or None,
             load_failure_policy=policy,
             zero_copy=parse_bool(d.get("zero_copy", True)),

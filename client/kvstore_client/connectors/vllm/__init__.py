@@ -257,16 +257,30 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        """Worker, after each attention layer: gather this layer's new blocks from the
-        registered KV tensor (``kv_layer`` is the same memory; one source for both
-        directions)."""
+        """Worker, after each attention layer: plans the step's saves once; no copy
+        here (the writer reads the registered tensors after the step)."""
         assert self._worker is not None
         self._worker.save_kv_layer(layer_name, self._connector_metadata)
 
     def wait_for_save(self) -> None:
-        """Worker, once per step: hand the step's blocks to the background writer."""
+        """Worker, once per step: hand the step's blocks to the background writer
+        (on CUDA: one event recorded on the forward's stream; never a device sync)."""
         assert self._worker is not None
         self._worker.wait_for_save(self._connector_metadata)
+
+    def reset_capture_state(self) -> None:
+        """Worker, after CUDA graph capture: the hooks do nothing while capturing;
+        forget any step state from it."""
+        if self._worker is not None:
+            self._worker.reset_capture_state()
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """False: nothing happens per layer inside the forward (``save_kv_layer``
+        only plans, ``wait_for_layer_load`` has nothing to wait for), and the
+        per-step hooks run outside captured graphs, so full CUDA graphs replay
+        safely."""
+        return False
 
     def shutdown(self) -> None:
         """Either side: let queued writes finish (bounded), then close the client."""

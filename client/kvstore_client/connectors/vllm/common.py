@@ -223,19 +223,25 @@ class Setup:
     active: bool
     tp_size: int
     pp_size: int
+    mla: bool = False  # every TP rank holds the same latent cache: one shared namespace
 
     @property
     def hybrid(self) -> bool:
         return bool(self.state_groups)
 
+    @property
+    def _tp_shards(self) -> int:
+        return 1 if self.mla else self.tp_size
+
     def ns(self, tp: int, pp: int, kind: str = "kv") -> str:
-        return namespace(self.ident, self.dtype, self.layout, self.block, tp_rank=tp,
-                         tp_size=self.tp_size, pp_rank=pp, pp_size=self.pp_size,
-                         kind=kind)  # fmt: skip
+        """This rank's namespace; with MLA every TP rank shares ``tp0of1``."""
+        return namespace(self.ident, self.dtype, self.layout, self.block,
+                         tp_rank=0 if self.mla else tp, tp_size=self._tp_shards,
+                         pp_rank=pp, pp_size=self.pp_size, kind=kind)  # fmt: skip
 
     def all_ns(self, kind: str = "kv") -> list[str]:
         return rank_namespaces(self.ident, self.dtype, self.layout, self.block,
-                               self.tp_size, self.pp_size, kind)  # fmt: skip
+                               self._tp_shards, self.pp_size, kind)  # fmt: skip
 
 
 def make_setup(vllm_config: Any, kv_cache_config: Any, kv_transfer_config: Any) -> Setup:
@@ -300,4 +306,5 @@ def make_setup(vllm_config: Any, kv_cache_config: Any, kv_transfer_config: Any) 
         active=why is None,
         tp_size=int(par.tensor_parallel_size),
         pp_size=int(par.pipeline_parallel_size),
+        mla=bool(getattr(mc, "use_mla", False)),
     )

@@ -1,20 +1,36 @@
 """The worker side of the vLLM connector: moves block bytes between vLLM's paged KV
-cache and the store.
+cache and the store, through the block mover of :mod:`..blockcopy`.
 
-Zero copy (default): each layer tensor gets one byte view of its memory at
-``register_kv_caches``; a block is the list of its per-layer runs (K and V apart
-for split layouts), given to the client's multi-part calls: ``start_load_kv``
-starts one ``batch_get_into_parts`` per request straight into its blocks (in-flight
-bytes capped by ``max_pending_load_mb``), ``get_transfer_results`` reports it when
-done; ``wait_for_save`` hands the step's block ids to a background writer (one
-``batch_put_parts`` reading the cache). Since the writer reads the cache after the
-step, a finished request's blocks are held (the scheduler's ``request_finished``
-returns True) until :meth:`WorkerSide.finished_sends` reports its writes done, and
-``handle_preemptions`` waits for writes of preempted requests. Layouts whose block
-is not one run of CPU memory (or ``zero_copy: false``) use the staging path: one
-``index_select`` per layer into a staging buffer, one ``index_copy_`` back; the
-stored bytes are the same. The two store calls are :meth:`WorkerSide._get` and
-:meth:`WorkerSide._put_rows`.
+Two paths, one stored byte order (a block written by one reads with the other):
+
+- **Host zero copy** (a CPU cache whose blocks are one run of memory each, and
+  ``zero_copy`` on): each block is the list of its per-layer runs in the cache,
+  given to the client's multi-part calls: ``start_load_kv`` starts one
+  ``batch_get_into_parts`` per request straight into its blocks (in-flight bytes
+  capped by ``max_pending_load_mb``); the background writer does one
+  ``batch_put_parts`` reading the cache.
+- **Mover** (a CUDA cache, a CPU layout that is not one run per block, or
+  ``zero_copy`` off): rows allocated once at ``register_kv_caches``
+  (``staging_mb`` per direction: pinned host rows, and on CUDA as many device
+  rows). A save's step hook only records an event on the forward's stream; the
+  background writer gathers the blocks into device rows on a side stream that
+  waits for that event, downloads them to the pinned rows (DMA), waits for the
+  ticket (in its own thread) and puts the rows. A load runs in the loader thread:
+  the store's bytes land in the pinned rows, are uploaded and scattered into the
+  cache on the load stream; the request is reported finished receiving only once
+  that ticket is done (``load_mode: sync``: the forward's stream waits for it,
+  the host does not). Transfers larger than the rows go in chunks.
+
+Since the writer reads the cache after the step, a finished request's blocks are
+held (the scheduler's ``request_finished`` returns True) until
+:meth:`WorkerSide.finished_sends` reports its writes done, and
+``handle_preemptions`` waits for writes of preempted requests. Nothing in the
+forward's hooks synchronizes the device, and nothing runs while a CUDA graph is
+being captured.
+
+MLA at tensor parallel > 1: every rank holds the same latent cache, so all ranks
+share one namespace (``tp0of1``), each rank writes the blocks whose index is its
+rank modulo the TP size, and every rank loads them all.
 
 Hybrid models: a stored KV value is one block of every layer of the attention
 groups; a stored state value is one block of every layer of the state groups (the
@@ -28,16 +44,16 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import logging
-import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 from ...keys import leading_run
+from .. import blockcopy as bc
 from ..holder import ClientHolder
 from ..naming import STATE_KIND
 from ..planning import StagingBudget
@@ -48,134 +64,64 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class _Layer:
-    """One layer's cache tensor and where its part of a block sits in a stored
-    value; ``group``: the position of its cache group among the attention groups
-    (KV layers) or the state groups (state layers)."""
+class _Rows:
+    """Rows allocated once for the mover path: host rows (pinned where CUDA is
+    present) with a byte view per row, and on CUDA as many device rows."""
 
-    tensor: Any
-    offset: int
-    nbytes: int
-    kv_split: bool  # (2, num_blocks, ...) instead of (num_blocks, ...)
-    group: int = 0
-    flat: Any = None  # the tensor's storage as one writable byte view (zero copy), or None
-    planes: tuple[int, ...] = ()  # byte offset of block 0 in each plane (K, V) of ``flat``
-    stride: int = 0  # bytes from one block to the next in ``flat``
-    why_not: str = ""  # why ``flat`` is None (the staging path is used)
+    host: Any
+    views: list[memoryview]
+    dev: Any = None
 
-    def parts(self, block: int) -> list[memoryview]:
-        """Block ``block`` of this layer as byte views of the cache itself, in stored
-        order (K then V for split layouts); needs ``flat``."""
-        n = self.nbytes // len(self.planes)
-        at = block * self.stride
-        return [self.flat[p + at : p + at + n] for p in self.planes]
-
-    def typed(self, staging: Any) -> Any:
-        """The layer's part of each staging row, typed and shaped like its blocks
-        (one row per block; K/V-split layers as (rows, 2, ...))."""
-        t = self.tensor
-        part = staging[:, self.offset : self.offset + self.nbytes].view(t.dtype)
-        inner = (2, *t.shape[2:]) if self.kv_split else tuple(t.shape[1:])
-        return part.view(staging.shape[0], *inner)
-
-    def gather(self, idx: list[Any], staging: Any) -> None:
-        """Blocks ``idx[group]`` of the cache -> staging rows (one index_select)."""
-        t, i = self.tensor, idx[self.group]
-        if self.kv_split:
-            self.typed(staging).copy_(t.index_select(1, i).transpose(0, 1))
-        else:
-            self.typed(staging).copy_(t.index_select(0, i))
-
-    def scatter(self, idx: list[Any], staging: Any) -> None:
-        """Staging rows -> blocks ``idx[group]`` of the cache (one index_copy_)."""
-        i = idx[self.group]
-        if self.kv_split:
-            self.tensor.index_copy_(1, i, self.typed(staging).transpose(0, 1))
-        else:
-            self.tensor.index_copy_(0, i, self.typed(staging))
+    @property
+    def cap(self) -> int:
+        return int(self.host.shape[0])
 
 
-def describe_layer(t: Any, num_blocks: int, offset: int, group: int = 0) -> _Layer:
-    """How a layer's cache tensor holds blocks: block-major or K/V-split."""
-    if t.shape[0] == num_blocks:
-        split = False
-        per = math.prod(t.shape[1:])
-    elif t.dim() > 1 and t.shape[0] == 2 and t.shape[1] == num_blocks:
-        split = True
-        per = 2 * math.prod(t.shape[2:])
-    else:
-        raise ValueError(f"unknown KV cache layout {tuple(t.shape)} for {num_blocks} blocks")
-    layer = _Layer(t, offset, per * t.element_size(), split, group)
-    _zero_copy_view(layer)
-    return layer
+def _make_rows(cap: int, width: int, device: Any, on_device: bool) -> _Rows:
+    host = bc.pinned_rows(cap, width)
+    views = [memoryview(host[i].numpy()) for i in range(cap)]
+    dev = torch.empty((cap, width), dtype=torch.uint8, device=device) if on_device else None
+    return _Rows(host, views, dev)
 
 
-def _zero_copy_view(layer: _Layer) -> None:
-    """Sets ``layer.flat`` when each block of the layer (each K and V block of a
-    split layout) is one contiguous run of CPU memory, else ``why_not``."""
-    t = layer.tensor
-    if t.device.type != "cpu":
-        layer.why_not = f"its cache is on {t.device}, not in CPU memory"
-        return
-    if t.shape[1 if layer.kv_split else 0] == 0:
-        layer.why_not = "it has no blocks"
-        return
-    block = t[0, 0] if layer.kv_split else t[0]
-    if not block.is_contiguous():
-        shape, strides = tuple(t.shape), t.stride()
-        layer.why_not = f"a block is not one run of memory (shape {shape}, strides {strides})"
-        return
-    storage = t.untyped_storage()
-    base = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
-    es = t.element_size()
-    first = t.storage_offset() * es
-    layer.flat = memoryview(base.numpy())
-    if layer.kv_split:
-        layer.planes = (first, first + t.stride(0) * es)
-        layer.stride = t.stride(1) * es
-    else:
-        layer.planes = (first,)
-        layer.stride = t.stride(0) * es
+@dataclass(slots=True)
+class _Loaded:
+    """What a mover-path load job got: KV flags, state flags (None: no state),
+    and the ticket of its last copy into the cache."""
 
-
-def block_parts(layers: list[_Layer], idx: list[list[int]], row: int) -> list[memoryview]:
-    """Row ``row`` of a transfer as the list of its parts in the cache: every layer
-    in order (the stored byte order), block ``idx[layer.group][row]`` of each."""
-    return [v for layer in layers for v in layer.parts(idx[layer.group][row])]
-
-
-def _ids(groups: list[list[int]]) -> list[Any]:
-    return [torch.tensor(g, dtype=torch.long) for g in groups]
+    flags: list[bool]
+    state: list[bool] | None
+    ticket: bc.Ticket
 
 
 @dataclass
 class _PendingLoad:
     transfer: Transfer
-    staging: Any
-    state_staging: Any
     nbytes: int
-    future: cf.Future[list[bool]]
-    state_future: cf.Future[list[bool]] | None
     started: float
+    future: cf.Future[list[bool]] | None = None  # zero copy: the client's read
+    state_future: cf.Future[list[bool]] | None = None
+    job: cf.Future[_Loaded] | None = None  # mover path: the loader's job
 
     def done(self) -> bool:
+        if self.job is not None:
+            return self.job.done() and (self.job.exception() is not None
+                                        or self.job.result().ticket.done())  # fmt: skip
+        assert self.future is not None
         return self.future.done() and (self.state_future is None or self.state_future.done())
 
 
 @dataclass
 class _StepSave:
-    """One step's saves: staging rows (staging path) or, zero copy, the block ids
-    the background writer reads straight from the cache (``staging`` None)."""
+    """One step's saves: the rows (request, index, hash), the block ids per group,
+    and (CUDA) the event marking the end of the step's forward on its stream."""
 
     refs: list[tuple[str, int, bytes]]  # (req_id, index, hash), row order
     ids: list[list[int]]  # per attention group, the block ids of the rows
-    staging: Any
     state_refs: list[tuple[str, int, bytes]]
     state_ids: list[list[int]]
-    state_staging: Any
     nbytes: int
-    layers_done: set[str] = field(default_factory=set)
-    idx: list[Any] = field(default_factory=list)  # ``ids`` as index tensors (staging)
+    ready: Any = None
 
     def requests(self) -> list[str]:
         return [r for r, _, _ in self.refs] + [r for r, _, _ in self.state_refs]
@@ -189,6 +135,7 @@ class WorkerSide:
         self.s = setup
         self._interval = interval
         tp, _, pp, _ = ranks
+        self._tp = tp
         self.ns = setup.ns(tp, pp)
         self.state_ns = setup.ns(tp, pp, STATE_KIND)
         self._num_blocks = int(kv_cache_config.num_blocks)
@@ -200,8 +147,8 @@ class WorkerSide:
             for name in kv_cache_config.kv_cache_groups[g].layer_names:
                 self._group_of[name] = ("state", j)
         self._holder = ClientHolder(setup.cfg.master, setup.cfg.timeout_s)
-        self._layers: dict[str, _Layer] = {}
-        self._state_layers: dict[str, _Layer] = {}
+        self._layers: dict[str, bc.LayerGeometry] = {}
+        self._state_layers: dict[str, bc.LayerGeometry] = {}
         self._block_bytes = 0
         self._state_bytes = 0
         self._budget = StagingBudget(setup.cfg.max_pending_load_mb << 20)
@@ -213,75 +160,94 @@ class WorkerSide:
         self._step: _StepSave | None = None
         self._step_seen = False
         self._save_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
+        self._load_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
         self._save_futs: list[cf.Future[None]] = []
         self._pending_save_bytes = 0
         self._save_lock = threading.Lock()
-        # Delayed freeing (zero-copy saves read the cache after the step): requests
-        # that had saves planned, their saves not yet written, and those finished.
+        # Delayed freeing (saves read the cache after the step): requests that had
+        # saves planned, their saves not yet written, and those finished.
         self._saving: dict[str, int] = {}
         self._had_saves: set[str] = set()
         self._finishing: set[str] = set()
         self._zero_copy = False
-        self.staging_allocs = 0  # staging buffers made (0 in steady state, zero copy)
+        self.mover: bc.HostMover | bc.CudaMover = bc.HostMover()
+        self._rows: dict[str, _Rows] = {}  # "load", "save", "state_load", "state_save"
+        self._last_load: bc.Ticket = bc.DONE  # the loader's last copy out of its rows
         self._holder.start()
 
     # ---- set-up ------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Once: the paged cache tensors, one per layer (in model order); a state
-        layer may hold several tensors (e.g. conv and SSM state)."""
+        layer may hold several tensors (e.g. conv and SSM state). Allocates the
+        mover path's rows (never again afterwards)."""
         if not self.s.active:
             return
         off = {"kv": 0, "state": 0}
+        device = None
         for name, value in kv_caches.items():
             kind, group = self._group_of.get(name, ("kv", 0))
             tensors = list(value) if isinstance(value, list | tuple) else [value]
             for i, t in enumerate(tensors):
-                layer = describe_layer(t, self._num_blocks, off[kind], group)
+                layer = bc.describe(t, self._num_blocks, off[kind], group)
                 key = name if len(tensors) == 1 else f"{name}#{i}"
                 (self._layers if kind == "kv" else self._state_layers)[key] = layer
                 off[kind] += layer.nbytes
+                device = t.device if device is None else device
         self._block_bytes, self._state_bytes = off["kv"], off["state"]
         every = [*self._layers.items(), *self._state_layers.items()]
         why = next((f"layer {n}: {ly.why_not}" for n, ly in every if ly.flat is None), "")
         if not self.s.cfg.zero_copy:
             why = "zero_copy is off in the connector's config"
         self._zero_copy = not why
-        if why:
-            log.warning("kvstore connector: blocks go through a staging copy: %s", why)
+        if why and device is not None:
+            self.mover = bc.mover_for(device)
+            self._make_all_rows(device)
+            path = "CUDA streams" if self.mover.device_rows else "staging rows"
+            log.info("kvstore connector: blocks move through %s: %s", path, why)
         log.info("kvstore connector: %d KV layers (%d bytes per block), %d state tensors "
                  "(%d bytes per state), namespace %s", len(self._layers), off["kv"],
                  len(self._state_layers), off["state"], self.ns)  # fmt: skip
 
-    def _staging(self, n: int, width: int) -> Any:
-        self.staging_allocs += 1
-        return torch.empty((n, width), dtype=torch.uint8)
+    def _make_all_rows(self, device: Any) -> None:
+        budget = self.s.cfg.staging_mb << 20
+        on_dev = self.mover.device_rows
+        if self._block_bytes:
+            cap = max(1, budget // self._block_bytes)
+            for d in ("load", "save"):
+                self._rows[d] = _make_rows(cap, self._block_bytes, device, on_dev)
+        if self._state_bytes:
+            cap = max(1, min(64, budget // self._state_bytes))
+            for d in ("state_load", "state_save"):
+                self._rows[d] = _make_rows(cap, self._state_bytes, device, on_dev)
 
     def _parts(self, state: bool, ids: list[list[int]], n: int) -> list[list[memoryview]]:
         layers = list((self._state_layers if state else self._layers).values())
-        return [block_parts(layers, ids, row) for row in range(n)]
+        return [bc.value_views(layers, ids, row) for row in range(n)]
 
     # ---- loads --------------------------------------------------------------------
 
-    def _get(self, ns: str, hashes: list[bytes], dest: Any) -> cf.Future[list[bool]]:
-        """The one store read: blocks ``hashes`` into ``dest`` (a future): the
-        staging rows (a tensor), or zero copy, per block the list of its parts in
-        the cache (one multi-part read)."""
+    def _get(self, ns: str, hashes: list[bytes], dest: list[Any]) -> cf.Future[list[bool]]:
+        """The one store read: blocks ``hashes`` into ``dest`` (a future): per block
+        the list of its parts in the cache (zero copy: one multi-part read), or a
+        byte view of a host row (mover path)."""
         client = self._holder.get()
         if client is None:
             fut: cf.Future[list[bool]] = cf.Future()
             fut.set_result([False] * len(hashes))
             return fut
-        if isinstance(dest, list):
+        if dest and isinstance(dest[0], list):
             return client.batch_get_into_parts(ns, hashes, dest)
-        bufs = [memoryview(dest[i].numpy()) for i in range(len(hashes))]
-        return client.batch_get_into(ns, hashes, bufs)
+        return client.batch_get_into(ns, hashes, dest)
 
     def start_load_kv(self, meta: Any) -> None:
         """Each step: queue this step's loads and start those the staging cap allows.
         Never blocks on the store, except with ``load_mode: sync``: then it returns
-        once every load of the step is in the cache (or failed: its blocks are
-        reported by :meth:`block_ids_with_load_errors` and vLLM recomputes them)."""
+        once every load of the step is in the cache, or on CUDA queued before the
+        forward on its stream (a failed one's blocks are reported by
+        :meth:`block_ids_with_load_errors` and vLLM recomputes them)."""
+        if bc.capturing():
+            return
         if isinstance(meta, KVStoreConnectorMetadata):
             self._queued.extend(meta.loads)
             self.note_saves(meta)
@@ -290,14 +256,18 @@ class WorkerSide:
             self._finish_all_loads()
 
     def _finish_all_loads(self) -> None:
-        """``load_mode: sync``: wait for every started and queued load and copy it
-        into the cache. Each wait is bounded by the client's deadline (``timeout_s``);
-        these requests are running, so they are never reported as finished
-        receiving, only their failed blocks."""
+        """``load_mode: sync``: wait for every started and queued load (each wait is
+        bounded by the client's deadline, ``timeout_s``); on CUDA the forward's
+        stream then waits for their copies. These requests are running, so they
+        are never reported as finished receiving, only their failed blocks."""
         while self._loads or self._queued:
             for rid in list(self._loads):
                 pl = self._loads.pop(rid)
-                self._finish_load(pl)  # waits for its futures
+                if pl.job is not None:
+                    cf.wait([pl.job])
+                    if pl.job.exception() is None and isinstance(self.mover, bc.CudaMover):
+                        self.mover.join(pl.job.result().ticket)
+                self._finish_load(pl)
                 record(NAME, self._interval, "sync_loaded_blocks", len(pl.transfer.hashes))
             self._start_queued()
 
@@ -310,23 +280,71 @@ class WorkerSide:
                 return
             self._queued.popleft()
             state_hash = self._fault(tr)
-            n = len(tr.hashes)
-            staging, st_staging, st_fut = None, None, None
-            if self._zero_copy:
-                fut = self._get(self.ns, tr.hashes, self._parts(False, tr.block_ids, n))
+            pl = _PendingLoad(tr, nbytes, time.perf_counter())
+            if not self._zero_copy:
+                pl.job = self._load_pool.submit(self._load_job, tr, state_hash)
             else:
-                staging = self._staging(n, self._block_bytes)
-                fut = self._get(self.ns, tr.hashes, staging)
-            if state_hash is not None and tr.state_ids is not None:
-                sids = [[b] for b in tr.state_ids]
-                if self._zero_copy:
-                    st_fut = self._get(self.state_ns, [state_hash], self._parts(True, sids, 1))
-                else:
-                    st_staging = self._staging(1, self._state_bytes)
-                    st_fut = self._get(self.state_ns, [state_hash], st_staging)
-            self._loads[tr.req_id] = _PendingLoad(
-                tr, staging, st_staging, nbytes, fut, st_fut, time.perf_counter()
-            )
+                n = len(tr.hashes)
+                pl.future = self._get(self.ns, tr.hashes, self._parts(False, tr.block_ids, n))
+                if state_hash is not None and tr.state_ids is not None:
+                    sids = [[b] for b in tr.state_ids]
+                    pl.state_future = self._get(self.state_ns, [state_hash],
+                                                self._parts(True, sids, 1))  # fmt: skip
+            self._loads[tr.req_id] = pl
+
+    def _load_job(self, tr: Transfer, state_hash: bytes | None) -> _Loaded:
+        """Loader thread (mover path): fetch into the host rows chunk by chunk, copy
+        each chunk's leading run into the cache; stops at the first miss."""
+        flags: list[bool] = []
+        tickets: list[bc.Ticket] = []
+        n = len(tr.hashes)
+        layers = list(self._layers.values())
+        rows = self._rows.get("load")
+        at = 0
+        while rows is not None and at < n:
+            k = min(rows.cap, n - at)
+            got = self._fetch(self.ns, tr.hashes[at : at + k], rows)
+            flags += got
+            run = leading_run(got)
+            if run:
+                tickets.append(self._land(layers, [g[at : at + run] for g in tr.block_ids],
+                                          rows, run))  # fmt: skip
+            if run < k:
+                break
+            at += k
+        flags += [False] * (n - len(flags))
+        state: list[bool] | None = None
+        srows = self._rows.get("state_load")
+        if state_hash is not None and tr.state_ids is not None and srows is not None:
+            state = [False]
+            if all(flags):
+                state = self._fetch(self.state_ns, [state_hash], srows)
+                if state[0]:
+                    slayers = list(self._state_layers.values())
+                    tickets.append(self._land(slayers, [[b] for b in tr.state_ids], srows, 1))
+        return _Loaded(flags, state, bc.AllTickets(tickets))
+
+    def _fetch(self, ns: str, hashes: list[bytes], rows: _Rows) -> list[bool]:
+        """Blocks ``hashes`` into the first host rows (once the last copy out of
+        them is done); a failed read is a miss."""
+        self._last_load.wait()
+        try:
+            return list(self._get(ns, hashes, rows.views[: len(hashes)]).result())
+        except Exception as e:
+            log.warning("kvstore load of %d blocks failed: %s", len(hashes), e)
+            return [False] * len(hashes)
+
+    def _land(self, layers: list[bc.LayerGeometry], ids: list[list[int]], rows: _Rows,
+              k: int) -> bc.Ticket:  # fmt: skip
+        """Host rows ``[:k]`` -> the cache's blocks ``ids`` (through device rows on CUDA)."""
+        m = self.mover
+        if m.device_rows:
+            m.upload([rows.host], rows.dev[:k])
+            t = m.scatter(layers, ids, rows.dev[:k])
+        else:
+            t = m.scatter(layers, ids, rows.host[:k])
+        self._last_load = t
+        return t
 
     def _fault(self, tr: Transfer) -> bytes | None:
         """Tests only (``test_fault_file``, a JSON object read before each load):
@@ -361,25 +379,32 @@ class WorkerSide:
             log.warning("kvstore load for %s failed: %s", rid, e)
             return [False] * n
 
-    def _finish_load(self, pl: _PendingLoad) -> bool:
-        """Copy what arrived into the cache; False when some of it did not. A hybrid
-        load is all or nothing: KV blocks without their state are never used."""
+    def _outcome(self, pl: _PendingLoad) -> tuple[list[bool], list[bool] | None]:
         tr = pl.transfer
-        flags = self._result(pl.future, len(tr.hashes), tr.req_id)
+        if pl.job is None:
+            flags = self._result(pl.future, len(tr.hashes), tr.req_id)
+            state = None
+            if pl.state_future is not None:
+                state = self._result(pl.state_future, 1, tr.req_id)
+            return flags, state
+        try:
+            got = pl.job.result()
+            return got.flags, got.state
+        except Exception as e:
+            log.warning("kvstore load for %s failed: %s", tr.req_id, e)
+            return [False] * len(tr.hashes), None if tr.state_hash is None else [False]
+
+    def _finish_load(self, pl: _PendingLoad) -> bool:
+        """Account for a load whose bytes are in the cache; False when some did not
+        arrive. A hybrid load is all or nothing: KV blocks without their state are
+        never used."""
+        tr = pl.transfer
+        flags, state = self._outcome(pl)
         ok = leading_run(flags)
-        state_ok = pl.state_future is None or all(self._result(pl.state_future, 1, tr.req_id))
-        if pl.state_future is not None and not (state_ok and ok == len(flags)):
+        state_ok = state is None or all(state)
+        if state is not None and not (state_ok and ok == len(flags)):
             ok, state_ok = 0, False
-        if ok and pl.staging is not None:  # zero copy: the blocks are in place
-            rows = pl.staging[:ok]
-            idx = _ids([ids[:ok] for ids in tr.block_ids])
-            for layer in self._layers.values():
-                layer.scatter(idx, rows)
-        if pl.state_future is not None and state_ok and tr.state_ids is not None:
-            if pl.state_staging is not None:
-                sidx = _ids([[b] for b in tr.state_ids])
-                for layer in self._state_layers.values():
-                    layer.scatter(sidx, pl.state_staging)
+        if state is not None and state_ok:
             record(NAME, self._interval, "loaded_states", 1)
         self._budget.release(pl.nbytes)
         secs = time.perf_counter() - pl.started
@@ -400,8 +425,9 @@ class WorkerSide:
         return True
 
     def done_loads(self) -> tuple[set[str], set[str]]:
-        """Non-blocking: (requests whose loads are complete, those of them that
-        lost blocks). Starts queued loads as staging frees up."""
+        """Non-blocking: (requests whose loads are complete, their bytes in the
+        cache, and those of them that lost blocks). Starts queued loads as staging
+        frees up."""
         done = {rid for rid, pl in self._loads.items() if pl.done()}
         failed = {rid for rid in done if not self._finish_load(self._loads.pop(rid))}
         if done:
@@ -449,12 +475,18 @@ class WorkerSide:
     def handle_preemptions(self, meta: Any) -> None:
         """Before a step's forward: a preempted request's blocks are freed at once
         and may be overwritten by this step, so wait for writes still reading them
-        (zero copy only; rare, bounded by ``timeout_s``)."""
+        (rare, bounded by ``timeout_s``)."""
         gone = getattr(meta, "preempted", None) or ()
         with self._save_lock:
             busy = any(self._saving.get(r) for r in gone)
         if busy and not self.drain_saves(self.s.cfg.timeout_s):
             log.warning("kvstore connector: saves of preempted requests still running")
+
+    def _striped(self, index: int) -> bool:
+        """MLA at TP > 1: this rank writes the blocks whose index is its rank
+        modulo the TP size (all ranks hold the same latent cache)."""
+        tps = self.s.tp_size
+        return not (self.s.mla and tps > 1) or index % tps == self._tp
 
     def _begin_save(self, meta: Any) -> _StepSave | None:
         self._step_seen = True
@@ -463,11 +495,18 @@ class WorkerSide:
         self.note_saves(meta)
         saves = meta.saves
         states = meta.state_saves if self._state_layers else []
-        if not saves and not states:
-            return None
-        refs = [(t.req_id, i, h) for t in saves for i, h in zip(t.indices, t.hashes, strict=True)]
         groups = max(1, len(self.s.attn_groups))
-        ids = [[b for t in saves for b in t.block_ids[j]] for j in range(groups)]
+        refs: list[tuple[str, int, bytes]] = []
+        ids: list[list[int]] = [[] for _ in range(groups)]
+        for t in saves:
+            for row, (i, h) in enumerate(zip(t.indices, t.hashes, strict=True)):
+                if self._striped(i):
+                    refs.append((t.req_id, i, h))
+                    for j in range(groups):
+                        ids[j].append(t.block_ids[j][row])
+        states = [x for x in states if self._striped(x.index)]
+        if not refs and not states:
+            return None
         srefs = [(x.req_id, x.index, x.hash) for x in states]
         sids = [[x.block_ids[j] for x in states] for j in range(len(self.s.state_groups))]
         need = len(refs) * self._block_bytes + len(srefs) * self._state_bytes
@@ -478,44 +517,27 @@ class WorkerSide:
             record(NAME, self._interval, "dropped_save_blocks", len(refs) + len(srefs))
             self._report_saves(refs, [False] * len(refs))
             return None
-        if self._zero_copy:  # the writer reads the cache itself: nothing to gather
-            self._step = _StepSave(refs, ids, None, srefs, sids, None, need)
-        else:
-            self._step = _StepSave(
-                refs, ids, self._staging(len(refs), self._block_bytes),
-                srefs, sids, self._staging(len(srefs), self._state_bytes) if srefs else None,
-                need,
-            )  # fmt: skip
-            self._step.idx = _ids(ids)
+        self._step = _StepSave(refs, ids, srefs, sids, need)
         return self._step
 
     def save_kv_layer(self, layer_name: str, meta: Any) -> None:
-        """After each attention layer: gather this layer's new blocks from the
-        registered KV tensor (the only time the forward waits)."""
-        step = self._step if self._step_seen else self._begin_save(meta)
-        if step is None or step.staging is None or not step.refs:
-            return
-        layer = self._layers.get(layer_name)
-        if layer is not None and layer_name not in step.layers_done:
-            layer.gather(step.idx, step.staging)
-            step.layers_done.add(layer_name)
+        """After each attention layer: only plans the step's saves (once); every
+        copy happens after the forward, in the background writer."""
+        if not self._step_seen and not bc.capturing():
+            self._begin_save(meta)
 
     def wait_for_save(self, meta: Any) -> None:
-        """Once per step: gather the layers the forward did not report and this
-        step's boundary states, and hand them to the background writer; returns
-        without waiting for the store."""
+        """Once per step: hand this step's blocks and boundary states to the
+        background writer; returns without waiting for the store or the device (on
+        CUDA it only records an event on the forward's stream)."""
+        if bc.capturing():
+            return
         step = self._step if self._step_seen else self._begin_save(meta)
         self._step, self._step_seen = None, False
         if step is None:
             return
-        if step.refs and step.staging is not None:
-            for name, layer in self._layers.items():
-                if name not in step.layers_done:
-                    layer.gather(step.idx, step.staging)
-        if step.state_refs and step.state_staging is not None:
-            sidx = _ids(step.state_ids)
-            for layer in self._state_layers.values():
-                layer.gather(sidx, step.state_staging)
+        if isinstance(self.mover, bc.CudaMover):
+            step.ready = self.mover.mark()
         with self._save_lock:
             self._pending_save_bytes += step.nbytes
             for r in step.requests():
@@ -524,20 +546,44 @@ class WorkerSide:
         self._save_futs = [f for f in self._save_futs if not f.done()]
         self._save_futs.append(fut)
 
-    def _put_rows(self, client: Any, ns: str, hashes: list[bytes], src: Any) -> list[bool]:
-        """The one store write: one batched put of ``src`` (the staging rows, or zero
-        copy, per block the list of its parts in the cache); True per block that is
+    def reset_capture_state(self) -> None:
+        """After CUDA graph capture: forget a step planned while capturing."""
+        self._step, self._step_seen = None, False
+
+    def _put_rows(self, client: Any, ns: str, hashes: list[bytes], src: list[Any]) -> list[bool]:
+        """The one store write: one batched put of ``src`` (per block the list of
+        its parts in the cache, or a host row's byte view); True per block that is
         in the store afterwards (written now, or already there by another writer)."""
-        if isinstance(src, list):
+        if src and isinstance(src[0], list):
             ok = list(client.batch_put_parts(ns, hashes, src))
         else:
-            views = [memoryview(src[row].numpy()) for row in range(len(hashes))]
-            ok = list(client.batch_put(ns, hashes, views))
+            ok = list(client.batch_put(ns, hashes, src))
         rest = [i for i, s in enumerate(ok) if not s]
         if rest:  # already there (another writer), or its worker was down?
             there = client.batch_exists(ns, [hashes[i] for i in rest])
             for i, t in zip(rest, there, strict=True):
                 ok[i] = t
+        return ok
+
+    def _put_moved(self, client: Any, ns: str, layers: list[bc.LayerGeometry],
+                   hashes: list[bytes], ids: list[list[int]], rows: _Rows,
+                   ready: Any) -> list[bool]:  # fmt: skip
+        """Mover path, writer thread: gather chunk by chunk into the rows (on CUDA
+        into device rows after ``ready``, then one DMA to the pinned rows), wait for
+        the ticket here, then put the rows."""
+        ok: list[bool] = []
+        m = self.mover
+        for at in range(0, len(hashes), rows.cap):
+            k = min(rows.cap, len(hashes) - at)
+            chunk = [g[at : at + k] for g in ids]
+            if isinstance(m, bc.CudaMover):
+                m.gather(layers, chunk, rows.dev[:k], after=ready)
+                t = m.download(rows.dev[:k], [rows.host])
+            else:
+                t = m.gather(layers, chunk, rows.host[:k])
+            if not t.wait(self.s.cfg.timeout_s):
+                raise TimeoutError("the device copy of a save did not complete")
+            ok += self._put_rows(client, ns, hashes[at : at + k], rows.views[:k])
         return ok
 
     def _put(self, step: _StepSave) -> None:
@@ -549,18 +595,12 @@ class WorkerSide:
             client = self._holder.get(wait=self.s.cfg.timeout_s)
             if client is not None:
                 if hashes:
-                    src = step.staging
-                    if src is None:
-                        src = self._parts(False, step.ids, len(hashes))
-                    ok = self._put_rows(client, self.ns, hashes, src)
+                    ok = self._write(client, False, hashes, step.ids, step.ready)
                     record(NAME, self._interval, "stored_blocks", sum(ok))
                     record(NAME, self._interval, "stored_bytes", sum(ok) * self._block_bytes)
                 if step.state_refs:
-                    ssrc = step.state_staging
-                    if ssrc is None:
-                        ssrc = self._parts(True, step.state_ids, len(step.state_refs))
-                    st = self._put_rows(client, self.state_ns, [h for _, _, h in step.state_refs],
-                                        ssrc)  # fmt: skip
+                    sh = [h for _, _, h in step.state_refs]
+                    st = self._write(client, True, sh, step.state_ids, step.ready)
                     record(NAME, self._interval, "stored_states", sum(st))
             record(NAME, self._interval, "store_seconds", time.perf_counter() - t0)
         except Exception as e:  # a full store or a bug: the blocks are simply not cached
@@ -577,6 +617,15 @@ class WorkerSide:
                     else:
                         self._saving.pop(r, None)
 
+    def _write(self, client: Any, state: bool, hashes: list[bytes], ids: list[list[int]],
+               ready: Any) -> list[bool]:  # fmt: skip
+        ns = self.state_ns if state else self.ns
+        if self._zero_copy:
+            return self._put_rows(client, ns, hashes, self._parts(state, ids, len(hashes)))
+        layers = list((self._state_layers if state else self._layers).values())
+        rows = self._rows["state_save" if state else "save"]
+        return self._put_moved(client, ns, layers, hashes, ids, rows, ready)
+
     def drain_saves(self, timeout: float) -> bool:
         futs = list(self._save_futs)
         if not futs:
@@ -587,4 +636,5 @@ class WorkerSide:
     def shutdown(self) -> None:
         self.drain_saves(self.s.cfg.timeout_s)
         self._save_pool.shutdown(wait=False, cancel_futures=True)
+        self._load_pool.shutdown(wait=False, cancel_futures=True)
         self._holder.close()
