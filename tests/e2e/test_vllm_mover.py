@@ -118,10 +118,12 @@ def test_writer_waits_for_its_copy_and_preemption_waits_for_the_writer(
             assert cl.batch_exists(ws.ns, hs) == [False, False]  # no put before the copy
         assert ws.finished_sends({"r"}) == set()  # its blocks stay held
         waited = threading.Event()
-        pre = threading.Thread(
-            target=lambda: (ws.handle_preemptions(SimpleNamespace(preempted=["r"])),
-                            waited.set()),  # fmt: skip
-        )
+
+        def preempt() -> None:
+            ws.handle_preemptions(SimpleNamespace(preempted=["r"]))
+            waited.set()
+
+        pre = threading.Thread(target=preempt)
         pre.start()
         time.sleep(0.3)
         assert not waited.is_set()  # the preempted request's blocks are still being read

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 from kvstore_client import Client, block_hashes  # noqa: E402
+from kvstore_client.connectors import blockcopy as bc  # noqa: E402
 from kvstore_client.connectors.config import ConnectorConfig  # noqa: E402
 from kvstore_client.connectors.naming import ModelIdentity  # noqa: E402
 from kvstore_client.connectors.stats import Counters  # noqa: E402
@@ -26,7 +27,6 @@ from kvstore_client.connectors.vllm.common import (  # noqa: E402
     Setup,
     Transfer,
 )
-from kvstore_client.connectors import blockcopy as bc  # noqa: E402
 from kvstore_client.connectors.vllm.worker import WorkerSide  # noqa: E402
 
 NB = 16
