@@ -134,6 +134,26 @@ def test_generic_calls_round_trip(make_cluster: Any) -> None:
     assert b.set(keys[5], vals[5]) and b.batch_exists(keys) == 4  # key 4 still missing
 
 
+def test_reads_land_in_targets_that_are_not_one_run_of_host_memory(make_cluster: Any) -> None:
+    """A target that is a strided view (or on another device) cannot be read into
+    directly: the bytes go through a temporary and are copied into the target,
+    never left in a copy the caller does not see."""
+    c = make_cluster(workers=2)
+    b = make_backend(c.address)
+    keys = [f"strided-{i}" for i in range(3)]
+    vals = [torch.randn(4, 8) for _ in keys]
+    assert b.batch_set(keys, vals)
+    base = torch.zeros(3, 8, 4)
+    dst = [base[i].t() for i in range(3)]  # (4, 8) views, not contiguous
+    assert not dst[0].is_contiguous()
+    got = b.batch_get(keys, dst)
+    for i in range(3):
+        assert got[i] is dst[i] and torch.equal(dst[i], vals[i])
+    assert torch.equal(base[1].t(), vals[1])  # the caller's memory holds the bytes
+    miss = torch.zeros(4, 8).t()
+    assert b.batch_get(["absent-key"], [miss]) == [None] and not miss.any()
+
+
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_zero_copy_page_calls(make_cluster: Any, layout: str) -> None:
     c = make_cluster(workers=2)

@@ -67,12 +67,44 @@ def _view(ptr: int, size: int) -> memoryview:
     return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
 
 
+def _direct(t: Any) -> bool:
+    """True when ``t`` is one run of host memory, readable and writable in place."""
+    return bool(t.device.type == "cpu" and t.is_contiguous())
+
+
 def _tensor_bytes(t: Any) -> memoryview:
-    """A memoryview of a CPU tensor's bytes (made contiguous if it is not)."""
+    """A memoryview of a tensor's bytes to write from: the tensor itself when it is
+    one run of host memory, else a host copy of it (another device, or strided)."""
     t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
+    if not _direct(t):
+        t = t.to("cpu").contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _read_targets(targets: list[Any]) -> tuple[list[memoryview], list[tuple[int, Any, Any]]]:
+    """Byte views to read into, one per target: the target itself when it is one
+    run of host memory, else a host temporary (pinned for a CUDA target) that
+    :func:`_land` copies into the target once read. Returns (views, temporaries as
+    (index, target, temporary))."""
+    views: list[memoryview] = []
+    temps: list[tuple[int, Any, Any]] = []
+    for i, t in enumerate(targets):
+        if _direct(t):
+            views.append(memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()))
+            continue
+        pin = bool(t.device.type == "cuda")
+        tmp = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        views.append(memoryview(tmp.reshape(-1).view(torch.uint8).numpy()))
+        temps.append((i, t, tmp))
+    return views, temps
+
+
+def _land(temps: list[tuple[int, Any, Any]], hits: list[bool]) -> None:
+    """Copy each read temporary into its target (hits only; a miss leaves the
+    target as it was)."""
+    for i, target, tmp in temps:
+        if hits[i]:
+            target.copy_(tmp)
 
 
 class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
@@ -190,8 +222,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self._count_load(sum(v is not None for v in vals), sum(len(v or b"") for v in vals), t0)
             return [None if v is None else torch.frombuffer(bytearray(v), dtype=torch.uint8)
                     for v in vals]  # fmt: skip
-        views = [_tensor_bytes(t) for t in target_locations]
+        views, temps = _read_targets(list(target_locations))
         hits = client.batch_get_into(self._ns, hashes, views).result()
+        _land(temps, hits)
         self._count_load(
             sum(hits), sum(v.nbytes for v, h in zip(views, hits, strict=True) if h), t0
         )
@@ -350,10 +383,11 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             pool, offsets = pages
             bufs = [pool.get_dummy_flat_data_page() for _ in keys]
             t0 = time.perf_counter()
+            views, temps = _read_targets(bufs)
             hits = client.batch_get_into(
-                self._ns_of(str(t.name)), [key_hash(k) for k in keys],
-                [_tensor_bytes(b) for b in bufs],
-            ).result()  # fmt: skip
+                self._ns_of(str(t.name)), [key_hash(k) for k in keys], views
+            ).result()
+            _land(temps, hits)
             for off, buf, hit in zip(offsets, bufs, hits, strict=True):
                 if hit:
                     pool.set_from_flat_data_page(off, buf)
