@@ -49,6 +49,7 @@ from .security import Tls, metadata, open_channel
 from .sessions import SessionHints
 from .sharding import DEFAULT_VNODES_PER_GIB, build_ring
 from .transport import BlockView
+from .transport.pins import ArenaPins
 from .transport.shm import ShmTransfer
 from .transport.tcp import GetResult, TcpConnection, TcpPool
 from .transport.ucx import available as ucx_available
@@ -655,6 +656,34 @@ class Client:
             )
             fut.add_done_callback(lambda f, idx=idx: finish(idx, f))  # type: ignore[misc]
         return done
+
+    def pin_local(self, ns: str, hashes: list[bytes]) -> ArenaPins:
+        """Pin the blocks that same-host workers hold, in place in their arenas (for
+        a DMA straight out of the slot); ``views[i]`` is None for a block that is
+        missing, fails its checksum, or lives on a worker that is not on this host
+        (read those with :meth:`batch_get_into`). The caller must :meth:`release
+        <kvstore_client.transport.pins.ArenaPins.release>` the pins once its copies
+        are done; the views are invalid afterwards. Worker failures are misses;
+        InvalidArgument for bad input. Namespaces with several copies per block are
+        not pinned (all None)."""
+        self._check(ns, hashes)
+        out = ArenaPins([None] * len(hashes))
+        view, groups = self._groups(hashes)
+        if self._copies(view, ns, None) > 1:
+            return out
+        nsb = ns.encode()
+        for w, idx in groups:
+            try:
+                got = view.workers[w].via.pin(self.timeout, nsb, [hashes[i] for i in idx])
+            except PeerError:
+                continue
+            if got is None:
+                continue
+            for j, i in enumerate(idx):
+                out.views[int(i)] = got.views[j]
+            out.arenas += got.arenas
+            out._releases += got._releases
+        return out
 
     def remove(self, ns: str, hashes: list[bytes]) -> int:
         """Remove blocks (every copy); returns how many copies were present."""

@@ -168,7 +168,8 @@ def test_finished_receiving_waits_for_the_copy_into_the_cache(make_cluster: Any)
 
 def test_transfers_larger_than_the_rows_go_in_chunks(make_cluster: Any) -> None:
     """1 MiB of rows holds 8 blocks of 128 KiB: a 14-block save and load go in two
-    chunks each, with the same bytes, and a miss in the second chunk ends the run."""
+    chunks each, with the same bytes (the load's blocks copied from their pinned
+    arena slots), and a miss in the second chunk ends the run."""
     c = make_cluster(workers=2, dram_size="64MiB")
     big = (2, NB, 16, 8, 64)  # 64 KiB per layer block
     w, wc = _worker(c.address, shape=big)
@@ -185,6 +186,8 @@ def test_transfers_larger_than_the_rows_go_in_chunks(make_cluster: Any) -> None:
         assert _wait_loaded(r, "b") == set()
         for s, d in zip(ids, dst, strict=True):
             assert _block(rc, d) == _block(wc, s)
+        # Same-host workers: every block was copied from its pinned arena slot.
+        assert r._interval.peek()["arena_loaded_blocks"] == 14
         with Client(c.address) as cl:
             cl.remove(w.ns, hs[10:])
         r.start_load_kv(KVStoreConnectorMetadata(loads=[Transfer("c", [ids], hs, ids)]))

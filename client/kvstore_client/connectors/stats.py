@@ -24,6 +24,7 @@ COUNTER_NAMES = (
     "dropped_save_blocks",
     "loaded_states",
     "sync_loaded_blocks",
+    "arena_loaded_blocks",
     "stored_states",
     "session_hints",
     "session_hints_dropped",
@@ -81,6 +82,11 @@ def _prom() -> dict[str, Any]:
             "sync_loaded_blocks": Counter(
                 "kvstore_connector_sync_loaded_blocks_total",
                 "Blocks loaded synchronously (load_mode sync: before the forward)",
+                lab,
+            ),
+            "arena_loaded_blocks": Counter(
+                "kvstore_connector_arena_loaded_blocks_total",
+                "Blocks copied into the KV cache straight from a same-host worker's arena slot",
                 lab,
             ),
             "stored_states": Counter(

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from .. import wire
+from .pins import ArenaPins
 from .tcp import GetResult
 
 BlockView = memoryview | list[memoryview]  # a destination: one view, or its parts
@@ -55,5 +56,10 @@ class Transfer(Protocol):
         """Remove blocks; how many were present."""
         ...
 
+    def pin(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> ArenaPins | None:
+        """Pin blocks in place in a same-host worker's arena (a lease, see
+        :mod:`.pins`); None when this transport cannot (not same-host)."""
+        ...
 
-__all__ = ["BlockView", "GetResult", "Transfer"]
+
+__all__ = ["ArenaPins", "BlockView", "GetResult", "Transfer"]

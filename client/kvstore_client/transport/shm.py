@@ -37,6 +37,7 @@ import xxhash
 
 from .. import wire
 from ..errors import KVStoreError, Unavailable
+from . import pins
 from .tcp import SENDS_PENDING, GetResult, TcpConnection, TcpPool, TcpTransfer
 
 SOCKET_PREFIX = "kvstore-"
@@ -461,3 +462,10 @@ class ShmTransfer(TcpTransfer):
         if self.arena.stale:
             return super().get(timeout, ns, hashes, buffers)
         return self.pool.call(timeout, get, self.arena, ns, hashes, buffers)
+
+    def pin(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> pins.ArenaPins | None:
+        """Pin blocks in place in the mapped arena (see :mod:`.pins`); None once the
+        mapping is stale."""
+        if self.arena.stale:
+            return None
+        return pins.pin(self.pool, self.arena, timeout, ns, hashes)

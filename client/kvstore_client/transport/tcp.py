@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import xxhash
@@ -27,6 +27,9 @@ from ..keys import HASH_LEN
 from ..security import Tls, wrap_client_socket
 
 SOCK_BUF = 4 << 20
+if TYPE_CHECKING:
+    from .pins import ArenaPins
+
 R = TypeVar("R")
 
 
@@ -234,6 +237,7 @@ class TcpPool:
         self.down_until = 0.0  # after a connect failure, fail fast for a moment
         self._owed = threading.Event()  # an idle connection owes frames
         self._flusher: threading.Thread | None = None
+        self._leased: set[TcpConnection] = set()  # held by a lease (see transport.pins)
 
     def take(self, timeout: float) -> TcpConnection:
         """Borrow a connection (opened on demand); give it back with :meth:`give`.
@@ -316,12 +320,30 @@ class TcpPool:
         self.give(conn)
         return result
 
+    def lease(self, timeout: float) -> TcpConnection:
+        """Borrow a connection for longer than one call (a pin lease): closing the
+        pool closes it too. End the lease with :meth:`end_lease`."""
+        conn = self.take(timeout)
+        with self._lock:
+            self._leased.add(conn)
+        return conn
+
+    def end_lease(self, conn: TcpConnection, keep: bool) -> None:
+        """The lease of ``conn`` is over: back to the pool (``keep``) or closed."""
+        with self._lock:
+            self._leased.discard(conn)
+        if keep:
+            self.give(conn)
+        else:
+            conn.close()
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
             self._owed.set()  # the flusher sees the pool closed and ends
             idle, self._idle = self._idle, []
-        for c in idle:
+            leased, self._leased = list(self._leased), set()
+        for c in [*idle, *leased]:  # closing releases what a lease still holds
             c.close()
 
 
@@ -373,6 +395,10 @@ class TcpTransfer:
 
     def remove(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> int:
         return self.pool.call(timeout, TcpConnection.remove, ns, hashes)
+
+    def pin(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> ArenaPins | None:
+        """None: a tcp:// worker's blocks cannot be pinned in this process's memory."""
+        return None
 
 
 __all__ = ["HASH_LEN", "GetResult", "TcpConnection", "TcpPool", "TcpTransfer", "parse_tcp_url"]

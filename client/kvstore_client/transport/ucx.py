@@ -57,6 +57,7 @@ from ..errors import (
     from_transport_error,
 )
 from ..keys import HASH_LEN, from_bitmap
+from .pins import ArenaPins
 from .tcp import GetResult
 
 R = TypeVar("R")
@@ -612,6 +613,10 @@ class UcxPool:
     def remove(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> int:
         """Remove blocks; returns how many were present."""
         return self.call(timeout, UcxConnection.remove, ns, hashes)
+
+    def pin(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> ArenaPins | None:
+        """None: a ucx:// worker's blocks cannot be pinned in this process's memory."""
+        return None
 
     def close(self) -> None:
         """Close idle endpoints; later calls raise Unavailable. Idempotent."""

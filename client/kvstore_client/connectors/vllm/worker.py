@@ -53,6 +53,7 @@ from typing import Any
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 from ...keys import leading_run
+from ...transport.pins import ArenaPins
 from .. import blockcopy as bc
 from ..holder import ClientHolder
 from ..naming import STATE_KIND
@@ -173,6 +174,7 @@ class WorkerSide:
         self.mover: bc.HostMover | bc.CudaMover = bc.HostMover()
         self._rows: dict[str, _Rows] = {}  # "load", "save", "state_load", "state_save"
         self._last_load: bc.Ticket = bc.DONE  # the loader's last copy out of its rows
+        self._registered: dict[str, bool] = {}  # arena id -> page-locked for DMA
         self._holder.start()
 
     # ---- set-up ------------------------------------------------------------------
@@ -303,12 +305,15 @@ class WorkerSide:
         at = 0
         while rows is not None and at < n:
             k = min(rows.cap, n - at)
-            got = self._fetch(self.ns, tr.hashes[at : at + k], rows)
+            got, srcs, pins = self._fetch(self.ns, tr.hashes[at : at + k], rows)
             flags += got
             run = leading_run(got)
             if run:
-                tickets.append(self._land(layers, [g[at : at + run] for g in tr.block_ids],
-                                          rows, run))  # fmt: skip
+                ids = [g[at : at + run] for g in tr.block_ids]
+                tickets.append(self._land(layers, ids, rows, run, srcs))
+            if pins is not None:  # the slots are copied from: keep them until done
+                self._last_load.wait()
+                pins.release()
             if run < k:
                 break
             at += k
@@ -318,31 +323,77 @@ class WorkerSide:
         if state_hash is not None and tr.state_ids is not None and srows is not None:
             state = [False]
             if all(flags):
-                state = self._fetch(self.state_ns, [state_hash], srows)
+                state, ssrcs, spins = self._fetch(self.state_ns, [state_hash], srows)
                 if state[0]:
                     slayers = list(self._state_layers.values())
-                    tickets.append(self._land(slayers, [[b] for b in tr.state_ids], srows, 1))
+                    sids = [[b] for b in tr.state_ids]
+                    tickets.append(self._land(slayers, sids, srows, 1, ssrcs))
+                if spins is not None:
+                    self._last_load.wait()
+                    spins.release()
         return _Loaded(flags, state, bc.AllTickets(tickets))
 
-    def _fetch(self, ns: str, hashes: list[bytes], rows: _Rows) -> list[bool]:
-        """Blocks ``hashes`` into the first host rows (once the last copy out of
-        them is done); a failed read is a miss."""
-        self._last_load.wait()
+    def _read(self, ns: str, hashes: list[bytes], views: list[memoryview]) -> list[bool]:
         try:
-            return list(self._get(ns, hashes, rows.views[: len(hashes)]).result())
+            return list(self._get(ns, hashes, views).result())
         except Exception as e:
             log.warning("kvstore load of %d blocks failed: %s", len(hashes), e)
             return [False] * len(hashes)
 
+    def _fetch(self, ns: str, hashes: list[bytes], rows: _Rows
+               ) -> tuple[list[bool], list[Any] | None, ArenaPins | None]:  # fmt: skip
+        """Blocks ``hashes``, once the last copy out of the rows is done: those a
+        same-host worker holds are pinned in its arena and copied from their slots
+        (the copy source; no host copy), the others are read into the first host
+        rows. Returns (hit flags, per block its source or None when every block is
+        in the rows, the pins to release once copied). A failed read is a miss."""
+        self._last_load.wait()
+        k = len(hashes)
+        client = self._holder.get()
+        pins = None
+        if client is not None:
+            try:
+                pins = client.pin_local(ns, hashes)
+            except Exception as e:  # a bug: the rows path still works
+                log.warning("kvstore arena pins failed: %s", e)
+        if pins is None or not pins.count:
+            if pins is not None:
+                pins.release()
+            return self._read(ns, hashes, rows.views[:k]), None, None
+        self._register(pins.arenas)
+        flags = [v is not None for v in pins.views]
+        rest = [i for i, v in enumerate(pins.views) if v is None]
+        if rest:
+            got = self._read(ns, [hashes[i] for i in rest], [rows.views[i] for i in rest])
+            for i, g in zip(rest, got, strict=True):
+                flags[i] = g
+        srcs = [rows.host[i] if v is None else bc.host_tensor(v)
+                for i, v in enumerate(pins.views)]  # fmt: skip
+        record(NAME, self._interval, "arena_loaded_blocks", pins.count)
+        return flags, srcs, pins
+
+    def _register(self, arenas: list[Any]) -> None:
+        """Page-lock each arena mapping once (CUDA): DMA then reads its slots."""
+        if not self.mover.device_rows:
+            return
+        for a in arenas:
+            if a.id not in self._registered:
+                self._registered[a.id] = bc.register_host(a.view)
+                if not self._registered[a.id]:
+                    log.warning("kvstore connector: the arena could not be page-locked for "
+                                "DMA; copies from it run at pageable speed")  # fmt: skip
+
     def _land(self, layers: list[bc.LayerGeometry], ids: list[list[int]], rows: _Rows,
-              k: int) -> bc.Ticket:  # fmt: skip
-        """Host rows ``[:k]`` -> the cache's blocks ``ids`` (through device rows on CUDA)."""
+              k: int, srcs: list[Any] | None = None) -> bc.Ticket:  # fmt: skip
+        """The first ``k`` blocks -> the cache's blocks ``ids``: from the host rows, or
+        from ``srcs`` (arena slots or rows), through device rows on CUDA."""
         m = self.mover
-        if m.device_rows:
-            m.upload([rows.host], rows.dev[:k])
-            t = m.scatter(layers, ids, rows.dev[:k])
-        else:
-            t = m.scatter(layers, ids, rows.host[:k])
+        target = rows.dev if m.device_rows else rows.host
+        if srcs is not None:
+            m.upload(srcs[:k], target[:k])
+        elif m.device_rows:
+            m.upload([rows.host], target[:k])
+        t = m.scatter(layers, ids, target[:k])
         self._last_load = t
         return t
 

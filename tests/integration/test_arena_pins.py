@@ -1,0 +1,75 @@
+"""Client.pin_local against a real worker: blocks pinned in place in the arena (the
+DMA source of a GPU connector's loads) read byte-exact through their views, stay put
+under eviction pressure and after a removal while pinned, and are given back by
+release() or by closing the client; other transports and misses pin nothing."""
+
+from __future__ import annotations
+
+from kvstore_client import Client, InvalidArgument
+from tests.conftest import MakeCluster
+from tests.helpers import key, value_for
+
+NS = "m/bf16/b16/tp0of1"
+SIZE = 16 * 1024  # 64 slots per 1 MiB slab; 8 MiB of DRAM = 512 slots
+
+
+def put_all(c: Client, keys: list[bytes], salt: str = "") -> None:
+    for s in range(0, len(keys), 50):
+        part = keys[s : s + 50]
+        assert c.batch_put(NS, part, [value_for(k, SIZE) for k in part]) == [True] * len(part)
+
+
+def test_pinned_blocks_read_in_place_and_stay_until_released(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster(workers=1, dram_size="8MiB", max_value_size="1MiB")
+    held = [key(i, "pin-held") for i in range(100)]
+    with Client(cluster.address, transport="shm") as reader, Client(cluster.address) as writer:
+        put_all(writer, held)
+        put_all(writer, [key(i, "pin-filler") for i in range(412)])  # the arena is full
+        pins = reader.pin_local(NS, [*held, key(0, "absent")])
+        assert pins.count == 100 and pins.views[-1] is None and len(pins.arenas) == 1
+        want = [value_for(k, SIZE) for k in held]
+        assert [bytes(v) for v in pins.views[:100]] == want  # type: ignore[arg-type]
+        writer.remove(NS, held[:10])  # removed while pinned: the slots are not reused
+        put_all(writer, [key(i, "pin-fresh") for i in range(1000)])
+        assert [bytes(v) for v in pins.views[:100]] == want  # type: ignore[arg-type]
+        assert writer.batch_exists(NS, held[10:]) == [True] * 90
+        assert writer.batch_exists(NS, held[:10]) == [False] * 10
+        pins.release()
+        pins.release()  # idempotent
+        put_all(writer, [key(i, "pin-fresh2") for i in range(1000)])
+        assert sum(writer.batch_exists(NS, held)) < 10  # evicted once released
+
+
+def test_closing_the_client_gives_its_pins_back(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster(workers=1, dram_size="8MiB", max_value_size="1MiB")
+    held = [key(i, "close-held") for i in range(100)]
+    with Client(cluster.address) as writer:
+        put_all(writer, held)
+        put_all(writer, [key(i, "close-filler") for i in range(412)])
+        reader = Client(cluster.address, transport="shm")
+        pins = reader.pin_local(NS, held)
+        assert pins.count == 100
+        reader.close()  # never released: closing its connections releases the pins
+        put_all(writer, [key(i, "close-fresh") for i in range(1000)])
+        assert sum(writer.batch_exists(NS, held)) < 10
+
+
+def test_nothing_is_pinned_over_tcp_or_for_bad_input(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster(workers=2, dram_size="32MiB")
+    ks = [key(i, "tcp-pin") for i in range(8)]
+    with Client(cluster.address, transport="tcp") as c:
+        put_all(c, ks)
+        pins = c.pin_local(NS, ks)
+        assert pins.count == 0 and pins.views == [None] * 8
+        pins.release()
+        try:
+            c.pin_local(NS, [b"short"])
+        except InvalidArgument:
+            pass
+        else:
+            raise AssertionError("a 5-byte hash was accepted")
+    with Client(cluster.address, transport="shm") as c:
+        pins = c.pin_local(NS, ks)
+        assert pins.count == 8 and len(pins.arenas) == 2  # both same-host workers
+        assert [bytes(v) for v in pins.views] == [value_for(k, SIZE) for k in ks]  # type: ignore[arg-type]
+        pins.release()
