@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from kvstore_bench import synth
-from kvstore_bench.engine_peers import Context
-from kvstore_bench.engine_report import summarize
-from kvstore_bench.engine_run import EngineSpec, run_config
-from kvstore_bench.engine_workload import WorkloadShape, build_scripts
+from kvstore_bench.engine.peers import Context
+from kvstore_bench.engine.report import summarize
+from kvstore_bench.engine.run import EngineSpec, run_config
+from kvstore_bench.engine.workload import WorkloadShape, build_scripts
 from kvstore_bench.traces import load_agentic
 
 from .conftest import REPORT

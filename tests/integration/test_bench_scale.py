@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore_bench.scale import map_version, ring_figures
+from kvstore_bench.scale.run import map_version, ring_figures
 from kvstore_client.proto import master_pb2
 
 

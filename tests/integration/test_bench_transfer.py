@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvstore_bench.peers import PeerUnavailable, mooncake_master_binary
-from kvstore_bench.transfer import Plan, Point, evaluate_targets
+from kvstore_bench.transfer.run import Plan, Point, evaluate_targets
 
 TINY = [
     "--quick",

@@ -126,7 +126,7 @@ def test_shm_pipelined_pieces(
 
 def test_bench_points_run(shared_cluster: LocalCluster) -> None:
     """The bench's same-host points (kvstore bench transfer --parts / --match-prefix)."""
-    from kvstore_bench import samehost
+    from kvstore_bench.transfer import samehost
 
     pts = samehost.parts_points(shared_cluster, ["tcp", "shm"], [1, 8], 64 * 1024, 4, 1 << 20)
     assert {(p["transport"], p["op"], p["parts"]) for p in pts} == {

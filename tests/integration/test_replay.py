@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from kvstore.cluster import LocalCluster
 from kvstore_bench.peers import ClusterSpec, KVStoreBackend, open_backend, unavailable_reason
-from kvstore_bench.replay import (
+from kvstore_bench.replay.run import (
     ReplayConfig,
     block_content,
     load_sessions,
@@ -139,7 +139,7 @@ def test_a_planted_wrong_block_is_counted(sessions: list[Session], backend: KVSt
 
 
 def test_block_content_is_checked_word_by_word() -> None:
-    from kvstore_bench.replay import _pattern, _verify
+    from kvstore_bench.replay.run import _pattern, _verify
 
     hs = [bytes([i]) * 16 for i in range(3)]
     rows = block_content(hs, 256)

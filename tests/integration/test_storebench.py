@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvstore_bench.peers import ClusterSpec, open_backend, unavailable_reason
-from kvstore_bench.storebench import measure, store_cmd
+from kvstore_bench.transfer.store import measure, store_cmd
 
 
 @pytest.mark.parametrize("kind", ["redis", "mooncake"])
@@ -65,7 +65,7 @@ def test_cli_rejects_a_cell_larger_than_the_store(tmp_path: Path) -> None:
 def test_tier_mode_reads_every_ssd_block_back(tmp_path: Path) -> None:
     from rich.console import Console
 
-    from kvstore_bench.tierbench import run_tier
+    from kvstore_bench.transfer.tier import run_tier
 
     r = run_tier(str(tmp_path), 160 << 20, 1 << 20, "32MiB", str(tmp_path / "out"), Console())
     st, raw = r["store"], r["raw"]
@@ -74,12 +74,12 @@ def test_tier_mode_reads_every_ssd_block_back(tmp_path: Path) -> None:
     assert list((tmp_path / "out").glob("tier-*.json"))
 
 
-def test_index_memory_mode_reports_bytes_per_block(tmp_path: Path) -> None:
+def test_index_memory_reports_bytes_per_block(tmp_path: Path) -> None:
     """The DRAM tier's bookkeeping alone (no servers): a tiny fill, under the goal."""
+    from tests.perf.index_memory import main
+
     out = tmp_path / "results"
-    args = ["--index-memory", "--blocks", "20000", "--out", str(out)]
-    r = CliRunner().invoke(store_cmd, args, catch_exceptions=False)
-    assert r.exit_code == 0, r.output
+    main(["--blocks", "20000", "--out", str(out)])
     [js] = list(out.glob("index-memory-*.json"))
     [row] = json.loads(js.read_text())["results"]
     assert row["blocks"] == 20000 and 0 < row["heap_bytes_per_block"] <= 128

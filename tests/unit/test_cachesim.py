@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore_bench.cachesim import HitStats, distinct_blocks, ideal_hit_rate, lru_hit_rate
+from kvstore_bench.replay.cachesim import HitStats, distinct_blocks, ideal_hit_rate, lru_hit_rate
 from kvstore_bench.traces import Request, iter_requests, load_agentic, load_mooncake
 
 

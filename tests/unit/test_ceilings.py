@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvstore_bench import ceilings
+from kvstore_bench.transfer import ceilings
 
 
 def test_memcpy_is_positive() -> None:
@@ -48,7 +48,7 @@ def test_client_streams_are_workers_times_concurrency_above_one() -> None:
 
 
 def test_same_host_ceilings_add_the_streams_a_batch_uses() -> None:
-    from kvstore_bench.samehost import ceilings_3x
+    from kvstore_bench.transfer.samehost import ceilings_3x
 
     one = ceilings_3x(4 << 20)
     assert len(one["socket_gib_s"]) == 3 and "socket_streams" not in one

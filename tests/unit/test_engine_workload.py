@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore_bench.engine_report import percentiles
-from kvstore_bench.engine_workload import (
+from kvstore_bench.engine.report import percentiles
+from kvstore_bench.engine.workload import (
     Timed,
     WorkloadShape,
     block_tokens_of,
@@ -84,7 +84,7 @@ def test_percentiles_nearest_rank() -> None:
 def test_missing_engine_venv_is_a_clear_error(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from kvstore_bench.engine import engine_cmd
+    from kvstore_bench.engine.cli import engine_cmd
 
     res = CliRunner().invoke(engine_cmd, ["--engine-python", str(tmp_path / "nope" / "python")])
     assert res.exit_code != 0
@@ -92,7 +92,7 @@ def test_missing_engine_venv_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_ablations_without_a_connector_knob_say_so(tmp_path: Path) -> None:
-    from kvstore_bench.engine_peers import ABLATIONS, Context, NotRunnable, make_backing
+    from kvstore_bench.engine.peers import ABLATIONS, Context, NotRunnable, make_backing
 
     ctx = Context(Path("python"), tmp_path, 64 << 20, 32)
     for name, (extra, _why) in ABLATIONS.items():
@@ -106,7 +106,7 @@ def test_ablations_without_a_connector_knob_say_so(tmp_path: Path) -> None:
 
 
 def test_lfm2_preset_counts_hits_in_the_hybrids_128_token_blocks() -> None:
-    from kvstore_bench.engine_models import (
+    from kvstore_bench.engine.models import (
         block_size,
         engine_block_size,
         model_config,
@@ -132,16 +132,16 @@ def test_lfm2_preset_counts_hits_in_the_hybrids_128_token_blocks() -> None:
 def test_unknown_model_preset_is_refused_before_anything_starts(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from kvstore_bench.engine import engine_cmd
+    from kvstore_bench.engine.cli import engine_cmd
 
     res = CliRunner().invoke(engine_cmd, ["--model", "nosuch", "--engine-python", "x"])
     assert res.exit_code != 0 and "unknown model preset" in res.output
 
 
 def test_outputs_that_differ_from_prefix_are_listed_with_their_cache_hits() -> None:
-    from kvstore_bench.engine_report import summarize
-    from kvstore_bench.engine_run import ConfigRun, Result
-    from kvstore_bench.engine_workload import Script, Turn
+    from kvstore_bench.engine.report import summarize
+    from kvstore_bench.engine.run import ConfigRun, Result
+    from kvstore_bench.engine.workload import Script, Turn
 
     prompt = tuple(range(3, 303))
     scripts = [Script("s", 0.0, (Turn("s", 0, prompt, 4, 0.0, 0), Turn("s", 1, prompt, 4, 0.0, 1)))]

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore_bench.cachesim import ideal_hit_rate
+from kvstore_bench.replay.cachesim import ideal_hit_rate
 from kvstore_bench.synth import SynthShape, generate, write
 from kvstore_bench.traces import Session, iter_requests, load_agentic
 

@@ -12,13 +12,17 @@ import numpy as np
 from .base import ClusterSpec
 from .procs import StartError
 
+# Bytes the SSD tier adds to a block's payload: its record header (32) and LMDB's header
+# on the first page of an overflow run (16). tests/unit/test_bench_layout.py checks these
+# against the worker's own constants, so the bench needs no worker internals.
+SSD_RECORD_HEADER = 32
+SSD_PAGE_HEADER = 16
+
 
 def ssd_footprint(block_bytes: int) -> int:
     """Bytes of SSD (LMDB pages) one block of ``block_bytes`` occupies."""
-    from kvstore.worker.tiers.ssd import HEADER_LEN, PAGE_HEADER
-
     page = mmap.PAGESIZE
-    return -(-(HEADER_LEN + block_bytes + PAGE_HEADER) // page) * page
+    return -(-(SSD_RECORD_HEADER + block_bytes + SSD_PAGE_HEADER) // page) * page
 
 
 class KVStoreBackend:

@@ -24,7 +24,7 @@ from typing import Any
 
 from kvstore.cluster import LocalCluster
 
-from .peers import PeerUnavailable, free_port, stop_process, wait_for_port
+from ..peers import PeerUnavailable, free_port, stop_process, wait_for_port
 
 __all__ = [
     "ABLATIONS",

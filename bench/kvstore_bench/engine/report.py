@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .engine_run import ConfigRun, Result
-from .engine_workload import Script, Timed, ideal_hits
+from .run import ConfigRun, Result
+from .workload import Script, Timed, ideal_hits
 
 __all__ = ["LOGPROB_TOL", "Summary", "plot", "summarize", "table_rows", "to_json"]
 

@@ -32,8 +32,8 @@ from kvstore.config import format_size, parse_size
 from kvstore_client import Client
 from kvstore_client.routing import FRAME_BYTES
 
+from ..peers import MooncakeServer, MooncakeStoreAdapter, PeerUnavailable, cpu_seconds
 from . import ceilings
-from .peers import MooncakeServer, MooncakeStoreAdapter, PeerUnavailable, cpu_seconds
 
 GIB = float(1 << 30)
 NS = "bench/samehost/b0/tp0of1"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .traces import Session
+from ..traces import Session
 
 __all__ = [
     "Script",

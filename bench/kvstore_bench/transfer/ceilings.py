@@ -11,7 +11,7 @@
   connections busy (``workers x concurrency`` of a bench point).
 
 All are best-of-``repeats`` so a neighbour's burst on a shared machine costs
-less; ``python -m kvstore_bench.ceilings`` prints them.
+less; ``python -m kvstore_bench.transfer.ceilings`` prints them.
 """
 
 from __future__ import annotations

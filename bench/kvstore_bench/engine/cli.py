@@ -11,9 +11,9 @@ last. ``--ablate`` adds kvstore variants. The bench itself runs in the project v
 engines run with ``--engine-python`` (the e2e venv that ``make e2e`` builds).
 
 Output: a progress display, a table, plots (TTFT CDF, hit rate by turn, throughput) and
-``--json PATH``. Modules: engine_workload (traces -> prompts, ideal hits), engine_proc
-(one engine process), engine_peers (backings), engine_run (one configuration),
-engine_report (numbers), engine_models (model presets).
+``--json PATH``. Modules of this package: workload (traces -> prompts, ideal hits), proc
+(one engine process), peers (backings), run (one configuration), report (numbers),
+models (model presets).
 """
 
 from __future__ import annotations
@@ -33,17 +33,17 @@ from rich.table import Table
 
 from kvstore.config import parse_size
 
-from . import synth
-from .engine_models import MAX_LEN, VOCAB, block_size, engine_block_size, preset_unavailable
-from .engine_peers import ABLATIONS, CONFIGS, Context
-from .engine_report import TABLE_COLUMNS, Summary, plot, summarize, table_rows, to_json
-from .engine_run import ConfigRun, EngineSpec, Result, run_config
-from .engine_workload import Script, WorkloadShape, build_scripts
-from .traces import load_agentic
+from .. import synth
+from ..traces import load_agentic
+from .models import MAX_LEN, VOCAB, block_size, engine_block_size, preset_unavailable
+from .peers import ABLATIONS, CONFIGS, Context
+from .report import TABLE_COLUMNS, Summary, plot, summarize, table_rows, to_json
+from .run import ConfigRun, EngineSpec, Result, run_config
+from .workload import Script, WorkloadShape, build_scripts
 
 __all__ = ["engine_cmd"]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _engine_python(path: str | None) -> Path:
@@ -59,10 +59,9 @@ def _engine_python(path: str | None) -> Path:
 def _model(py: Path, preset: str, cache: Path) -> str:
     out = cache / f"model-{preset}"
     env = dict(os.environ)
-    # ROOT too: the lfm2 preset is written by tests/e2e/tiny_model.py
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench"), str(ROOT), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench"), env.get("PYTHONPATH", "")])
     r = subprocess.run(
-        [str(py), "-m", "kvstore_bench.engine_models", preset, str(out)],
+        [str(py), "-m", "kvstore_bench.engine.models", preset, str(out)],
         capture_output=True,
         text=True,
         env=env,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from rich.console import Console
 
-from .report import (
+from ..report import (
     GIB,
     Summary,
     command_line,
@@ -37,7 +37,7 @@ from .report import (
 )
 
 if TYPE_CHECKING:
-    from .replay import ReplayResult
+    from .run import ReplayResult
 
 __all__ = [
     "ablation_rows",

@@ -20,8 +20,8 @@ import click
 import numpy as np
 from rich.console import Console
 
-from . import report
-from .peers import BACKENDS, Backend, ClusterSpec, open_backend, unavailable_reason
+from .. import report
+from ..peers import BACKENDS, Backend, ClusterSpec, open_backend, unavailable_reason
 
 __all__ = ["Cell", "measure", "store_cmd"]
 
@@ -141,17 +141,6 @@ def _ints(text: str) -> list[int]:
 )
 @click.option("--ssd-dir", default=None, help="Tier mode: directory on the disk to test [tmp].")
 @click.option("--tier-size", default=None, help="Tier mode: bytes to write [2GiB; quick 512MiB].")
-@click.option(
-    "--index-memory",
-    is_flag=True,
-    help="Heap bytes per block of the DRAM tier's index and its per-op costs (no servers).",
-)
-@click.option(
-    "--blocks",
-    "index_blocks",
-    default=None,
-    help="Index-memory mode: block counts [1000000,10000000; quick 1M].",
-)
 def store_cmd(
     backend: str,
     block_sizes: str | None,
@@ -165,25 +154,15 @@ def store_cmd(
     tier: str | None,
     ssd_dir: str | None,
     tier_size: str | None,
-    index_memory: bool,
-    index_blocks: str | None,
 ) -> None:
     """Put / get / exists throughput and p50/p99 latency of kvstore, Mooncake and Redis,
     by block size and batch size, on the same memory; JSON and a PNG go to --out.
-    With --tier ssd: the SSD tier against the raw speed of its disk instead.
-    With --index-memory: heap bytes per block of the DRAM tier's bookkeeping instead."""
+    With --tier ssd: the SSD tier against the raw speed of its disk instead."""
     from kvstore.config import parse_size
 
     console = Console()
-    if index_memory:
-        from .indexbench import run_index_memory
-
-        default = "1M" if quick else "1M,10M"
-        counts = _ints((index_blocks or default).replace("M", "000000"))
-        run_index_memory(counts, 200_000, out, console)
-        return
     if tier == "ssd":
-        from .tierbench import run_tier
+        from .tier import run_tier
 
         total = parse_size(tier_size or ("512MiB" if quick else "2GiB"))
         run_tier(ssd_dir, total, 1 << 20, "64MiB", out, console)

@@ -49,13 +49,13 @@ from kvstore.config import format_size, parse_size
 from kvstore_client import Client
 from kvstore_client.errors import KVStoreError, ResourceExhausted
 
+from ..peers import MooncakeServer, MooncakeStoreAdapter, PeerUnavailable, cpu_seconds
+from ..report import transfer_plot, transfer_tables
 from . import ceilings
-from .peers import MooncakeServer, MooncakeStoreAdapter, PeerUnavailable, cpu_seconds
-from .report import transfer_plot, transfer_tables
 
 GIB = float(1 << 30)
 NS = "bench/transfer/b0/tp0of1"
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "results"
 TRANSPORTS = ("tcp", "shm")
 PEERS = ("mooncake",)
 EXISTS_KEYS = 1024

@@ -42,7 +42,7 @@ from kvstore.cluster import Daemon, Etcd, StartError, spawn, start_etcd
 from kvstore_client.proto import master_pb2, master_pb2_grpc
 from kvstore_client.sharding import DEFAULT_VNODES_PER_GIB, build_ring
 
-from . import report
+from .. import report
 
 __all__ = ["ScaleConfig", "ring_figures", "run_scale", "scale_cmd", "worker_rpc"]
 

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .traces import Request
+from ..traces import Request
 
 __all__ = ["HitStats", "distinct_blocks", "ideal_hit_rate", "lru_hit_rate"]
 

@@ -32,10 +32,10 @@ import click
 import numpy as np
 from rich.console import Console
 
-from . import replayreport
+from ..peers import BACKENDS, Backend, ClusterSpec, leading, open_backend, unavailable_reason
+from ..traces import IdSpace, Request, Session, block_hashes, load_agentic, load_mooncake
+from . import report as replayreport
 from .cachesim import HitStats, ideal_hit_rate, lru_hit_rate
-from .peers import BACKENDS, Backend, ClusterSpec, leading, open_backend, unavailable_reason
-from .traces import IdSpace, Request, Session, block_hashes, load_agentic, load_mooncake
 
 __all__ = [
     "ReplayConfig",
@@ -621,7 +621,7 @@ def _parse_sessions(text: str) -> list[int]:
     "replicas_text",
     default=None,
     help="R or R1,R2,...: replay on a fresh cluster per replica count, SIGKILL worker w0 "
-    "at --kill-worker-at, report memory and hit rate (kvstore only; see replicareplay.py).",
+    "at --kill-worker-at, report memory and hit rate (kvstore only; see replay/replicas.py).",
 )
 @click.option(
     "--kill-worker-at",
@@ -681,7 +681,7 @@ def replay_cmd(
     with tempfile.TemporaryDirectory(prefix="kvbench-synth-") as tmp:
         files = list(trace_files)
         if synth is not None:
-            from .synth import write
+            from ..synth import write
 
             files = [str(p) for p in write(tmp, synth, seed)]
             fmt = "agentic"
@@ -718,7 +718,7 @@ def replay_cmd(
         sessions=levels[0],
     )
     if replicas_text is not None:
-        from .replicareplay import replicas_cmd_body
+        from .replicas import replicas_cmd_body
 
         replicas_cmd_body(console, sessions, cfg, spec, replicas_text, kill_worker_at, out)
         return

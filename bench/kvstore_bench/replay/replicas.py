@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .peers import ClusterSpec, KVStoreBackend, StartError
-from .replay import ReplayConfig, RequestRecord, run_replay
-from .traces import Session
+from ..peers import ClusterSpec, KVStoreBackend, StartError
+from ..traces import Session
+from .run import ReplayConfig, RequestRecord, run_replay
 
 __all__ = ["ReplicaRun", "replica_rows", "replicas_cmd_body", "run_replica_replay"]
 
@@ -196,7 +196,7 @@ def replicas_cmd_body(
     """`kvstore bench replay --replicas ...`: one run per count, a table and JSON."""
     import click
 
-    from . import report
+    from .. import report
 
     try:
         counts = [int(x) for x in replicas_text.split(",") if x.strip()]

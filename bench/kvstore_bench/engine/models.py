@@ -5,14 +5,14 @@ and are saved as safetensors, so logits differ clearly between prompts and a wro
 block changes the output (vLLM's ``load_format="dummy"`` values are too small for that).
 No tokenizer: the bench sends token ids.
 
-- ``tiny``: the e2e tests' Llama (2 layers, hidden 256; tests/e2e/tiny_model.py), 2 KiB
+- ``tiny``: a Llama with 2 layers, hidden 256 (the same shape as the e2e tests' model), 2 KiB
   of KV per token in float32. Prefill is so cheap that loading rarely pays.
 - ``larger``: a Llama with 8 layers, hidden 1024, GQA 16/4, head 64 (~110 M parameters,
   16 KiB of KV per token): prefill costs more per KV byte, closer to a real model's
   ratio of prefill time to transfer time.
-- ``lfm2``: the e2e tests' hybrid LFM2 (4 layers: short convolution, attention, conv,
-  attention; hidden 256; tests/e2e/tiny_model.py writes it, so the bench and the e2e test
-  serve the same model). vLLM sizes a hybrid's blocks itself (the engine gets no
+- ``lfm2``: a hybrid LFM2 (4 layers: short convolution, attention, conv, attention;
+  hidden 256; the same configuration and seed as the e2e tests' hybrid, which a unit test
+  checks). vLLM sizes a hybrid's blocks itself (the engine gets no
   ``block_size``) and resolves the attention block to 128 tokens, the size the bench
   aligns its ideal to; prefix caching on puts the convolution state in ``align`` mode,
   kept at each block boundary where a prefill chunk ends.
@@ -75,14 +75,44 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4,
         "head_dim": 64,
     },
-    "lfm2": {},  # tests/e2e/tiny_model.py's lfm2_config()
+    "lfm2": {
+        "architectures": ["Lfm2ForCausalLM"],
+        "model_type": "lfm2",
+        "vocab_size": VOCAB,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": MAX_LEN,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "conv_dim": 256,
+        "block_dim": 256,
+        "block_ff_dim": 512,
+        "block_multiple_of": 64,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+        "initializer_range": 0.1,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "torch_dtype": "float32",
+    },
+}
+# transformers classes of each architecture: (config class, model class)
+_CLASSES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
 }
 
 # Tokens per KV block as the engine resolves them: what the ideal and the hit accounting
 # use. The Llama presets set it; vLLM picks the hybrid's (attention block of 128 tokens).
 BLOCK_SIZES: dict[str, int] = {"tiny": 32, "larger": 32, "lfm2": 128}
 HYBRID = frozenset({"lfm2"})
-_TINY_MODEL = "tests.e2e.tiny_model"  # torch is imported only when a model is written
 
 
 def preset_unavailable(preset: str) -> str | None:
@@ -104,10 +134,9 @@ def engine_block_size(preset: str) -> int | None:
 
 
 def model_config(preset: str) -> dict[str, Any]:
-    """The HF config of ``preset`` (a Llama, or the e2e tests' tiny LFM2)."""
+    """The HF config of ``preset`` (a Llama, or a tiny LFM2)."""
     if preset in HYBRID:
-        cfg: dict[str, Any] = importlib.import_module(_TINY_MODEL).lfm2_config()
-        return cfg
+        return dict(PRESETS[preset])
     return {**_BASE, **PRESETS[preset]}
 
 
@@ -117,9 +146,6 @@ def write_model(preset: str, path: str | Path) -> Path:
     if why:
         raise ValueError(why)
     out = Path(path)
-    if preset in HYBRID:  # the e2e test's writer (idempotent, stamped by revision)
-        written: Path = importlib.import_module(_TINY_MODEL).write_tiny_lfm2(out)
-        return written
     stamp = out / "kvstore-bench-model.json"
     want = {"revision": REVISION, "seed": SEED, "preset": preset}
     if stamp.exists() and json.loads(stamp.read_text()) == want:
@@ -128,10 +154,10 @@ def write_model(preset: str, path: str | Path) -> Path:
     transformers = importlib.import_module("transformers")
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(SEED)
-    cfg = transformers.LlamaConfig(
-        **{k: v for k, v in model_config(preset).items() if k != "architectures"}
-    )
-    model = transformers.LlamaForCausalLM(cfg).to(torch.float32)
+    conf = model_config(preset)
+    cfg_name, model_name = _CLASSES[str(conf["model_type"])]
+    cfg = getattr(transformers, cfg_name)(**{k: v for k, v in conf.items() if k != "architectures"})
+    model = getattr(transformers, model_name)(cfg).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     stamp.write_text(json.dumps(want))
     return out

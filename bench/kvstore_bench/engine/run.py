@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .engine_peers import Backing, Context, NotRunnable, engine_env, make_backing
-from .engine_workload import Script, Turn
-from .peers import stop_process
+from ..peers import stop_process
+from .peers import Backing, Context, NotRunnable, engine_env, make_backing
+from .workload import Script, Turn
 
 __all__ = ["ConfigRun", "EngineError", "EngineProc", "EngineSpec", "Result", "run_config"]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 class EngineError(RuntimeError):
@@ -99,7 +99,7 @@ class EngineProc:
         env = engine_env(backing, [str(ROOT / "client"), str(ROOT / "bench"), str(ROOT)])
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [str(spec.python), "-m", "kvstore_bench.engine_proc", json.dumps(cfg)],
+                [str(spec.python), "-m", "kvstore_bench.engine.proc", json.dumps(cfg)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,

@@ -1,6 +1,6 @@
 """ucx:// versus tcp:// throughput, 1 MiB blocks, in the same run.
 
-    python -m kvstore_bench.ucxbench [--total 512MiB] [--batch 16] [--rounds 3]
+    python -m kvstore_bench.transfer.ucx [--total 512MiB] [--batch 16] [--rounds 3]
 
 A real local cluster (a master and one ``kvstore worker --ucx-port 0``, started with
 :class:`kvstore.cluster.LocalCluster`) serves the blocks; this process drives it through
@@ -34,7 +34,7 @@ from kvstore.config import format_size, parse_size
 from kvstore_client import Client
 from kvstore_client.transport import ucx as ucx_client
 
-from .peers.procs import cpu_seconds
+from ..peers.procs import cpu_seconds
 
 GIB = float(1 << 30)
 MIB = 1 << 20

@@ -1,0 +1,1 @@
+"""`kvstore bench engine`: real vLLM engines serving agent sessions, per KV backing."""

@@ -1,0 +1,1 @@
+"""`kvstore bench scale`: the control plane with many simulated workers."""

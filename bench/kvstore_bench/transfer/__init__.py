@@ -1,0 +1,1 @@
+"""`kvstore bench transfer` and `kvstore bench store`: bytes and operations against the ceilings."""
