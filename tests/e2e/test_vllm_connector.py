@@ -1,7 +1,8 @@
 """vLLM on the CPU with kvstore_client.connectors.vllm:KVStoreConnector, no mocks.
 
 Three engine processes share one kvstore cluster (3 workers): A and B carry the
-connector, R carries none and is the reference (it runs each prompt with its own
+connector (A on host zero copy, B on the block mover's path), R carries none and is
+the reference (it runs each prompt with its own
 local prefix cache). Prompts are token ids of the tiny Llama (tests/e2e/tiny_model.py);
 sampling is greedy with logprobs. The tests run in file order; the last one kills a
 worker.
@@ -62,9 +63,13 @@ def engines(
 ) -> Iterator[dict[str, Engine]]:
     logs = tmp_path_factory.mktemp("engines")
     extra = {"test_fault_file": str(fault_file)}
+    # B moves blocks through the block mover's rows (the path a CUDA cache takes,
+    # its loads copied from pinned arena slots), A through host zero copy: every
+    # hit between them crosses the two paths.
+    mover = {**extra, "zero_copy": False}
     es = {
         "A": Engine("A", tiny_model, logs, master=cluster.address, extra=extra, warmup_seed=1),
-        "B": Engine("B", tiny_model, logs, master=cluster.address, extra=extra, warmup_seed=2),
+        "B": Engine("B", tiny_model, logs, master=cluster.address, extra=mover, warmup_seed=2),
         "R": Engine("R", tiny_model, logs, master=None, warmup_seed=3),
     }
     try:
