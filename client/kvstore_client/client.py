@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from . import wire
+from . import leases, wire
 from .copyreads import read_copies
 from .errors import (
     CallerError,
@@ -49,7 +49,7 @@ from .security import Tls, metadata, open_channel
 from .sessions import SessionHints
 from .sharding import DEFAULT_VNODES_PER_GIB, build_ring
 from .transport import BlockView
-from .transport.pins import ArenaPins
+from .transport.pins import ArenaPins, ArenaSlots
 from .transport.shm import ShmTransfer
 from .transport.tcp import GetResult, TcpConnection, TcpPool
 from .transport.ucx import available as ucx_available
@@ -658,32 +658,37 @@ class Client:
         return done
 
     def pin_local(self, ns: str, hashes: list[bytes]) -> ArenaPins:
-        """Pin the blocks that same-host workers hold, in place in their arenas (for
-        a DMA straight out of the slot); ``views[i]`` is None for a block that is
-        missing, fails its checksum, or lives on a worker that is not on this host
-        (read those with :meth:`batch_get_into`). The caller must :meth:`release
-        <kvstore_client.transport.pins.ArenaPins.release>` the pins once its copies
-        are done; the views are invalid afterwards. Worker failures are misses;
-        InvalidArgument for bad input. Namespaces with several copies per block are
-        not pinned (all None)."""
+        """Pin the blocks that same-host workers hold, in place in their arenas (to
+        copy straight out of the slot, e.g. by DMA); ``views[i]`` is None for a
+        block that is missing, fails its checksum, or is not on a same-host worker
+        (read those with :meth:`batch_get_into`). Release the pins once the copies
+        are done (the views die then). Worker failures are misses; InvalidArgument
+        for bad input. Namespaces with several copies per block pin nothing."""
         self._check(ns, hashes)
-        out = ArenaPins([None] * len(hashes))
         view, groups = self._groups(hashes)
         if self._copies(view, ns, None) > 1:
-            return out
-        nsb = ns.encode()
-        for w, idx in groups:
-            try:
-                got = view.workers[w].via.pin(self.timeout, nsb, [hashes[i] for i in idx])
-            except PeerError:
-                continue
-            if got is None:
-                continue
-            for j, i in enumerate(idx):
-                out.views[int(i)] = got.views[j]
-            out.arenas += got.arenas
-            out._releases += got._releases
-        return out
+            return ArenaPins([None] * len(hashes))
+        return leases.pin(view, groups, self.timeout, ns.encode(), hashes)
+
+    def reserve_local(self, ns: str, hashes: list[bytes], sizes: list[int]) -> ArenaSlots:
+        """Reserve slots on same-host workers for blocks to be written straight into
+        them (e.g. by DMA), published by ``commit(written)`` with checksums taken
+        over the slots then; a block without a slot (None) is already there
+        (``present``), has no room, or is not on a same-host worker (write it with
+        :meth:`batch_put`). InvalidArgument for bad input or a size over the
+        workers' limit. Namespaces with several copies per block reserve nothing."""
+        self._check(ns, hashes)
+        view = self._view
+        if len(sizes) != len(hashes):
+            raise InvalidArgument(f"{len(hashes)} hashes but {len(sizes)} sizes")
+        limit = view.max_value if view is not None else 0
+        for i, n in enumerate(sizes):
+            if n <= 0 or (limit and n > limit):
+                raise InvalidArgument(f"block {i} is {n} bytes; blocks are 1..{limit} bytes")
+        view, groups = self._groups(hashes)
+        if self._copies(view, ns, None) > 1:
+            return ArenaSlots([None] * len(hashes), [False] * len(hashes))
+        return leases.reserve(view, groups, self.timeout, ns.encode(), hashes, sizes)
 
     def remove(self, ns: str, hashes: list[bytes]) -> int:
         """Remove blocks (every copy); returns how many copies were present."""

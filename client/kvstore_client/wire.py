@@ -33,6 +33,10 @@ the client copies bytes itself through its own mapping of the worker's arena:
              answer: count x (status u8 | pad 7 | offset u64); LOC slots are reserved
   PUT_COMMIT body: count x ok u8 (the client wrote the slot); req_id names the PUT_LOC
              answer: count x status u8 (PUT_*). Reserved slots die with the connection.
+             With FLAG_LATE_SUM (on the PUT_LOC and its PUT_COMMIT) the PUT_LOC's
+             checksums are ignored (send 0) and the commit's body is followed by
+             count x xxh3_64 u64: the checksums of the bytes the client wrote, known
+             only after writing (a GPU's DMA straight into the slot).
 
 With tenants configured, a connection's first frame is AUTH (ns_len 0, count =
 token length, body = the token); the answer is OK or UNAUTHENTICATED (then closed).
@@ -111,6 +115,9 @@ MAX_PARTS = 4096  # parts per block
 # Request flag (EXISTS): answer only how many leading keys are present (the worker
 # stops at its first miss); the answer carries TAG_RUN and the run in its count.
 FLAG_PREFIX = 1
+# Request flag (PUT_LOC and its PUT_COMMIT): the checksums come with the commit.
+FLAG_LATE_SUM = 4
+SUMS = struct.Struct("<Q")
 TAG_RUN = 1
 PART_COUNT = struct.Struct("<I")
 

@@ -353,17 +353,24 @@ class BlockStore:
     def view(self, b: Block) -> memoryview:
         return self.arena.slot(b.offset, b.size)
 
-    def finish_many(self, blocks: Sequence[Block], ok: Sequence[bool]) -> None:
-        """Commit the blocks whose bytes arrived intact, abort the others."""
+    def finish_many(
+        self, blocks: Sequence[Block], ok: Sequence[bool], checksums: Sequence[int] | None = None
+    ) -> list[bool]:
+        """Commit the blocks whose bytes arrived intact, abort the others;
+        ``checksums``: the blocks' checksums, given only now (FLAG_LATE_SUM).
+        Returns, per block, whether it was committed."""
         # Committed last block first (slices from the end, each one in reverse): a batch
         # is a chain's run, and the block nearest the chain's head must be the most
         # recently used (see CHAIN ORDER above). KV events keep the batch's order
         # within each slice, sent under the same hold of the lock as the commits.
+        good = list(ok)
         for s in reversed(list(self._slices(len(blocks)))):
             with self.lock:
                 for i in range(s.stop - 1, s.start - 1, -1):
                     b = blocks[i]
-                    if ok[i]:
+                    if good[i] and checksums is not None:
+                        good[i] = self.tier.set_checksum(b, checksums[i])
+                    if good[i]:
                         self.tier.commit(b)
                     else:
                         self.tier.abort(b)
@@ -372,8 +379,9 @@ class BlockStore:
                     self._ev(
                         True,
                         DRAM,
-                        [(b.ns, b.key) for b, g in zip(blocks[s], ok[s], strict=True) if g],
+                        [(b.ns, b.key) for b, g in zip(blocks[s], good[s], strict=True) if g],
                     )
+        return good
 
     def put_bytes(self, ns: str, keys: Sequence[bytes], values: Sequence[bytes]) -> list[bool]:
         """Inline put (gRPC path): True = stored now, False = already present."""

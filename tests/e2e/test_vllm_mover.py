@@ -181,6 +181,8 @@ def test_transfers_larger_than_the_rows_go_in_chunks(make_cluster: Any) -> None:
         _save(w, "a", ids, hs)
         assert w.drain_saves(10)
         assert w.take_meta().saved == {"a": ids}  # type: ignore[union-attr]
+        # Same-host workers: every block was copied into a reserved arena slot.
+        assert w._interval.peek()["arena_stored_blocks"] == 14
         dst = ids[::-1]
         r.start_load_kv(KVStoreConnectorMetadata(loads=[Transfer("b", [dst], hs, ids)]))
         assert _wait_loaded(r, "b") == set()

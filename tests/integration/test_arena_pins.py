@@ -73,3 +73,79 @@ def test_nothing_is_pinned_over_tcp_or_for_bad_input(make_cluster: MakeCluster) 
         assert pins.count == 8 and len(pins.arenas) == 2  # both same-host workers
         assert [bytes(v) for v in pins.views] == [value_for(k, SIZE) for k in ks]  # type: ignore[arg-type]
         pins.release()
+
+
+def test_reserved_slots_are_written_in_place_and_published_by_commit(
+    make_cluster: MakeCluster,
+) -> None:
+    """reserve_local hands out arena slots; bytes written into them become a block
+    only at commit (checksummed then), unwritten slots are dropped, blocks already
+    stored are reported present, and an aborted or abandoned reservation leaves
+    nothing behind."""
+    cluster = make_cluster(workers=2, dram_size="32MiB")
+    ks = [key(i, "slots") for i in range(6)]
+    vals = [value_for(k, SIZE) for k in ks]
+    with Client(cluster.address, transport="shm") as c, Client(cluster.address) as other:
+        assert c.batch_put(NS, ks[:1], vals[:1]) == [True]
+        slots = c.reserve_local(NS, ks, [SIZE] * 6)
+        assert slots.views[0] is None and slots.present[0] and slots.count == 5
+        for i in range(1, 6):
+            v = slots.views[i]
+            assert v is not None and v.nbytes == SIZE
+            v[:] = vals[i]
+        assert other.batch_exists(NS, ks[1:]) == [False] * 5  # nothing visible yet
+        stored = slots.commit([True, True, True, True, True, False])
+        assert stored == [False, True, True, True, True, False]
+        assert slots.commit([True] * 6) == [False] * 6  # once only
+        assert other.batch_get(NS, ks) == [*vals[:5], None]
+        aborted = c.reserve_local(NS, [key(9, "slots")], [SIZE])
+        assert aborted.count == 1
+        aborted.abort()
+        assert other.batch_exists(NS, [key(9, "slots")]) == [False]
+        left = Client(cluster.address, transport="shm")
+        gone = left.reserve_local(NS, [key(10, "slots")], [SIZE])
+        assert gone.count == 1
+        left.close()  # the connection's close drops its reservation
+        assert other.batch_put(NS, [key(10, "slots")], [vals[0]]) == [True]
+        try:
+            c.reserve_local(NS, ks[:1], [0])
+        except InvalidArgument:
+            pass
+        else:
+            raise AssertionError("a 0-byte block was accepted")
+
+
+def test_a_commit_that_does_not_match_its_reservation_closes_only_that_connection(
+    make_cluster: MakeCluster,
+) -> None:
+    """PUT_LOC without FLAG_LATE_SUM then a PUT_COMMIT with it (or the reverse): a
+    protocol error; the reservation is dropped with the connection and the worker
+    keeps serving."""
+    from kvstore_client import wire
+
+    cluster = make_cluster(workers=1, dram_size="32MiB")
+    k = key(0, "mismatch")
+    with Client(cluster.address, transport="shm") as c:
+        w = c._view.workers[0]  # type: ignore[union-attr]
+        for loc_flag, commit_flag in ((0, wire.FLAG_LATE_SUM), (wire.FLAG_LATE_SUM, 0)):
+            conn = w.pool.take(5)
+            try:
+                entry = wire.PUT_ENTRY.pack(k, SIZE, 0)
+                head = wire.encode_request_header(wire.OP_PUT_LOC, NS.encode(), 1, 1, loc_flag)
+                wire.send_buffers(conn.sock, [head, entry])
+                conn._answer(wire.OP_PUT_LOC, 1)
+                wire.recv_exact(conn.sock, 16)
+                commit = wire.encode_request_header(
+                    wire.OP_PUT_COMMIT, NS.encode(), 1, 1, commit_flag
+                )
+                wire.send_buffers(conn.sock, [commit, b"\x01", bytes(8)])
+                conn.sock.settimeout(5)
+                try:  # an error frame, then the worker closes the connection
+                    while conn.sock.recv(1 << 16):
+                        pass
+                except ConnectionResetError:
+                    pass
+            finally:
+                conn.close()
+        assert c.batch_put(NS, [k], [value_for(k, SIZE)]) == [True]
+        assert c.batch_get(NS, [k]) == [value_for(k, SIZE)]

@@ -107,3 +107,25 @@ def test_a_block_pinned_by_acquire_many_is_not_evicted() -> None:
     assert b is not None and t.peek("ns", k(1)) is None and held.ready
     t.release_many([held])
     assert held.pins == 0 and t.oldest(1)[0].key == k(0)
+
+
+def test_set_checksum_only_while_pending() -> None:
+    """A writer that learns its block's checksum after writing (FLAG_LATE_SUM) sets it
+    before the commit; a committed, aborted or stale block keeps what it has."""
+    t = DramTier(8 * MiB, 1 * MiB)
+    b = t.reserve("ns", k(1), 1000, 0)
+    assert b is not None
+    assert not t.set_checksum(b, -1) and not t.set_checksum(b, 1 << 64)
+    assert t.set_checksum(b, 0xDEADBEEF)
+    t.commit(b)
+    got = t.acquire("ns", k(1))
+    assert got is not None and got.checksum == 0xDEADBEEF
+    t.release(got)
+    assert not t.set_checksum(b, 7)  # committed: unchanged
+    got = t.acquire("ns", k(1))
+    assert got is not None and got.checksum == 0xDEADBEEF
+    t.release(got)
+    c = t.reserve("ns", k(2), 1000, 0)
+    assert c is not None
+    t.abort(c)
+    assert not t.set_checksum(c, 5)  # the slot is free (maybe reused): stale handle

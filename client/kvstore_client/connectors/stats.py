@@ -25,6 +25,7 @@ COUNTER_NAMES = (
     "loaded_states",
     "sync_loaded_blocks",
     "arena_loaded_blocks",
+    "arena_stored_blocks",
     "stored_states",
     "session_hints",
     "session_hints_dropped",
@@ -87,6 +88,11 @@ def _prom() -> dict[str, Any]:
             "arena_loaded_blocks": Counter(
                 "kvstore_connector_arena_loaded_blocks_total",
                 "Blocks copied into the KV cache straight from a same-host worker's arena slot",
+                lab,
+            ),
+            "arena_stored_blocks": Counter(
+                "kvstore_connector_arena_stored_blocks_total",
+                "Blocks copied from the KV cache straight into a same-host worker's arena slot",
                 lab,
             ),
             "stored_states": Counter(

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from .. import wire
-from .pins import ArenaPins
+from .pins import ArenaPins, ArenaSlots
 from .tcp import GetResult
 
 BlockView = memoryview | list[memoryview]  # a destination: one view, or its parts
@@ -61,5 +61,13 @@ class Transfer(Protocol):
         :mod:`.pins`); None when this transport cannot (not same-host)."""
         ...
 
+    def reserve(
+        self, timeout: float, ns: bytes, hashes: Sequence[bytes], sizes: Sequence[int]
+    ) -> ArenaSlots | None:
+        """Reserve slots in a same-host worker's arena to write blocks into directly,
+        published by their commit (see :mod:`.pins`); None when this transport
+        cannot (not same-host)."""
+        ...
 
-__all__ = ["ArenaPins", "BlockView", "GetResult", "Transfer"]
+
+__all__ = ["ArenaPins", "ArenaSlots", "BlockView", "GetResult", "Transfer"]

@@ -28,7 +28,7 @@ from ..security import Tls, wrap_client_socket
 
 SOCK_BUF = 4 << 20
 if TYPE_CHECKING:
-    from .pins import ArenaPins
+    from .pins import ArenaPins, ArenaSlots
 
 R = TypeVar("R")
 
@@ -398,6 +398,12 @@ class TcpTransfer:
 
     def pin(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> ArenaPins | None:
         """None: a tcp:// worker's blocks cannot be pinned in this process's memory."""
+        return None
+
+    def reserve(
+        self, timeout: float, ns: bytes, hashes: Sequence[bytes], sizes: Sequence[int]
+    ) -> ArenaSlots | None:
+        """None: a tcp:// worker has no slots in this process's memory."""
         return None
 
 

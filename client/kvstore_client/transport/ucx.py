@@ -57,7 +57,7 @@ from ..errors import (
     from_transport_error,
 )
 from ..keys import HASH_LEN, from_bitmap
-from .pins import ArenaPins
+from .pins import ArenaPins, ArenaSlots
 from .tcp import GetResult
 
 R = TypeVar("R")
@@ -616,6 +616,12 @@ class UcxPool:
 
     def pin(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> ArenaPins | None:
         """None: a ucx:// worker's blocks cannot be pinned in this process's memory."""
+        return None
+
+    def reserve(
+        self, timeout: float, ns: bytes, hashes: Sequence[bytes], sizes: Sequence[int]
+    ) -> ArenaSlots | None:
+        """None: a ucx:// worker has no slots in this process's memory."""
         return None
 
     def close(self) -> None:

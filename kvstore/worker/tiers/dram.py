@@ -489,6 +489,17 @@ class DramTier(SlotIndex):
         self.slot_bytes_used += slot_size
         return Block(ns, key, self.off[s], size, checksum, slot_size, s, self.gen[s], self)
 
+    def set_checksum(self, b: Block, checksum: int) -> bool:
+        """Give a reserved (still pending) block the checksum of the bytes its
+        writer put in, for writers that learn it only after writing (shm:// with
+        FLAG_LATE_SUM); False when the block is no longer pending or the value is
+        not an unsigned 64-bit integer."""
+        s = b.slot
+        if self.gen[s] != b.gen or self.state[s] != PENDING or not 0 <= checksum <= M64:
+            return False
+        self.csum[s] = checksum
+        return True
+
     def commit(self, b: Block) -> None:
         """Make a reserved block visible (all its bytes are in and verified)."""
         s = b.slot

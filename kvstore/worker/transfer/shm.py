@@ -140,6 +140,7 @@ class _Open:
     slots: list[Block | ResourceExhausted | None]
     nbytes: int
     entries: int
+    late: bool = False  # PUT_LOC with FLAG_LATE_SUM: the commit brings the checksums
 
 
 @dataclass(slots=True)
@@ -264,7 +265,8 @@ def put_loc(
             wire.PUT_LOC_ENTRY.pack_into(answer, off, wire.PUT_LOC_SLOT, s.offset)
         else:
             wire.PUT_LOC_ENTRY.pack_into(answer, off, put_status(s), 0)
-    st.open[h.req_id] = _Open(None, slots, nbytes, h.count)
+    late = bool(h.flags_or_code & wire.FLAG_LATE_SUM)
+    st.open[h.req_id] = _Open(None, slots, nbytes, h.count, late)
     head = wire.encode_answer_header(h.op, 0, h.count, h.req_id, store.arena.tag)
     wire.send_buffers(conn, [head, answer])
 
@@ -272,25 +274,35 @@ def put_loc(
 def put_commit(
     store: BlockStore, st: ShmState, conn: socket.socket, h: wire.Header, ns: str
 ) -> int:
-    """Commit the slots the client wrote; returns payload bytes committed."""
+    """Commit the slots the client wrote; returns payload bytes committed. With
+    FLAG_LATE_SUM (as on its PUT_LOC) the checksums follow the flags."""
     # Read the flags first: until they are in, the reservation stays with the
     # connection, so a peer that vanishes here has it aborted by ShmState.close.
     flags = bytes(wire.recv_exact(conn, h.count))
     o = st.open.get(h.req_id)
-    if o is None or o.reading is not None or len(o.slots) != h.count:
+    late = bool(h.flags_or_code & wire.FLAG_LATE_SUM)
+    if o is None or o.reading is not None or len(o.slots) != h.count or o.late != late:
         raise ProtocolError(f"PUT_COMMIT for unknown or mismatched request {h.req_id}")
+    sums: list[int] | None = None
+    if late:
+        raw = wire.recv_exact(conn, h.count * wire.SUMS.size)
+        sums = [c for (c,) in wire.SUMS.iter_unpack(raw)]
     del st.open[h.req_id]
     blocks: list[Block] = []
     ok: list[bool] = []
+    at: list[int] = []
     status = bytearray(h.count)
     for i, (s, f) in enumerate(zip(o.slots, flags, strict=True)):
         if isinstance(s, Block):
             blocks.append(s)
             ok.append(bool(f))
-            status[i] = wire.PUT_STORED if f else wire.PUT_CORRUPT
+            at.append(i)
         else:
             status[i] = put_status(s)
-    store.finish_many(blocks, ok)
+    late_sums = None if sums is None else [sums[i] for i in at]
+    ok = store.finish_many(blocks, ok, late_sums)
+    for i, good in zip(at, ok, strict=True):
+        status[i] = wire.PUT_STORED if good else wire.PUT_CORRUPT
     st.holder.give(o.nbytes, o.entries)
     head = wire.encode_answer_header(h.op, 0, h.count, h.req_id, store.arena.tag)
     wire.send_buffers(conn, [head, status])

@@ -53,7 +53,7 @@ from typing import Any
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 from ...keys import leading_run
-from ...transport.pins import ArenaPins
+from ...transport.pins import ArenaPins, ArenaSlots
 from .. import blockcopy as bc
 from ..holder import ClientHolder
 from ..naming import STATE_KIND
@@ -619,23 +619,62 @@ class WorkerSide:
     def _put_moved(self, client: Any, ns: str, layers: list[bc.LayerGeometry],
                    hashes: list[bytes], ids: list[list[int]], rows: _Rows,
                    ready: Any) -> list[bool]:  # fmt: skip
-        """Mover path, writer thread: gather chunk by chunk into the rows (on CUDA
-        into device rows after ``ready``, then one DMA to the pinned rows), wait for
-        the ticket here, then put the rows."""
+        """Mover path, writer thread, chunk by chunk: reserve slots on same-host
+        workers, gather the blocks (on CUDA into device rows after ``ready``) and
+        copy each into its reserved arena slot (one DMA, no host copy) or, without a
+        slot, into its pinned row; wait for that copy here; then commit the slots
+        (checksummed over the slots) and put the rows. True per block in the store
+        afterwards."""
         ok: list[bool] = []
         m = self.mover
         for at in range(0, len(hashes), rows.cap):
             k = min(rows.cap, len(hashes) - at)
             chunk = [g[at : at + k] for g in ids]
+            hs = hashes[at : at + k]
+            slots = self._reserve(client, ns, hs, rows.host.shape[1])
+            dests = [rows.host[i] for i in range(k)]
+            if slots is not None:
+                self._register(slots.arenas)
+                dests = [d if v is None else bc.host_tensor(v)
+                         for d, v in zip(dests, slots.views, strict=True)]  # fmt: skip
             if isinstance(m, bc.CudaMover):
-                m.gather(layers, chunk, rows.dev[:k], after=ready)
-                t = m.download(rows.dev[:k], [rows.host])
+                got_in = m.gather(layers, chunk, rows.dev[:k], after=ready)
+                out = m.download(rows.dev[:k], dests if slots is not None else [rows.host])
             else:
-                t = m.gather(layers, chunk, rows.host[:k])
+                got_in = m.gather(layers, chunk, rows.host[:k])
+                out = m.download(rows.host[:k], dests) if slots is not None else bc.DONE
+            t = bc.AllTickets([got_in, out])
             if not t.wait(self.s.cfg.timeout_s):
+                if slots is not None:
+                    slots.abort()
                 raise TimeoutError("the device copy of a save did not complete")
-            ok += self._put_rows(client, ns, hashes[at : at + k], rows.views[:k])
+            if slots is None:
+                ok += self._put_rows(client, ns, hs, rows.views[:k])
+                continue
+            got = slots.commit([v is not None for v in slots.views])
+            got = [g or p for g, p in zip(got, slots.present, strict=True)]
+            rest = [i for i, v in enumerate(slots.views) if v is None and not slots.present[i]]
+            if rest:
+                put = self._put_rows(client, ns, [hs[i] for i in rest],
+                                     [rows.views[i] for i in rest])  # fmt: skip
+                for i, g in zip(rest, put, strict=True):
+                    got[i] = g
+            record(NAME, self._interval, "arena_stored_blocks", slots.count)
+            ok += got
         return ok
+
+    def _reserve(self, client: Any, ns: str, hashes: list[bytes], width: int
+                 ) -> ArenaSlots | None:  # fmt: skip
+        """Slots reserved on same-host workers for these blocks, or None when none
+        (or the reservation failed: the rows path still works)."""
+        try:
+            slots: ArenaSlots = client.reserve_local(ns, hashes, [width] * len(hashes))
+        except Exception as e:
+            log.warning("kvstore arena reservation failed: %s", e)
+            return None
+        if not slots.count and not any(slots.present):
+            return None
+        return slots
 
     def _put(self, step: _StepSave) -> None:
         """Background writer: the store writes of a step (KV blocks, then states)."""
