@@ -8,15 +8,14 @@ from __future__ import annotations
 from kvstore_client import Client, InvalidArgument
 from tests.conftest import MakeCluster
 from tests.helpers import key, value_for
+from tests.integration import test_pins
 
-NS = "m/bf16/b16/tp0of1"
-SIZE = 16 * 1024  # 64 slots per 1 MiB slab; 8 MiB of DRAM = 512 slots
+NS = test_pins.NS
+SIZE = test_pins.SIZE  # 64 slots per 1 MiB slab; 8 MiB of DRAM = 512 slots
 
 
-def put_all(c: Client, keys: list[bytes], salt: str = "") -> None:
-    for s in range(0, len(keys), 50):
-        part = keys[s : s + 50]
-        assert c.batch_put(NS, part, [value_for(k, SIZE) for k in part]) == [True] * len(part)
+def put_all(c: Client, keys: list[bytes]) -> None:
+    test_pins.put_all(c, NS, keys)
 
 
 def test_pinned_blocks_read_in_place_and_stay_until_released(make_cluster: MakeCluster) -> None:
