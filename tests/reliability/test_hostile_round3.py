@@ -1,0 +1,267 @@
+"""Issue 23's findings (trust, round three) against real worker processes: what a
+careless or hostile client could do with request ids, replicas, frozen processes and
+malformed frames. Each test failed on the code before the fix it names."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.cluster import LocalCluster
+from kvstore_client import Client, wire
+from kvstore_client.errors import Code, InvalidArgument, PermissionDenied
+from tests.conftest import MakeCluster, arena_files
+from tests.helpers import key, value_for
+
+MiB = 1 << 20
+NS = "round3"
+
+
+def tcp_addr(c: LocalCluster, i: int = 0) -> tuple[str, int]:
+    with Client(c.address) as cl:
+        url = next(e for e in cl.workers()[i].endpoints if e.startswith("tcp://"))
+    host, port = url[len("tcp://") :].rsplit(":", 1)
+    return host, int(port)
+
+
+def header(op: int, count: int, req_id: int, ns: str = NS) -> bytes:
+    return wire.encode_request_header(op, ns.encode(), count, req_id)
+
+
+def answer(s: socket.socket) -> wire.Header:
+    return wire.decode_header(wire.recv_exact(s, wire.HEADER_LEN), wire.ANS_MAGIC)
+
+
+def get_loc(s: socket.socket, keys: list[bytes], req_id: int) -> wire.Header:
+    s.sendall(header(wire.OP_GET_LOC, len(keys), req_id) + b"".join(keys))
+    h = answer(s)
+    if h.flags_or_code == 0:
+        wire.recv_exact(s, h.count * wire.LOC_ENTRY.size)
+    return h
+
+
+def put_loc(s: socket.socket, keys: list[bytes], size: int, req_id: int) -> wire.Header:
+    body = b"".join(wire.PUT_ENTRY.pack(k, size, 0) for k in keys)
+    s.sendall(header(wire.OP_PUT_LOC, len(keys), req_id) + body)
+    h = answer(s)
+    if h.flags_or_code == 0:
+        wire.recv_exact(s, h.count * wire.PUT_LOC_ENTRY.size)
+    return h
+
+
+# ---- 1: a reused request id must not orphan pins or reservations ---------------------------
+
+
+def test_reused_shm_request_ids_leak_no_pins(make_cluster: MakeCluster) -> None:
+    c = make_cluster(workers=1, dram_size="64MiB", max_value_size="1MiB")
+    addr = tcp_addr(c)
+    old = [key(i, "pinned") for i in range(44)]
+    with Client(c.address, transport="tcp", timeout=10.0) as cl:
+        for i in range(0, 44, 11):
+            assert all(
+                cl.batch_put(NS, old[i : i + 11], [value_for(k, MiB) for k in old[i : i + 11]])
+            )
+    for n in range(4):
+        with socket.create_connection(addr) as s:
+            # Pin 11 blocks under id 1, then send another GET_LOC under the same id.
+            get_loc(s, old[n * 11 : (n + 1) * 11], 1)
+            get_loc(s, old[:1], 1)
+    stuck = key(0, "reserved")
+    with socket.create_connection(addr) as s:
+        put_loc(s, [stuck], 4096, 5)
+        put_loc(s, [key(1, "reserved")], 4096, 5)
+    time.sleep(0.3)  # the worker sees the closes
+    fresh = [key(i, "fresh") for i in range(60)]
+    stored = 0
+    with Client(c.address, transport="tcp", timeout=10.0) as cl:
+        for i in range(0, 60, 6):
+            part = fresh[i : i + 6]
+            stored += sum(cl.batch_put(NS, part, [value_for(k, MiB) for k in part]))
+        assert cl.batch_put(NS, [stuck], [value_for(stuck, 4096)]) == [True]
+        assert cl.batch_get(NS, [stuck]) == [value_for(stuck, 4096)]
+    assert stored == 60, f"closed connections left pins behind: {stored} of 60 stored"
+
+
+def test_a_reused_request_id_is_refused_and_closes_the_connection(
+    make_cluster: MakeCluster,
+) -> None:
+    c = make_cluster(workers=1, dram_size="64MiB", max_value_size="1MiB")
+    k = key(0, "dup")
+    with Client(c.address, transport="tcp") as cl:
+        assert cl.batch_put(NS, [k], [value_for(k, 4096)]) == [True]
+    with socket.create_connection(tcp_addr(c)) as s:
+        assert get_loc(s, [k], 9).flags_or_code == 0
+        h = get_loc(s, [k], 9)
+        assert h.flags_or_code == Code.INVALID_ARGUMENT
+        s.settimeout(5)
+        wire.recv_exact(s, h.count)  # the message, then the worker closes
+        assert s.recv(1) == b""
+
+
+# ---- 2: removal removes every copy a put wrote ----------------------------------------------
+
+
+def test_remove_removes_copies_written_with_per_call_replicas(make_cluster: MakeCluster) -> None:
+    c = make_cluster(workers=3, dram_size="64MiB", max_value_size="1MiB", worker_ttl="1s")
+    keys = [key(i, "copies") for i in range(64)]
+    vals = [value_for(k, 4096) for k in keys]
+    with Client(c.address, transport="tcp", timeout=5.0) as cl:
+        assert all(cl.batch_put(NS, keys, vals, replicas=3))
+        assert cl.remove(NS, keys) == 3 * 64
+        assert cl.batch_get(NS, keys) == [None] * 64
+    dead = c.worker_procs[0]
+    dead.kill()
+    for f in arena_files(dead.pid):
+        os.unlink(f)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with Client(c.address, transport="tcp", timeout=5.0) as probe:
+            if len(probe.workers()) == 2:
+                break
+        time.sleep(0.2)
+    with Client(c.address, transport="tcp", timeout=5.0) as cl:
+        assert len(cl.workers()) == 2
+        back = sum(v is not None for v in cl.batch_get(NS, keys))
+    assert back == 0, f"{back} of 64 removed values came back"
+
+
+def test_reads_consult_copies_written_with_per_call_replicas(make_cluster: MakeCluster) -> None:
+    c = make_cluster(workers=2, dram_size="64MiB", max_value_size="1MiB")
+    keys = [key(i, "percall") for i in range(32)]
+    vals = [value_for(k, 4096) for k in keys]
+    with Client(c.address, transport="tcp", timeout=5.0) as cl:
+        assert all(cl.batch_put(NS, keys, vals, replicas=2))
+        # Drop the copy on one worker only (a raw REMOVE to it): the other still has it.
+        with socket.create_connection(tcp_addr(c, 0)) as s:
+            s.sendall(header(wire.OP_REMOVE, len(keys), 1) + b"".join(keys))
+            assert answer(s).flags_or_code == 0
+        assert cl.batch_get(NS, keys) == vals
+        assert all(cl.batch_exists(NS, keys))
+        assert cl.match_prefix(NS, keys) == len(keys)
+
+
+# ---- 7: a frozen reader does not block its host's puts --------------------------------------
+
+FROZEN_READER = """
+import os, signal, sys
+from kvstore_client import Client
+master, n = sys.argv[1], int(sys.argv[2])
+sys.path.insert(0, "tests")
+from helpers import key
+cl = Client(master, transport="shm", timeout=10.0)
+keys = [key(i, "frozen") for i in range(n)]
+bufs = [memoryview(bytearray(1 << 20)) for _ in keys]
+hits = cl.batch_get_into("round3", keys, bufs).result()
+print(sum(hits), flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)  # a debugger, a checkpoint, a long GC pause
+"""
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_a_frozen_reader_keeps_no_pins(make_cluster: MakeCluster) -> None:
+    c = make_cluster(workers=1, dram_size="64MiB", max_value_size="1MiB")
+    keys = [key(i, "frozen") for i in range(30)]
+    with Client(c.address, transport="tcp", timeout=10.0) as cl:
+        for i in range(0, 30, 10):
+            assert all(
+                cl.batch_put(NS, keys[i : i + 10], [value_for(k, MiB) for k in keys[i : i + 10]])
+            )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(FROZEN_READER), c.address, "30"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "30"
+        deadline = time.monotonic() + 10
+        while not _stopped(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _stopped(proc.pid)
+        new = [key(i, "neighbour") for i in range(8)]
+        with Client(c.address, transport="tcp", timeout=10.0) as cl:
+            stored = cl.batch_put(NS, new, [value_for(k, MiB) for k in new])
+        assert all(stored), f"a frozen reader blocked its host's puts: {stored}"
+    finally:
+        proc.kill()
+        proc.send_signal(signal.SIGCONT)
+        proc.wait(10)
+
+
+# ---- 9: refusals arrive as errors, pins stay within the worker's bound, no overlaps ----------
+
+
+def test_a_refused_frame_with_an_unread_body_gets_its_error(
+    make_cluster: MakeCluster, tmp_path: Path
+) -> None:
+    f = tmp_path / "tenants.yaml"
+    f.write_text(
+        "tenants:\n"
+        "  - {name: a, token: tok-a, namespaces: [a]}\n"
+        "  - {name: b, token: tok-b, namespaces: [b]}\n"
+    )
+    c = make_cluster(
+        workers=1,
+        dram_size="64MiB",
+        max_value_size="1MiB",
+        extra_worker_args=["--tenants-file", str(f)],
+    )
+    ks = [key(i, "not-mine") for i in range(16)]
+    for transport in ("tcp", "shm"):
+        # Tenant a writes 16 MiB into b's namespace: refused after the header, while
+        # the body is still on its way; a must learn why, not see a reset.
+        with (
+            Client(c.address, token="tok-a", transport=transport, timeout=5.0) as a,
+            pytest.raises(PermissionDenied),
+        ):
+            a.batch_put("b", ks, [value_for(k, MiB) for k in ks])
+
+
+def test_one_get_loc_never_pins_more_than_the_worker_bound(make_cluster: MakeCluster) -> None:
+    c = make_cluster(workers=1, dram_size="64MiB", max_value_size="1MiB")
+    keys = [key(i, "big-read") for i in range(56)]
+    with Client(c.address, transport="tcp", timeout=10.0) as cl:
+        for i in range(0, 56, 8):
+            assert all(
+                cl.batch_put(NS, keys[i : i + 8], [value_for(k, MiB) for k in keys[i : i + 8]])
+            )
+    with socket.create_connection(tcp_addr(c)) as s:
+        # hold_per_worker is three quarters of the 64 MiB arena: 56 MiB is over it.
+        h = get_loc(s, keys, 1)
+    assert h.flags_or_code == Code.RESOURCE_EXHAUSTED
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_overlapping_buffers_are_refused(make_cluster: MakeCluster, transport: str) -> None:
+    c = make_cluster(workers=1, dram_size="64MiB", max_value_size="1MiB")
+    ks = [key(i, "overlap") for i in range(2)]
+    vals = [value_for(k, 8192) for k in ks]
+    with Client(c.address, transport=transport, timeout=5.0) as cl:
+        assert all(cl.batch_put(NS, ks, vals))
+        arena = np.zeros(12288, dtype=np.uint8)
+        mv = memoryview(arena)
+        with pytest.raises(InvalidArgument, match="overlap"):
+            cl.batch_get_into_parts(NS, ks, [[mv[0:4096], mv[4096:8192]], [mv[4096:12288]]])
+        with pytest.raises(InvalidArgument, match="overlap"):
+            cl.batch_get_into(NS, ks, [mv[0:8192], mv[4096:12288]])
+        with pytest.raises(InvalidArgument, match="overlap"):
+            cl.batch_get_into_parts(NS, ks[:1], [[mv[0:4096], mv[2048:6144]]])
+        # Adjacent, not overlapping: fine.
+        out = np.zeros(16384, dtype=np.uint8)
+        o = memoryview(out)
+        got = cl.batch_get_into_parts(NS, ks, [[o[0:4096], o[4096:8192]], [o[8192:16384]]])
+        assert got.result() == [True, True]
+        assert bytes(out) == vals[0] + vals[1]
