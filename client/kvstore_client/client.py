@@ -35,7 +35,7 @@ from .errors import (
     from_rpc_error,
 )
 from .keys import HASH_LEN, check_hashes, check_namespace, leading_run
-from .parts import part_views
+from .parts import check_disjoint, part_views
 from .proto import master_pb2, master_pb2_grpc, store_pb2, store_pb2_grpc
 from .replicas import (
     ReplicaStats,
@@ -554,8 +554,9 @@ class Client:
         A block counts as a hit only if its stored size equals its buffer's size and
         its checksum matches; a buffer of a miss may hold partial bytes. The future
         never raises for worker failures (those are misses). A buffer that no block
-        can fill (empty, or above the workers' max value size) raises InvalidArgument
-        at once; to learn a stored block's size, read it with :meth:`batch_get`.
+        can fill (empty, or above the workers' max value size) or buffers that share a
+        byte raise InvalidArgument at once; to learn a stored block's size, read it
+        with :meth:`batch_get`.
         Calls on a closed client raise InvalidArgument. When every block lives on one
         same-host worker reached over shm://, the copies run on the calling thread and
         the future comes back already done (no executor hop).
@@ -574,6 +575,7 @@ class Client:
                     f"buffer {i} is {v.nbytes} bytes: no block can fill it (blocks are "
                     f"1..{limit or 'max-value-size'} bytes)"
                 )
+        check_disjoint(views)
         return self._get_into_blocks(ns, hashes, list(views))
 
     def batch_get_into_parts(
@@ -585,13 +587,15 @@ class Client:
         sizes and its checksum (over the parts) matches; it may have been written whole
         or in any other split. InvalidArgument at once (nothing read) for part lists
         that do not match the hashes, a block with no parts or zero bytes, a read-only
-        part, or a block above the workers' max value size.
+        part, parts (of any blocks) that share a byte, or a block above the workers'
+        max value size.
         """
         self._check(ns, hashes)
         view = self._view
         blocks, _ = part_views(
             parts, len(hashes), writable=True, max_value=view.max_value if view else 0
         )
+        check_disjoint([p for b in blocks for p in b])
         return self._get_into_blocks(ns, hashes, list(blocks))
 
     def _get_into_blocks(

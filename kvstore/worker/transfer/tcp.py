@@ -62,6 +62,31 @@ def tune_socket(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
 
 
+DRAIN_BYTES = 256 << 20
+
+
+def _drain(sock: socket.socket, seconds: float, limit: int = DRAIN_BYTES) -> None:
+    """Close a refused connection gracefully: stop sending (the error answer is out),
+    then read and drop what the peer still sends (a refused frame's body) for up to
+    ``seconds`` and ``limit`` bytes. Closing with unread bytes would reset the
+    connection, and a client still sending its body would see the reset instead of
+    the error it was sent."""
+    deadline = time.monotonic() + seconds
+    scratch = memoryview(bytearray(1 << 16))
+    got = 0
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+        while got < limit:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            sock.settimeout(left)
+            n = sock.recv_into(scratch)
+            if not n:
+                return
+            got += n
+
+
 class TcpTransferServer:
     """Serves PUT/GET/EXISTS/REMOVE frames against a BlockStore."""
 
@@ -216,6 +241,8 @@ class TcpTransferServer:
         except ProtocolError as e:
             self.store.counters.bad_frames += 1
             log.info("closing connection after a bad frame: %s", e)
+            if conn is raw:
+                _drain(raw, min(2.0, self.frame_timeout))
         except (TimeoutError, ConnectionError, OSError):
             pass  # idle, stalled or gone: just close
         except Exception:  # never let one connection take the daemon down
