@@ -11,9 +11,9 @@ behind the same address) is an error for that call and the mapping is dropped.
 
 Then a get is one GET_LOC round trip for the locations, one numpy copy per block out
 of the mapping into the caller's buffer, whose bytes are then checked against the
-block's xxh3-64 (a mismatch is a miss), and a one-way RELEASE that rides along with
-the connection's next request (or is sent by the pool's flusher once the connection
-has been idle for ``TcpPool.FLUSH_AFTER``). A block read into several parts is copied
+block's xxh3-64 (a mismatch is a miss), and a one-way RELEASE sent as soon as the
+copies are done, before the call returns: a client stopped right after a read (a
+debugger, a checkpoint, a GC pause) holds no pins. A block read into several parts is copied
 out of the mapping once, into a per-thread bounce buffer, verified there and scattered
 from cache. A single same-host worker's get runs on the caller's thread. A put is a
 PUT_LOC round trip for reserved slots, copies into them, and a PUT_COMMIT round trip.
@@ -37,7 +37,7 @@ import xxhash
 
 from .. import wire
 from ..errors import KVStoreError, Unavailable
-from .tcp import SENDS_PENDING, GetResult, TcpConnection, TcpPool, TcpTransfer
+from .tcp import GetResult, TcpConnection, TcpPool, TcpTransfer
 
 SOCKET_PREFIX = "kvstore-"
 
@@ -217,7 +217,7 @@ def get(
         cuts = [(a, min(a + 32, n)) for a in range(0, n, 32)] if n > 32 else [(0, n)]
     sock = conn.sock
     reqs: list[int] = []
-    out: list[bytes | bytearray | memoryview] = [*conn.take_pending()]
+    out: list[bytes | bytearray | memoryview] = []
     for a, b in cuts:
         conn._req += 1
         reqs.append(conn._req)
@@ -227,11 +227,8 @@ def get(
     found = [False] * n
     values: list[bytearray | None] = [None] * n
     total = 0
-    last = reqs[-1]
     for (a, b), req in zip(cuts, reqs, strict=True):
-        total += _get_piece(
-            conn, arena, ns, req, a, b - a, buffers, sizes, found, values, req == last
-        )
+        total += _get_piece(conn, arena, ns, req, a, b - a, buffers, sizes, found, values)
     return GetResult(found, values, total)
 
 
@@ -246,12 +243,10 @@ def _get_piece(
     sizes: list[int],
     found: list[bool],
     values: list[bytearray | None],
-    defer: bool,
 ) -> int:
     """Read one GET_LOC answer (blocks first..first+count), copy, release; returns the
-    payload bytes found. ``defer``: the RELEASE (one-way) rides along with the
-    connection's next request instead of waking the worker now (the pool's flusher
-    sends it if the connection stays idle, TcpPool.FLUSH_AFTER)."""
+    payload bytes found. The RELEASE (one-way) goes out at once: pins never outlive
+    the call that took them, whatever the caller's process does next."""
     sock = conn.sock
     h = conn._answer(wire.OP_GET_LOC, req)
     try:
@@ -336,11 +331,7 @@ def _get_piece(
                 found[i] = digest(out) == checksum
     finally:
         # One-way: the worker unpins; no answer to wait for.
-        release = wire.encode_request_header(wire.OP_RELEASE, ns, 0, req)
-        if defer:
-            conn.pending.append(release)
-        else:
-            wire.send_buffers(sock, [release])
+        wire.send_buffers(sock, [wire.encode_request_header(wire.OP_RELEASE, ns, 0, req)])
     return total
 
 
@@ -360,7 +351,7 @@ def put(
     cuts = pieces(sizes)
     sock = conn.sock
     reqs: list[int] = []
-    out: list[bytes | bytearray | memoryview] = [*conn.take_pending()]
+    out: list[bytes | bytearray | memoryview] = []
     for a, b in cuts:
         conn._req += 1
         reqs.append(conn._req)
@@ -416,8 +407,6 @@ def put(
         for s, loc in zip(status, all_locs, strict=True)
     )
 
-
-SENDS_PENDING.update((get, put))  # they send a connection's owed RELEASEs themselves
 
 
 class ShmTransfer(TcpTransfer):
