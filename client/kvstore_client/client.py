@@ -118,6 +118,9 @@ class Client:
         self._channel: grpc.Channel | None = None
         self._watch_call: Any = None  # the open WatchShardMap call, to cancel on close
         self.replica_stats = ReplicaStats()
+        # Per namespace, the most copies a put of this client wrote with ``replicas=``
+        # (reads consult as many owners).
+        self._wrote_replicas: dict[str, int] = {}
         self._hints: SessionHints | None = None
         try:
             self._apply_map(self._fetch_map())
@@ -213,8 +216,13 @@ class Client:
         owner = view.ring.primary(hashes)
         return view, [(int(w), np.flatnonzero(owner == w)) for w in np.unique(owner)]
 
-    def _copies(self, view: View, ns: str, requested: int | None) -> int:
+    def _copies(self, view: View, ns: str, requested: int | None, *, reading: bool = False) -> int:
+        """Copies of a key in ``ns``: for a put, its ``replicas=`` or the map's count;
+        for a read (``reading``), also at least as many as this client ever wrote into
+        ``ns`` with a per-call ``replicas=``, so those copies are consulted too."""
         r = replica_count(ns, requested, view.replicas, view.ns_replicas or {})
+        if reading:
+            r = max(r, self._wrote_replicas.get(ns, 1))
         return min(r, len(view.workers)) if view.workers else r
 
     def _fan_out(
@@ -315,6 +323,9 @@ class Client:
     ) -> list[bool]:
         view, groups = self._groups(hashes)
         r = self._copies(view, ns, replicas)
+        if r > self._wrote_replicas.get(ns, 1):
+            with self._lock:
+                self._wrote_replicas[ns] = max(r, self._wrote_replicas.get(ns, 1))
         if r > 1 and groups:
             owners = view.ring.lookup(hashes, r)
             groups = [(w, np.flatnonzero(owners[:, 0] == w)) for w in np.unique(owners[:, 0])]
@@ -390,7 +401,7 @@ class Client:
     ) -> tuple[View, list[tuple[int, np.ndarray]]]:
         """Like _groups, but each worker gets every key it holds any copy of."""
         view, groups = self._groups(hashes)
-        r = self._copies(view, ns, None)
+        r = self._copies(view, ns, None, reading=True)
         if r > 1 and groups:
             groups = any_owner_groups(view.ring.lookup(hashes, r))
         return view, groups
@@ -487,7 +498,7 @@ class Client:
         if (
             view is not None
             and view.workers
-            and self._copies(view, ns, None) == 1
+            and self._copies(view, ns, None, reading=True) == 1
             and all(w.ucx is None for w in view.workers)
         ):
             return self._prefix_scatter(nsb, hashes, view)
@@ -531,7 +542,7 @@ class Client:
         (see :mod:`kvstore_client.replicas`)."""
         nsb = self._check(ns, hashes)
         view, groups = self._groups(hashes)
-        r = self._copies(view, ns, None)
+        r = self._copies(view, ns, None, reading=True)
         if r > 1 and groups:
             return read_copies(self, view, nsb, hashes, None, r)[1]
         result: list[bytes | None] = [None] * len(hashes)
@@ -608,7 +619,7 @@ class Client:
         if not groups:
             done.set_result(result)
             return done
-        r = self._copies(view, ns, None)
+        r = self._copies(view, ns, None, reading=True)
         if r > 1:
             return self._executor.submit(
                 lambda: read_copies(self, view, nsb, hashes, views, r)[0].tolist()
@@ -661,13 +672,15 @@ class Client:
         return done
 
     def remove(self, ns: str, hashes: list[bytes]) -> int:
-        """Remove blocks (every copy); returns how many copies were present."""
+        """Remove blocks (every copy); returns how many copies were present.
+
+        Every worker of the map is asked, not only a key's owners by the current
+        count: copies written with a per-call ``replicas=`` (by any client) or
+        repaired onto a new owner after a membership change must not come back."""
         nsb = self._check(ns, hashes)
-        view, groups = self._copy_groups(ns, hashes)
-        tasks: list[Callable[[], Any]] = [
-            _bind(view.workers[w].remove, self.timeout, nsb, [hashes[i] for i in idx])
-            for w, idx in groups
-        ]
+        view = self._view
+        links = view.workers if view is not None and hashes else []
+        tasks: list[Callable[[], Any]] = [_bind(w.remove, self.timeout, nsb, hashes) for w in links]
         return sum(n for n in self._fan_out(tasks, _misses_only) if n is not None)
 
     # ---- admin ---------------------------------------------------------------

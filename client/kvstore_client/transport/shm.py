@@ -408,7 +408,6 @@ def put(
     )
 
 
-
 class ShmTransfer(TcpTransfer):
     """The :class:`~kvstore_client.transport.Transfer` of a same-host worker whose arena
     is mapped: gets and puts copy through the mapping (control over a pooled tcp://
