@@ -343,6 +343,9 @@ class Client:
         if not groups:
             return result
         sums = [wire.block_checksum(v) for v in views]
+        # A client that sends session hints marks its puts: its sessions' shares apply
+        # to them. Puts of clients without hints are always admitted.
+        flags = wire.FLAG_SESSION if self._hints is not None else 0
         tasks: list[Callable[[], Any]] = []
         parts: list[np.ndarray] = []
         primaries = 0
@@ -351,7 +354,7 @@ class Client:
                 hs = [hashes[i] for i in chunk]
                 vs = [views[i] for i in chunk]
                 cs = [sums[i] for i in chunk]
-                tasks.append(_bind(view.workers[w].put, self.timeout, nsb, hs, vs, cs))
+                tasks.append(_bind(view.workers[w].put, self.timeout, nsb, hs, vs, cs, flags))
                 parts.append(chunk)
             if k == len(groups) - 1:
                 primaries = len(tasks)

@@ -279,18 +279,25 @@ class BlockStore:
     # ---- writes (two-phase) --------------------------------------------------
 
     def reserve_many(
-        self, ns: str, keys: Sequence[bytes], sizes: Sequence[int], checksums: Sequence[int]
+        self,
+        ns: str,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        checksums: Sequence[int],
+        *,
+        hinted: bool = False,
     ) -> list[Block | ResourceExhausted | None]:
         """Reserve slots; per key a Block, None (already present) or ResourceExhausted
-        (QuotaExceeded when the namespace's quota is full)."""
+        (QuotaExceeded: quota full; SessionShareFull: only when ``hinted``, a writer
+        that sends session hints, wire.FLAG_SESSION, and the block's session is full)."""
         out: list[Block | ResourceExhausted | None] = []
         for s in self._slices(len(keys)):
             with self.lock:
                 if self.policy.charges(ns):
                     for k, size, c in zip(keys[s], sizes[s], checksums[s], strict=True):
-                        out.append(self._reserve_one(ns, k, size, c))
+                        out.append(self._reserve_one(ns, k, size, c, hinted))
                 else:
-                    out += self._reserve_free(ns, keys[s], sizes[s], checksums[s])
+                    out += self._reserve_free(ns, keys[s], sizes[s], checksums[s], hinted)
             self._execute()
         if self._demoter is not None:
             with self.lock:
@@ -300,14 +307,14 @@ class BlockStore:
         return out
 
     def _reserve_one(
-        self, ns: str, k: bytes, size: int, c: int
+        self, ns: str, k: bytes, size: int, c: int, hinted: bool
     ) -> Block | ResourceExhausted | None:
         if self.policy.on_ssd(ns, k) or (ns, k) in self._staged:
             self.tier.counters.skipped += 1
             return None
         if not self.policy.admits(ns, size):
             return QuotaExceeded(f"namespace {ns!r} is over its quota")
-        if self._over_share(ns, k, size):
+        if hinted and self._over_share(ns, k, size):
             return SessionShareFull(f"its session holds its share of worker memory ({ns!r})")
         try:
             b = self.tier.reserve(ns, k, size, c)
@@ -318,12 +325,17 @@ class BlockStore:
         return b
 
     def _reserve_free(
-        self, ns: str, keys: Sequence[bytes], sizes: Sequence[int], checksums: Sequence[int]
+        self,
+        ns: str,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        checksums: Sequence[int],
+        hinted: bool,
     ) -> list[Block | ResourceExhausted | None]:
         """:meth:`_reserve_one` of each key of a namespace no quota counts (caller holds
         the lock): no quota to check or charge, the rest the same."""
         on_ssd, staged, reserve = self.policy.ssd, self._staged, self.tier.reserve
-        share = self.policy.session_share and self.policy.sessions.owner
+        share = hinted and self.policy.session_share and self.policy.sessions.owner
         skipped = 0
         out: list[Block | ResourceExhausted | None] = []
         for k, size, c in zip(keys, sizes, checksums, strict=True):

@@ -265,3 +265,28 @@ def test_overlapping_buffers_are_refused(make_cluster: MakeCluster, transport: s
         got = cl.batch_get_into_parts(NS, ks, [[o[0:4096], o[4096:8192]], [o[8192:16384]]])
         assert got.result() == [True, True]
         assert bytes(out) == vals[0] + vals[1]
+
+
+# ---- 3: a full session declines only its own writers' blocks --------------------------------
+
+
+def test_clients_without_hints_are_admitted_past_a_full_session(
+    make_cluster: MakeCluster,
+) -> None:
+    c = make_cluster(
+        workers=1,
+        dram_size="4MiB",
+        max_value_size="64KiB",
+        extra_worker_args=["--session-share", "0.5"],
+    )
+    size = 64 << 10
+    big = [key(i, "listed") for i in range(64)]  # 4 MiB listed: the whole worker
+    with Client(c.address) as hinted, Client(c.address) as plain:
+        hinted.session_hint(NS, "greedy", "active", hashes=big)
+        stored = hinted.batch_put(NS, big[:40], [value_for(k, size) for k in big[:40]])
+        assert stored == [True] * 32 + [False] * 8, "the session's own blocks past its share"
+        # Blocks the session lists but never wrote, from a client that sends no hints.
+        late = big[56:64]
+        got = plain.batch_put(NS, late, [value_for(k, size) for k in late])
+        assert got == [True] * 8, f"a client without hints was declined: {got}"
+        assert plain.batch_get(NS, late) == [value_for(k, size) for k in late]

@@ -342,8 +342,10 @@ def put(
     hashes: Sequence[bytes],
     values: Sequence[memoryview | list[memoryview]],
     checksums: Sequence[int],
+    flags: int = 0,
 ) -> bytes:
-    """Write blocks through the mapping; returns one wire.PUT_* status per block. A
+    """Write blocks through the mapping; returns one wire.PUT_* status per block
+    (``flags``: wire.FLAG_SESSION or 0, on each PUT_LOC). A
     block given as parts gets one copy per part into its slot. Pipelined: every
     piece's PUT_LOC is sent at once; each piece is copied and committed as its slots
     arrive, and the commit answers are read at the end."""
@@ -360,7 +362,7 @@ def put(
             wire.PUT_ENTRY.pack_into(
                 entries, (j - a) * wire.PUT_ENTRY.size, hashes[j], sizes[j], checksums[j]
             )
-        out += [wire.encode_request_header(wire.OP_PUT_LOC, ns, b - a, conn._req), entries]
+        out += [wire.encode_request_header(wire.OP_PUT_LOC, ns, b - a, conn._req, flags), entries]
     wire.send_buffers(sock, out)
     dst = arena.array
     mv = arena.view
@@ -375,7 +377,7 @@ def put(
             conn.close()
             raise
         locs = list(wire.PUT_LOC_ENTRY.iter_unpack(wire.recv_exact(sock, h.count * 16)))
-        flags = bytearray(h.count)
+        written = bytearray(h.count)
         for j, (status, off) in enumerate(locs):
             if status != wire.PUT_LOC_SLOT:
                 continue
@@ -393,9 +395,9 @@ def put(
                     off += k
             else:
                 np.copyto(dst[off : off + n], _as_array(v))
-            flags[j] = 1
+            written[j] = 1
         commit = wire.encode_request_header(wire.OP_PUT_COMMIT, ns, h.count, req)
-        wire.send_buffers(sock, [commit, flags])
+        wire.send_buffers(sock, [commit, written])
         all_locs += locs
     status = bytearray()
     for req in reqs:
@@ -428,14 +430,15 @@ class ShmTransfer(TcpTransfer):
         hashes: Sequence[bytes],
         values: Sequence[wire.Block],
         checksums: Sequence[int],
+        flags: int = 0,
     ) -> bytes:
         if self.arena.stale:
-            return super().put(timeout, ns, hashes, values, checksums)
+            return super().put(timeout, ns, hashes, values, checksums, flags)
         vs = [v if isinstance(v, list | memoryview) else memoryview(v) for v in values]
         out = bytearray()
         for a, b in wire.runs([wire.block_size(v) for v in vs], self.put_limit):
             out += self.pool.call(
-                timeout, put, self.arena, ns, hashes[a:b], vs[a:b], checksums[a:b]
+                timeout, put, self.arena, ns, hashes[a:b], vs[a:b], checksums[a:b], flags
             )
         return bytes(out)
 

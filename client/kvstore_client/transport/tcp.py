@@ -86,14 +86,16 @@ class TcpConnection:
         hashes: Sequence[bytes],
         values: Sequence[wire.Block],
         checksums: Sequence[int],
+        flags: int = 0,
     ) -> bytes:
         """Send one PUT frame; returns one wire.PUT_* status byte per block. A block given
-        as parts goes out as one value (``sendmsg`` over the part list, no join)."""
+        as parts goes out as one value (``sendmsg`` over the part list, no join).
+        ``flags``: wire.FLAG_SESSION or 0."""
         self._req += 1
         entries = bytearray(len(hashes) * wire.PUT_ENTRY.size)
         for i, (key, v, c) in enumerate(zip(hashes, values, checksums, strict=True)):
             wire.PUT_ENTRY.pack_into(entries, i * wire.PUT_ENTRY.size, key, wire.block_size(v), c)
-        head = wire.encode_request_header(wire.OP_PUT, ns, len(hashes), self._req)
+        head = wire.encode_request_header(wire.OP_PUT, ns, len(hashes), self._req, flags)
         wire.send_buffers(self.sock, [head, entries, *wire.flat_buffers(values)])
         h = self._answer(wire.OP_PUT, self._req)
         return bytes(wire.recv_exact(self.sock, h.count))
@@ -289,8 +291,9 @@ class TcpTransfer:
         hashes: Sequence[bytes],
         values: Sequence[wire.Block],
         checksums: Sequence[int],
+        flags: int = 0,
     ) -> bytes:
-        return self.pool.call(timeout, TcpConnection.put, ns, hashes, values, checksums)
+        return self.pool.call(timeout, TcpConnection.put, ns, hashes, values, checksums, flags)
 
     def get(
         self,

@@ -265,7 +265,11 @@ def put_loc(
     slots: list[Block | ResourceExhausted | None]
     if st.holder.take(nbytes, h.count, wait=0.5):
         slots = store.reserve_many(
-            ns, [e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries]
+            ns,
+            [e[0] for e in entries],
+            [e[1] for e in entries],
+            [e[2] for e in entries],
+            hinted=bool(h.flags_or_code & wire.FLAG_SESSION),
         )
     else:
         nbytes = 0

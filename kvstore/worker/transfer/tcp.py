@@ -417,7 +417,11 @@ class TcpTransferServer:
                 if st.holder.take(ahead, wait=wait):
                     held = ahead
                     slots = self.store.reserve_many(
-                        ns, [e[0] for e in part], [e[1] for e in part], [e[2] for e in part]
+                        ns,
+                        [e[0] for e in part],
+                        [e[1] for e in part],
+                        [e[2] for e in part],
+                        hinted=bool(h.flags_or_code & wire.FLAG_SESSION),
                     )
                 else:  # over budget: refuse this part as full, read and drop its bytes
                     slots = [ResourceExhausted("transfer budget exhausted")] * len(part)
