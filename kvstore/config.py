@@ -141,8 +141,8 @@ class WorkerConfig:
     session_share: float = 0.5  # share of DRAM + SSD one hinted session may fill (0: no cap)
     session_ttl: float = _dur("300s")  # how long a paused session's blocks are kept
     session_idle_ttl: float = _dur("3600s")  # an active session with no hint leaves the table
-    max_sessions: int = 4096  # live sessions per worker (more push out the oldest)
-    max_session_blocks: int = 262144  # (session, block) pairs per worker
+    max_sessions: int = 4096  # live sessions per tenant (more push out its oldest)
+    max_session_blocks: int = 262144  # (session, block) pairs per tenant
     # KV events (worker/events.py): ZMQ PUB endpoint, e.g. tcp://0.0.0.0:5557; empty: off.
     kv_events: str = ""
     kv_events_replay: str = ""  # ZMQ ROUTER endpoint answering replay requests; empty: off

@@ -96,6 +96,7 @@ class Worker:
                     max_blocks=cfg.max_session_blocks,
                     paused_ttl=cfg.session_ttl,
                     idle_ttl=cfg.session_idle_ttl,
+                    account_of=self.tenants.owner if self.tenants else None,
                 ),
                 retain_budget=int(cfg.session_budget * cfg.dram_size),
                 session_share=int(

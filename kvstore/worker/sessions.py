@@ -5,7 +5,7 @@ Pure bookkeeping (no I/O, no clock: callers pass ``now``), owned by the tier pol
 any client) sends hints: ``(namespace, session id, state, block hashes, ttl)``.
 
 - A session is named by ``(namespace, session id)`` and gets a small integer id
-  (1..``max_sessions``) while it is in the table.
+  (reused once it leaves) while it is in the table.
 - States: ``active`` (its blocks are plain LRU blocks), ``paused`` (a tool call is
   running: its blocks are *protected* until its TTL ends), ``ended`` (its blocks
   that no other live session holds are *orphaned*: the first eviction candidates).
@@ -17,10 +17,13 @@ any client) sends hints: ``(namespace, session id, state, block hashes, ttl)``.
   the chain's tail before its head. A prefix match stops at the first missing block,
   so plain LRU, which evicts a chain from its head (its oldest-touched block), loses
   the whole prefix where this loses only its end.
-- Memory is bounded: at most ``max_sessions`` sessions (a new one pushes out the
-  oldest ended session, else the least recently hinted one, counted in
-  ``counters.dropped``) and ``max_blocks`` (session, block) pairs in all (hashes
-  beyond it are ignored, counted in ``counters.blocks_refused``).
+- Memory is bounded per tenant (the account ``account_of(ns)`` names; one account
+  when the worker has no tenants): at most ``max_sessions`` sessions of an account
+  (a new one pushes out that account's oldest ended session, else its least
+  recently hinted one, counted in ``counters.dropped``) and ``max_blocks``
+  (session, block) pairs of an account (hashes beyond it are ignored, counted in
+  ``counters.blocks_refused``). One tenant's flood of made-up sessions and hashes
+  therefore costs only its own sessions; the table holds at most accounts x bounds.
 
 Every call returns :class:`Change` records saying which blocks changed protection,
 which were orphaned and which belong to a session that just resumed (to prefetch);
@@ -30,7 +33,7 @@ the policy turns them into tier instructions.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore_client.errors import InvalidArgument
@@ -53,6 +56,7 @@ class Session:
     lookup_blocks: int = 0  # ... of the blocks asked about
     last: float = 0.0  # last hint
     room: int = -1  # bytes it may still add within its share (-1: no limit known)
+    account: str = ""  # the tenant its namespace belongs to ("" without tenants)
 
     @property
     def hit_rate(self) -> float:
@@ -110,17 +114,22 @@ class SessionTable:
         paused_ttl: float = 300.0,
         idle_ttl: float = 3600.0,
         ended_keep: float = 60.0,
+        account_of: Callable[[str], str | None] | None = None,
     ) -> None:
         if max_sessions < 1 or max_blocks < 0:
             raise InvalidArgument("max_sessions must be >= 1 and max_blocks >= 0")
-        self.max_sessions = max_sessions
-        self.max_blocks = max_blocks
+        self.max_sessions = max_sessions  # per account
+        self.max_blocks = max_blocks  # per account
+        self.account_of = account_of
         self.paused_ttl = paused_ttl
         self.idle_ttl = idle_ttl
         self.ended_keep = ended_keep
         self.sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()  # by last hint
         self.by_sid: dict[int, Session] = {}
-        self._free_sids = list(range(max_sessions, 0, -1))
+        self._free_sids: list[int] = []
+        self._next_sid = 1
+        self._sessions_of: dict[str, int] = {}  # per account: sessions in the table
+        self._blocks_of: dict[str, int] = {}  # per account: (session, block) pairs
         self.refs: dict[Key, int] = {}  # live (active or paused) sessions holding a block
         self.paused_refs: dict[Key, int] = {}  # paused sessions holding a block
         self.owner: dict[Key, int] = {}  # sid of the last session that listed the block
@@ -173,7 +182,8 @@ class SessionTable:
             self.sessions.move_to_end((ns, name))
         s.last = now
         ch = Change(ns)
-        room = self.max_blocks - self.blocks
+        room = self.max_blocks - self._blocks_of.get(s.account, 0)
+        added = 0
         for k in keys:
             if k in s.keys:
                 continue
@@ -181,10 +191,13 @@ class SessionTable:
                 self.counters.blocks_refused += 1
                 continue
             room -= 1
+            added += 1
             s.keys[k] = None
-            self.blocks += 1
             self.owner[(ns, k)] = s.sid
             self._ref(s.state, ns, k, +1, ch, orphan=False)
+        if added:
+            self.blocks += added
+            self._blocks_of[s.account] = self._blocks_of.get(s.account, 0) + added
         if state != s.state:
             if s.state == "paused" and state == "active":
                 ch.resumed.extend(s.keys)
@@ -236,15 +249,21 @@ class SessionTable:
     # ---- internals -------------------------------------------------------------
 
     def _new(self, ns: str, name: str, now: float, out: list[Change]) -> Session:
-        while not self._free_sids:
-            victim = next((v for v in self.sessions.values() if v.state == "ended"), None)
-            if victim is None:
-                victim = next(iter(self.sessions.values()))
+        acct = (self.account_of(ns) if self.account_of is not None else None) or ""
+        while self._sessions_of.get(acct, 0) >= self.max_sessions:
+            # The account's own oldest ended session, else its least recently hinted.
+            mine = [v for v in self.sessions.values() if v.account == acct]
+            victim = next((v for v in mine if v.state == "ended"), mine[0])
             self.counters.dropped += 1
             out.extend(self._drop(victim))
-        s = Session(self._free_sids.pop(), name, ns, "active", now + self.idle_ttl, last=now)
+        if self._free_sids:
+            sid = self._free_sids.pop()
+        else:
+            sid, self._next_sid = self._next_sid, self._next_sid + 1
+        s = Session(sid, name, ns, "active", now + self.idle_ttl, last=now, account=acct)
         self.sessions[(ns, name)] = s
         self.by_sid[s.sid] = s
+        self._sessions_of[acct] = self._sessions_of.get(acct, 0) + 1
         return s
 
     def _drop(self, s: Session) -> list[Change]:
@@ -253,6 +272,11 @@ class SessionTable:
         del self.sessions[(s.ns, s.name)]
         del self.by_sid[s.sid]
         self._free_sids.append(s.sid)
+        left = self._sessions_of.get(s.account, 1) - 1
+        if left:
+            self._sessions_of[s.account] = left
+        else:
+            self._sessions_of.pop(s.account, None)
         if s.lookup_blocks and len(self.closed_rates) < 10_000:
             self.closed_rates.append(s.hit_rate)
         return [ch] if ch else []
@@ -271,6 +295,11 @@ class SessionTable:
                 if self.owner.get((s.ns, k)) == s.sid:
                     del self.owner[(s.ns, k)]
             self.blocks -= len(s.keys)
+            left = self._blocks_of.get(s.account, 0) - len(s.keys)
+            if left > 0:
+                self._blocks_of[s.account] = left
+            else:
+                self._blocks_of.pop(s.account, None)
             s.keys = {}
 
     def _ref(self, state: str, ns: str, k: bytes, sign: int, ch: Change, *, orphan: bool) -> None:

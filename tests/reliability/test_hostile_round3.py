@@ -290,3 +290,42 @@ def test_clients_without_hints_are_admitted_past_a_full_session(
         got = plain.batch_put(NS, late, [value_for(k, size) for k in late])
         assert got == [True] * 8, f"a client without hints was declined: {got}"
         assert plain.batch_get(NS, late) == [value_for(k, size) for k in late]
+
+
+# ---- 4: one tenant's sessions cannot push out another's -------------------------------------
+
+
+def test_one_tenants_session_flood_keeps_anothers_retention(
+    make_cluster: MakeCluster, tmp_path: Path
+) -> None:
+    f = tmp_path / "tenants.yaml"
+    f.write_text(
+        "tenants:\n"
+        "  - {name: a, token: tok-a, namespaces: [a]}\n"
+        "  - {name: b, token: tok-b, namespaces: [b]}\n"
+    )
+    c = make_cluster(
+        workers=1,
+        dram_size="64MiB",
+        max_value_size="64KiB",
+        extra_worker_args=["--tenants-file", str(f), "--max-sessions", "16"],
+    )
+    size = 64 << 10
+    kb = [key(i, "b-chain") for i in range(32)]
+    with Client(c.address, token="tok-a") as a, Client(c.address, token="tok-b") as b:
+        b.session_hint("b", "b1", "active", hashes=kb)
+        assert all(b.batch_put("b", kb, [value_for(k, size) for k in kb]))
+        b.session_hint("b", "b1", "paused", ttl=300)
+        assert b.sessions()[0].retained_bytes == 32 * size
+        # Tenant a: more sessions than the table holds, each listing made-up hashes,
+        # together more (session, block) pairs than the worker keeps (262,144).
+        for s in range(20):
+            fake = [os.urandom(16) for _ in range(16384)]
+            a.session_hint("a", f"flood-{s}", "active", hashes=fake)
+        mine = b.sessions(limit=100)[0]
+        assert mine.retained_bytes == 32 * size, "b's paused session was pushed out"
+        assert [(s.session_id, s.state, s.blocks) for s in mine.sessions] == [("b1", "paused", 32)]
+        kb2 = [key(i, "b-next") for i in range(32)]
+        b.session_hint("b", "b2", "active", hashes=kb2)
+        got = {s.session_id: s.blocks for s in b.sessions(limit=100)[0].sessions}
+    assert got == {"b1": 32, "b2": 32}, f"b's next session was starved: {got}"
