@@ -106,7 +106,11 @@ class Worker:
             self.events: KvEventPublisher | None = None
             if cfg.kv_events:
                 self.events = KvEventPublisher(
-                    cfg.kv_events, replay=cfg.kv_events_replay, topic=cfg.kv_events_topic
+                    cfg.kv_events,
+                    replay=cfg.kv_events_replay,
+                    topic=cfg.kv_events_topic,
+                    history_bytes=cfg.kv_events_history_bytes,
+                    replay_peers=cfg.kv_events_replay_peers,
                 )
                 self.store.events = self.events.sink
             n = cfg.shm_entries_per_connection

@@ -329,3 +329,79 @@ def test_one_tenants_session_flood_keeps_anothers_retention(
         b.session_hint("b", "b2", "active", hashes=kb2)
         got = {s.session_id: s.blocks for s in b.sessions(limit=100)[0].sessions}
     assert got == {"b1": 32, "b2": 32}, f"b's next session was starved: {got}"
+
+
+# ---- 6: KV-event replay peers that never read cost bounded memory ---------------------------
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+def test_replay_peers_that_never_read_cost_bounded_memory(make_cluster: MakeCluster) -> None:
+    import zmq
+
+    from kvstore.cluster import free_port
+
+    pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    c = make_cluster(
+        workers=1,
+        dram_size="64MiB",
+        max_value_size="1MiB",
+        extra_worker_args=["--kv-events", pub, "--kv-events-replay", rep],
+    )
+    pid = c.worker_procs[0].pid
+    keys = [key(i, "history") for i in range(1 << 16)]
+    vals = [b"x" * 64] * len(keys)
+    with Client(c.address, transport="tcp", timeout=30.0) as cl:
+        for _ in range(10):  # about 1.3 M block events: some 20-25 MiB of history
+            cl.batch_put("ev/b16", keys, vals)
+            cl.remove("ev/b16", keys)
+    time.sleep(1.0)
+    before = rss(pid)
+    ctx = zmq.Context()
+    peers = []
+    try:
+        for _ in range(10):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.RCVHWM, 1)
+            s.setsockopt(zmq.RCVBUF, 4096)
+            s.connect(rep)
+            s.send_multipart((b"", (0).to_bytes(8, "big")))  # everything, never read
+            peers.append(s)
+        time.sleep(3.0)
+        grown = rss(pid) - before
+    finally:
+        for s in peers:
+            s.close(0)
+        ctx.term()
+    assert grown < 48 * MiB, f"10 replay peers that never read cost {grown / MiB:.0f} MiB"
+    # Once they hang up, a peer that reads gets the whole history, in order.
+    time.sleep(0.5)
+    seqs = replay_seqs(rep)
+    assert seqs[0] == 0 and seqs == list(range(len(seqs))) and len(seqs) > 100
+
+
+def replay_seqs(endpoint: str) -> list[int]:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart((b"", (0).to_bytes(8, "big")))
+        out = []
+        while sock.poll(10_000):
+            _, _, seq, _ = sock.recv_multipart()
+            n = int.from_bytes(seq, "big", signed=True)
+            if n == -1:
+                return out
+            out.append(n)
+        raise AssertionError("the replay did not end")
+    finally:
+        sock.close(0)
+        ctx.term()
