@@ -182,6 +182,38 @@ class SessionTable:
             self.sessions.move_to_end((ns, name))
         s.last = now
         ch = Change(ns)
+        self._add(s, keys, ch)
+        if state != s.state:
+            if s.state == "paused" and state == "active":
+                ch.resumed.extend(s.keys)
+            self._move(s, state, ch, orphan=True)
+        if state == "paused":
+            s.expires = now + (ttl if ttl is not None else self.paused_ttl)
+            ch.tail_first.extend(reversed(s.keys))
+        elif state == "active":
+            s.expires = now + (ttl if ttl is not None else self.idle_ttl)
+        else:
+            s.expires = now + self.ended_keep
+        out.append(ch)
+        return out
+
+    def add_keys(self, ns: str, name: str, keys: Sequence[bytes], now: float) -> list[Change]:
+        """Add ``keys`` to the session in its current state (a new one starts
+        ``active``), with no state change: a long hint is fed in slices this way, its
+        last slice as a :meth:`hint`. InvalidArgument for an empty or oversized id."""
+        check_hint(name, "active", None)
+        out: list[Change] = []
+        s = self.sessions.get((ns, name))
+        if s is None:
+            s = self._new(ns, name, now, out)
+        ch = Change(ns)
+        self._add(s, keys, ch)
+        if ch:
+            out.append(ch)
+        return out
+
+    def _add(self, s: Session, keys: Sequence[bytes], ch: Change) -> None:
+        ns = s.ns
         room = self.max_blocks - self._blocks_of.get(s.account, 0)
         added = 0
         for k in keys:
@@ -198,19 +230,6 @@ class SessionTable:
         if added:
             self.blocks += added
             self._blocks_of[s.account] = self._blocks_of.get(s.account, 0) + added
-        if state != s.state:
-            if s.state == "paused" and state == "active":
-                ch.resumed.extend(s.keys)
-            self._move(s, state, ch, orphan=True)
-        if state == "paused":
-            s.expires = now + (ttl if ttl is not None else self.paused_ttl)
-            ch.tail_first.extend(reversed(s.keys))
-        elif state == "active":
-            s.expires = now + (ttl if ttl is not None else self.idle_ttl)
-        else:
-            s.expires = now + self.ended_keep
-        out.append(ch)
-        return out
 
     def record(self, ns: str, name: str, hits: int, lookups: int) -> None:
         """Count a lookup of the session's chain: ``hits`` leading blocks of ``lookups``."""

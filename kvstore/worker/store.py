@@ -15,7 +15,8 @@ instructions it returns after the lock is released:
   commits it only if the block is still on SSD (a removal in between wins).
 
 Big requests are cut into slices of ``slice_keys`` keys, each under its own hold of
-the lock, so one client's 65,536-key batch cannot stall everyone else's lookups.
+the lock, which is granted first come, first served (:mod:`.fairlock`): one client's
+65,536-key batch cannot stall everyone else's lookups.
 
 Reads look in DRAM, the staged copies, then SSD. A read pins what it returns until
 :meth:`BlockStore.done`: DRAM blocks by a pin count, SSD blocks by an open LMDB
@@ -42,9 +43,10 @@ import xxhash
 
 from kvstore_client.errors import QuotaExceeded, ResourceExhausted, SessionShareFull
 
-from . import session_ops
+from . import session_ops, storerecords
 from .arena import Arena
 from .events import DRAM, SSD, EventSink
+from .fairlock import FairLock
 from .sessions import SessionTable
 from .storerecords import Held, Reading, StoreCounters, StoreStats, _Staged, _Todo, snapshot
 from .tiers.dram import Block, DramTier
@@ -83,7 +85,6 @@ log = logging.getLogger(__name__)
 
 DEMOTE_BATCH_BYTES = 64 << 20
 SLICE_KEYS = 256
-LOOKUP_SLICES = 8  # a lookup holds the lock for up to this many slices of keys
 _SCALAR_KEYS = 16  # shorter lookups probe key by key (cheaper than one numpy pass)
 
 
@@ -131,7 +132,7 @@ class BlockStore:
         self.events = events  # KV events (stored / removed per tier), or None
         self.ssd_index = self.policy.ssd
         self.slice_keys = max(1, slice_keys)
-        self.lock = threading.Lock()
+        self.lock = FairLock()  # first come, first served: slices let others in
         self.counters = StoreCounters()
         self.ssd = ssd
         self._staged: dict[tuple[str, bytes], _Staged] = {}
@@ -156,7 +157,7 @@ class BlockStore:
     def _lookup_slices(self, n: int) -> Iterator[slice]:
         """Slices for exists / match_prefix: LOOKUP_SLICES times bigger, as one
         vectorised probe of 2,048 keys costs about what one of 256 does."""
-        step = self.slice_keys * LOOKUP_SLICES
+        step = self.slice_keys * storerecords.LOOKUP_SLICES
         for i in range(0, n, step):
             yield slice(i, min(n, i + step))
 

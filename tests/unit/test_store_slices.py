@@ -1,0 +1,78 @@
+"""Issue 23, finding 5: work that grows with its input lets other clients in.
+
+The store's lock is granted first come, first served (a thread that releases it
+between slices cannot barge back in ahead of a waiter), and a session hint runs in
+slices of the store lock instead of walking its whole chain in one hold. Both
+checks are on ordering, not on timing."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvstore.worker.arena import Arena
+from kvstore.worker.store import BlockStore
+
+NS = "m/bf16/b16/tp0of1"
+
+
+@pytest.fixture
+def store() -> Iterator[BlockStore]:
+    arena = Arena(16 << 20)
+    s = BlockStore(arena, 1 << 20)
+    try:
+        yield s
+    finally:
+        s.close()
+        arena.close()
+
+
+def test_a_waiter_gets_the_store_lock_before_its_holder_takes_it_back(
+    store: BlockStore,
+) -> None:
+    order: list[str] = []
+    store.lock.acquire()
+    waiting = threading.Event()
+
+    def waiter() -> None:
+        waiting.set()
+        with store.lock:
+            order.append("waiter")
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    waiting.wait(5)
+    time.sleep(0.2)  # the waiter is blocked on the lock by now
+    for _ in range(3):  # a slicing loop: release, then straight back in
+        store.lock.release()
+        store.lock.acquire()
+        order.append("holder")
+    store.lock.release()
+    t.join(5)
+    assert order[0] == "waiter", f"the holder barged back in ahead of a waiter: {order}"
+
+
+def test_a_long_session_hint_lets_a_lookup_in_between_its_slices(store: BlockStore) -> None:
+    chain = [os.urandom(16) for _ in range(200_000)]
+    listed = threading.Event()
+    t = threading.Thread(
+        target=lambda: store.session_hint(NS, "long", "active", chain, None), daemon=True
+    )
+    t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        s = store.policy.sessions.get(NS, "long")
+        if s is not None and s.keys:
+            listed.set()
+            break
+        time.sleep(0.0005)
+    assert listed.is_set()
+    assert store.exists(NS, chain[:1]) == [False]
+    added = len(store.policy.sessions.get(NS, "long").keys)  # type: ignore[union-attr]
+    t.join(60)
+    assert added < len(chain), "the lookup waited for the whole chain to be listed"
+    assert len(store.policy.sessions.get(NS, "long").keys) == len(chain)  # type: ignore[union-attr]
