@@ -261,22 +261,6 @@ class BlockStore:
             self._execute()
         return n
 
-    def remove_namespace(self, ns: str) -> int:
-        """Remove every block of exactly this namespace (the servicer walks the ones
-        below it with :meth:`namespaces_under`)."""
-        with self.lock:
-            keys = set(self.tier.keys_of(ns))
-            keys.update(self.ssd_index.keys_of(ns))
-            keys.update(k for n, k in self._staged if n == ns)
-        return self.remove(ns, sorted(keys))
-
-    def namespaces_under(self, ns: str) -> list[str]:
-        """``ns`` and every namespace below ``ns + "/"`` that holds blocks (DRAM or SSD)."""
-        with self.lock:
-            names = set(self.tier.namespaces()) | {n for n, _ in self._staged}
-            names |= self.ssd_index.namespaces()
-        return sorted(n for n in names if n == ns or n.startswith(ns + "/"))
-
     # ---- writes (two-phase) --------------------------------------------------
 
     def reserve_many(

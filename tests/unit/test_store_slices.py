@@ -76,3 +76,25 @@ def test_a_long_session_hint_lets_a_lookup_in_between_its_slices(store: BlockSto
     t.join(60)
     assert added < len(chain), "the lookup waited for the whole chain to be listed"
     assert len(store.policy.sessions.get(NS, "long").keys) == len(chain)  # type: ignore[union-attr]
+
+
+def test_a_namespace_removal_lets_a_lookup_in_between_its_slices(store: BlockStore) -> None:
+    from kvstore.worker import removal
+
+    keys = [os.urandom(16) for _ in range(100_000)]
+    for i in range(0, len(keys), 10_000):
+        store.put_bytes(NS, keys[i : i + 10_000], [b"v" * 32] * 10_000)
+    probe = os.urandom(16)
+    store.put_bytes("other/ns", [probe], [b"p"])
+    assert store.stats().dram_keys == len(keys) + 1
+    out: list[int] = []
+    t = threading.Thread(target=lambda: out.append(removal.remove_tree(store, NS)), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while store.stats().dram_keys > len(keys) and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    assert store.exists("other/ns", [probe]) == [True]
+    left = store.stats().dram_keys - 1
+    t.join(60)
+    assert 0 < left < len(keys), f"the lookup waited for the whole removal ({left} left)"
+    assert out == [len(keys)] and store.stats().dram_keys == 1
