@@ -57,18 +57,26 @@ def _probe(address: str, conn: Connection) -> None:
 
 def _measure(
     conn: Connection, work: Callable[[], object] | None, seconds: float
-) -> tuple[list[float], float]:
+) -> tuple[list[float], float, object]:
     conn.send("mark")
     conn.recv()  # what the probe saw before: discarded
     t0 = time.perf_counter()
+    got: object = None
     if work is None:
         time.sleep(seconds)
     else:
-        work()
+        got = work()
     took = time.perf_counter() - t0
     conn.send("mark")
     lat: list[float] = conn.recv()
-    return lat, took
+    return lat, took, got
+
+
+def _done(got: object) -> float:
+    """Blocks the big request handled: stored or found (-1: not a list)."""
+    if isinstance(got, list):
+        return float(sum(1 for x in got if x is not None and x is not False))
+    return -1.0
 
 
 def _pcts(lat: list[float]) -> dict[str, float]:
@@ -87,7 +95,7 @@ def _runs(
     value = os.urandom(value_size)
     grpc_addr = big.workers()[0].grpc
     out: dict[str, dict[str, float]] = {}
-    lat, _ = _measure(probe, None, 2.0)
+    lat, _, _ = _measure(probe, None, 2.0)
     out["idle"] = _pcts(lat)
     keys = [_key(i, "shm") for i in range(blocks)]
     tkeys = [_key(i, "tcp") for i in range(blocks)]
@@ -132,8 +140,8 @@ def _runs(
     for name, fn in points:
         if name.startswith("RemoveNamespace"):
             fill_removal()
-        lat, took = _measure(probe, fn, 0)
-        out[name] = {**_pcts(lat), "request_s": took}
+        lat, took, got = _measure(probe, fn, 0)
+        out[name] = {**_pcts(lat), "request_s": took, "blocks_done": _done(got)}
     return out
 
 
@@ -173,7 +181,7 @@ def contention_cmd(blocks: int, value_size: int, removal: int, quick: bool, json
             mine.send("quit")
             probe.join(10)
     table = Table(title=f"1-key EXISTS latency of another client ({blocks} blocks per request)")
-    for col in ("during", "probes", "p50 ms", "p99 ms", "max ms", "big request s"):
+    for col in ("during", "probes", "p50 ms", "p99 ms", "max ms", "big request s", "blocks ok"):
         table.add_column(col, justify="right" if col != "during" else "left")
     for name, r in results.items():
         table.add_row(
@@ -183,6 +191,7 @@ def contention_cmd(blocks: int, value_size: int, removal: int, quick: bool, json
             f"{r['p99_ms']:.2f}",
             f"{r['max_ms']:.1f}",
             f"{r.get('request_s', 0):.2f}" if "request_s" in r else "-",
+            f"{int(r['blocks_done'])}" if r.get("blocks_done", -1) >= 0 else "-",
         )
     console.print(table)
     console.print("goal: p99 under 50 ms during every big request")

@@ -405,3 +405,17 @@ def replay_seqs(endpoint: str) -> list[int]:
     finally:
         sock.close(0)
         ctx.term()
+
+
+# ---- seen while measuring: a big shm:// batch_get without buffers ---------------------------
+
+
+def test_a_big_shm_batch_get_without_buffers_finds_every_block(make_cluster: MakeCluster) -> None:
+    # It was cut into 32-key GET_LOC requests all sent at once: past 64 of them (the
+    # worker's open-request bound) the connection was closed and every block missed.
+    c = make_cluster(workers=1, dram_size="64MiB", max_value_size="1MiB")
+    keys = [key(i, "many") for i in range(4096)]
+    vals = [value_for(k, 256) for k in keys]
+    with Client(c.address, transport="shm", timeout=10.0) as cl:
+        assert all(cl.batch_put(NS, keys, vals))
+        assert cl.batch_get(NS, keys) == vals

@@ -213,8 +213,10 @@ def get(
     if buffers is not None:
         sizes = [wire.block_size(b) for b in buffers]
         cuts = pieces(sizes)
-    else:
-        cuts = [(a, min(a + 32, n)) for a in range(0, n, 32)] if n > 32 else [(0, n)]
+    else:  # sizes unknown: at most PIECES pieces of at least 32 keys (a worker keeps
+        # at most 64 requests of a connection open, Limits.max_open_requests)
+        per = max(32, -(-n // PIECES))
+        cuts = [(a, min(a + per, n)) for a in range(0, n, per)]
     sock = conn.sock
     reqs: list[int] = []
     out: list[bytes | bytearray | memoryview] = []
