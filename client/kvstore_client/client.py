@@ -82,6 +82,11 @@ class Client:
     tcp:// with the others.
     ``tls`` (default: env KVSTORE_TLS_CA/CERT/KEY) and ``token`` (default: env
     KVSTORE_TOKEN) are needed when the cluster enables TLS or tenants.
+    ``session_writer``: this client writes the blocks of sessions that some client
+    hints (an engine's save path whose scheduler sends the hints through another
+    Client): its puts are marked (wire.FLAG_SESSION), so a session over its share has
+    them declined. A client that sends a hint itself marks its puts from then on; the
+    puts of every other client are always admitted (docs/OPERATIONS.md, sessions).
     """
 
     def __init__(
@@ -93,6 +98,7 @@ class Client:
         max_threads: int = 16,
         tls: Tls | None = None,
         token: str | None = None,
+        session_writer: bool = False,
     ) -> None:
         if timeout <= 0:
             raise InvalidArgument("timeout must be positive")
@@ -118,6 +124,7 @@ class Client:
         self._channel: grpc.Channel | None = None
         self._watch_call: Any = None  # the open WatchShardMap call, to cancel on close
         self.replica_stats = ReplicaStats()
+        self.session_writer = session_writer
         # Per namespace, the most copies a put of this client wrote with ``replicas=``
         # (reads consult as many owners).
         self._wrote_replicas: dict[str, int] = {}
@@ -345,7 +352,7 @@ class Client:
         sums = [wire.block_checksum(v) for v in views]
         # A client that sends session hints marks its puts: its sessions' shares apply
         # to them. Puts of clients without hints are always admitted.
-        flags = wire.FLAG_SESSION if self._hints is not None else 0
+        flags = wire.FLAG_SESSION if self.session_writer or self._hints is not None else 0
         tasks: list[Callable[[], Any]] = []
         parts: list[np.ndarray] = []
         primaries = 0

@@ -290,6 +290,10 @@ def test_clients_without_hints_are_admitted_past_a_full_session(
         got = plain.batch_put(NS, late, [value_for(k, size) for k in late])
         assert got == [True] * 8, f"a client without hints was declined: {got}"
         assert plain.batch_get(NS, late) == [value_for(k, size) for k in late]
+    # An engine's save path that hints through another client opts in: declined.
+    with Client(c.address, session_writer=True) as saver:
+        more = big[40:48]
+        assert saver.batch_put(NS, more, [value_for(k, size) for k in more]) == [False] * 8
 
 
 # ---- 4: one tenant's sessions cannot push out another's -------------------------------------
