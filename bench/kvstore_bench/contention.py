@@ -3,7 +3,8 @@
 A probe client sends 1-key EXISTS frames over tcp:// back to back and records their
 latency, first alone, then while another client runs each big request in turn:
 65,536-block shm:// and tcp:// puts and gets, a 65,536-value gRPC Put, session hints
-growing one chain to 262,144 blocks (four of 65,536; each walks the whole chain), and
+growing one chain to 262,144 blocks (four of 65,536; each walks the whole chain) and
+pausing it, and
 a RemoveNamespace of 524,288 blocks (``--quick``: 16,384 / 65,536 / 65,536). The
 worker processes big requests in slices (``slice_keys`` per hold of its store lock,
 granted first come, first served), so the probe's p99 should stay under 50 ms. Runs
@@ -122,6 +123,7 @@ def _runs(
     def hint_chain() -> None:  # hints are incremental: the chain grows by a batch each
         for i in range(0, len(chain), blocks):
             tcp.session_hint(NS, "long", "active", hashes=chain[i : i + blocks])
+        tcp.session_hint(NS, "long", "paused", ttl=60)  # a tool call: the chain changes state
 
     def fill_removal() -> None:  # not measured
         step = 1 << 16
@@ -134,7 +136,7 @@ def _runs(
         (f"tcp put x{blocks}", lambda: tcp.batch_put(NS, tkeys, [value] * blocks)),
         (f"tcp get x{blocks}", lambda: tcp.batch_get(NS, tkeys)),
         (f"gRPC Put x{blocks}", grpc_put),
-        (f"session hints, {len(chain)}-block chain", hint_chain),
+        (f"session hints + pause, {len(chain)}-block chain", hint_chain),
         (f"RemoveNamespace of {removal}", remove_ns),
     ]
     for name, fn in points:

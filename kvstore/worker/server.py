@@ -97,6 +97,7 @@ class Worker:
                     paused_ttl=cfg.session_ttl,
                     idle_ttl=cfg.session_idle_ttl,
                     account_of=self.tenants.owner if self.tenants else None,
+                    move_slice=2048,  # a long chain changes state 2,048 keys at a time
                 ),
                 retain_budget=int(cfg.session_budget * cfg.dram_size),
                 session_share=int(

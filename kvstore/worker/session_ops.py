@@ -16,7 +16,7 @@ import xxhash
 
 from .sessions import check_hint
 from .storerecords import LOOKUP_SLICES
-from .tiers.policy import SessionHint, SessionKeys
+from .tiers.policy import SessionAdvance, SessionHint, SessionKeys
 
 if TYPE_CHECKING:
     from .store import BlockStore
@@ -35,11 +35,14 @@ def hint(
     but the last slice's are added in the session's current state, then the last
     slice comes with the state change; the session's room within its share is
     measured over its chain slice by slice, and the chain's prefix match is sliced
-    too. Another client's lookup waits for one slice at most, not the whole chain."""
+    too; a state change of a long chain (SessionTable.move_slice) moves its keys a
+    slice at a time. Another client's lookup waits for one slice at most, not the
+    whole chain."""
     check_hint(session, state, ttl)
     if store._demoter is None and time.monotonic() >= store._next_tick:
         store.session_tick(time.monotonic())  # no demoter thread to expire sessions
     step = store.slice_keys * LOOKUP_SLICES
+    _advance(store, ns, session, step)  # an earlier change of this session, if pending
     now = time.monotonic()
     cut = max(0, len(keys) - step)
     if cut and state == "ended":
@@ -54,9 +57,11 @@ def hint(
     with store.lock:
         ev = SessionHint(ns, session, state, tuple(keys[cut:]), ttl, now, measure=False)
         store._queue(store.policy.handle(ev))
+    store._execute()
+    _advance(store, ns, session, step)
+    with store.lock:
         s = store.policy.sessions.get(ns, session)
         chain = list(s.keys) if s is not None and s.state != "ended" else []
-    store._execute()
     if not chain:
         return 0
     _measure_room(store, ns, session, chain, step)
@@ -66,6 +71,17 @@ def hint(
     with store.lock:
         store.policy.sessions.record(ns, session, hits, len(chain))
     return hits
+
+
+def _advance(store: BlockStore, ns: str, session: str, step: int) -> None:
+    """Move a pending state change of the session to its end, ``step`` keys per hold
+    of the store lock."""
+    while True:
+        with store.lock:
+            if not store.policy.sessions.moving(ns, session):
+                return
+            store._queue(store.policy.handle(SessionAdvance(ns, session, step)))
+        store._execute()
 
 
 def _measure_room(

@@ -57,6 +57,12 @@ class Session:
     last: float = 0.0  # last hint
     room: int = -1  # bytes it may still add within its share (-1: no limit known)
     account: str = ""  # the tenant its namespace belongs to ("" without tenants)
+    # A state change of a long chain moves its keys a slice at a time (advance): the
+    # keys of ``moving`` from ``moving_at`` on are still counted under ``moving_from``.
+    moving: list[bytes] | None = None
+    moving_from: str = ""
+    moving_at: int = 0
+    moving_orphan: bool = True
 
     @property
     def hit_rate(self) -> float:
@@ -115,12 +121,16 @@ class SessionTable:
         idle_ttl: float = 3600.0,
         ended_keep: float = 60.0,
         account_of: Callable[[str], str | None] | None = None,
+        move_slice: int = 0,
     ) -> None:
         if max_sessions < 1 or max_blocks < 0:
             raise InvalidArgument("max_sessions must be >= 1 and max_blocks >= 0")
         self.max_sessions = max_sessions  # per account
         self.max_blocks = max_blocks  # per account
         self.account_of = account_of
+        # A state change of a session with more keys than this is applied by
+        # :meth:`advance`, a slice at a time (0: always at once).
+        self.move_slice = move_slice
         self.paused_ttl = paused_ttl
         self.idle_ttl = idle_ttl
         self.ended_keep = ended_keep
@@ -182,14 +192,15 @@ class SessionTable:
             self.sessions.move_to_end((ns, name))
         s.last = now
         ch = Change(ns)
+        if s.moving is not None:  # the previous change is still moving: finish it
+            self._step(s, None, ch)
         self._add(s, keys, ch)
-        if state != s.state:
-            if s.state == "paused" and state == "active":
-                ch.resumed.extend(s.keys)
-            self._move(s, state, ch, orphan=True)
+        if state != s.state or state == "paused":  # paused: its chain tail first, again
+            self._begin(s, state, orphan=True)
+            if not (self.move_slice and len(s.keys) > self.move_slice):
+                self._step(s, None, ch)
         if state == "paused":
             s.expires = now + (ttl if ttl is not None else self.paused_ttl)
-            ch.tail_first.extend(reversed(s.keys))
         elif state == "active":
             s.expires = now + (ttl if ttl is not None else self.idle_ttl)
         else:
@@ -212,7 +223,23 @@ class SessionTable:
             out.append(ch)
         return out
 
+    def advance(self, ns: str, name: str, n: int) -> list[Change]:
+        """Move up to ``n`` more keys of the session's pending state change (see
+        ``move_slice``); [] when nothing is pending."""
+        s = self.sessions.get((ns, name))
+        if s is None or s.moving is None:
+            return []
+        ch = Change(ns)
+        self._step(s, n, ch)
+        return [ch] if ch else []
+
+    def moving(self, ns: str, name: str) -> bool:
+        s = self.sessions.get((ns, name))
+        return s is not None and s.moving is not None
+
     def _add(self, s: Session, keys: Sequence[bytes], ch: Change) -> None:
+        if s.state == "ended":
+            return  # an ended session holds no blocks
         ns = s.ns
         room = self.max_blocks - self._blocks_of.get(s.account, 0)
         added = 0
@@ -250,7 +277,7 @@ class SessionTable:
             if self.refs.get((ns, k), 0) > 1:
                 return []  # a shared block (a system prompt): names no one session
             s = self.by_sid.get(self.owner.get((ns, k), 0))
-            if s is not None and s.state == "paused" and s.ns == ns:
+            if s is not None and s.state == "paused" and s.ns == ns and s.moving is None:
                 self.counters.resumed_by_lookup += 1
                 return self.hint(ns, s.name, "active", (), None, now)
         return []
@@ -287,6 +314,8 @@ class SessionTable:
 
     def _drop(self, s: Session) -> list[Change]:
         ch = Change(s.ns)
+        if s.moving is not None:
+            self._step(s, None, ch)
         self._move(s, "ended", ch, orphan=False)
         del self.sessions[(s.ns, s.name)]
         del self.by_sid[s.sid]
@@ -301,18 +330,47 @@ class SessionTable:
         return [ch] if ch else []
 
     def _move(self, s: Session, state: str, ch: Change, *, orphan: bool) -> None:
-        old = s.state
-        if old == state:
+        """Move every key of the session to ``state`` now."""
+        if s.state == state:
             return
+        self._begin(s, state, orphan=orphan)
+        self._step(s, None, ch)
+
+    def _begin(self, s: Session, state: str, *, orphan: bool) -> None:
+        """Start a state change: the session is in ``state`` now, its keys move by
+        :meth:`_step`, in chain order (its head protected first)."""
+        old = s.state
+        s.moving = list(s.keys)
+        s.moving_from, s.moving_at, s.moving_orphan = old, 0, orphan
         s.state = state
         self.paused += (state == "paused") - (old == "paused")
-        for k in s.keys:
-            self._ref(state, s.ns, k, +1, ch, orphan=orphan)  # new first: no false orphans
-            self._ref(old, s.ns, k, -1, ch, orphan=orphan)
-        if state == "ended":  # an ended session keeps its counters, not its blocks
-            for k in s.keys:
-                if self.owner.get((s.ns, k)) == s.sid:
-                    del self.owner[(s.ns, k)]
+
+    def _step(self, s: Session, n: int | None, ch: Change) -> None:
+        """Move up to ``n`` (None: all) pending keys from ``moving_from`` to the
+        session's state: references (new first, so no false orphans), a resumed
+        session's keys to prefetch, a paused one's chain reordered last block first
+        (the same share of it, from its end, so the steps together list the whole
+        chain reversed); an ended one gives up its keys when the last has moved."""
+        assert s.moving is not None
+        keys, a = s.moving, s.moving_at
+        b = len(keys) if n is None else min(len(keys), a + n)
+        old, new, ns, orphan = s.moving_from, s.state, s.ns, s.moving_orphan
+        for k in keys[a:b]:
+            if old != new:
+                self._ref(new, ns, k, +1, ch, orphan=orphan)
+                self._ref(old, ns, k, -1, ch, orphan=orphan)
+                if new == "ended" and self.owner.get((ns, k)) == s.sid:
+                    del self.owner[(ns, k)]
+        if old == "paused" and new == "active":
+            ch.resumed.extend(keys[a:b])
+        elif new == "paused":
+            m = len(keys)
+            ch.tail_first.extend(reversed(keys[m - b : m - a]))
+        s.moving_at = b
+        if b < len(keys):
+            return
+        s.moving = None
+        if new == "ended" and old != "ended":  # it keeps its counters, not its blocks
             self.blocks -= len(s.keys)
             left = self._blocks_of.get(s.account, 0) - len(s.keys)
             if left > 0:

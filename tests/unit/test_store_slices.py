@@ -98,3 +98,36 @@ def test_a_namespace_removal_lets_a_lookup_in_between_its_slices(store: BlockSto
     t.join(60)
     assert 0 < left < len(keys), f"the lookup waited for the whole removal ({left} left)"
     assert out == [len(keys)] and store.stats().dram_keys == 1
+
+
+@pytest.mark.parametrize("state", ["paused", "ended"])
+def test_a_long_chains_state_change_lets_a_lookup_in_between_its_slices(state: str) -> None:
+    from kvstore.worker.sessions import SessionTable
+
+    arena = Arena(16 << 20)
+    store = BlockStore(arena, 1 << 20, sessions=SessionTable(move_slice=2048), retain_budget=1)
+    try:
+        chain = [os.urandom(16) for _ in range(200_000)]
+        store.session_hint(NS, "long", "active", chain, None)
+        t = threading.Thread(
+            target=lambda: store.session_hint(NS, "long", state, [], 60.0), daemon=True
+        )
+        table = store.policy.sessions
+        t.start()
+        deadline = time.monotonic() + 30
+        while not table.moving(NS, "long") and time.monotonic() < deadline:
+            time.sleep(0.0002)
+        assert table.moving(NS, "long"), "the state change never showed as moving"
+        assert store.exists(NS, chain[:1]) == [False]
+        still = table.moving(NS, "long")
+        t.join(60)
+        assert still, "the lookup waited for the whole chain to change state"
+        s = table.get(NS, "long")
+        assert s is not None and s.state == state and s.moving is None
+        if state == "paused":
+            assert len(table.paused_refs) == len(chain) and table.is_protected(NS, chain[-1])
+        else:
+            assert not table.refs and not table.owner and table.blocks == 0 and not s.keys
+    finally:
+        store.close()
+        arena.close()

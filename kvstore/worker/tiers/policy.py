@@ -344,6 +344,15 @@ class SessionHint:
 
 
 @dataclass(frozen=True, slots=True)
+class SessionAdvance:
+    """Move up to ``n`` more keys of a session's pending state change."""
+
+    ns: str
+    session: str
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
 class SessionKeys:
     """A slice of a long hint's hashes, added in the session's current state."""
 
@@ -382,6 +391,7 @@ Event = (
     | Tick
     | SessionHint
     | SessionKeys
+    | SessionAdvance
     | Lookup
     | SessionTick
 )
@@ -598,6 +608,8 @@ class TierPolicy:
             return out
         elif isinstance(ev, SessionKeys):
             return self._changes(self.sessions.add_keys(ev.ns, ev.session, ev.keys, ev.now))
+        elif isinstance(ev, SessionAdvance):
+            return self._changes(self.sessions.advance(ev.ns, ev.session, ev.n))
         elif isinstance(ev, Lookup):
             return self._changes(self.sessions.lookup(ev.ns, ev.keys, ev.now))
         elif isinstance(ev, SessionTick):
