@@ -4,11 +4,10 @@ A probe client sends 1-key EXISTS frames over tcp:// back to back and records th
 latency, first alone, then while another client runs each big request in turn:
 65,536-block shm:// and tcp:// puts and gets, a 65,536-value gRPC Put, session hints
 growing one chain to 262,144 blocks (four of 65,536; each walks the whole chain) and
-pausing it, and
-a RemoveNamespace of 524,288 blocks (``--quick``: 16,384 / 65,536 / 65,536). The
-worker processes big requests in slices (``slice_keys`` per hold of its store lock,
-granted first come, first served), so the probe's p99 should stay under 50 ms. Runs
-against a local cluster it starts (one worker).
+pausing it, and a RemoveNamespace of 524,288 blocks (``--quick``: 16,384 / 65,536 /
+65,536). The worker processes big requests in slices (``slice_keys`` per hold of its
+store lock, granted first come, first served), so the probe's p99 should stay under
+50 ms. Runs against a local cluster it starts (one worker).
 """
 
 from __future__ import annotations
