@@ -423,3 +423,34 @@ def test_a_big_shm_batch_get_without_buffers_finds_every_block(make_cluster: Mak
     with Client(c.address, transport="shm", timeout=10.0) as cl:
         assert all(cl.batch_put(NS, keys, vals))
         assert cl.batch_get(NS, keys) == vals
+
+
+# ---- 5 (trickle): PUT headers whose bytes do not come reserve nothing -----------------------
+
+
+def test_trickled_put_headers_evict_nothing_and_refuse_no_puts(make_cluster: MakeCluster) -> None:
+    c = make_cluster(workers=1, dram_size="64MiB", max_value_size="1MiB")
+    known = [key(i, "cached") for i in range(40)]
+    with Client(c.address, transport="tcp") as cl:
+        for i in range(0, 40, 8):
+            part = known[i : i + 8]
+            assert all(cl.batch_put(NS, part, [value_for(k, MiB) for k in part]))
+    addr = tcp_addr(c)
+    socks = []
+    try:
+        for j in range(16):  # 16 connections x 16 MiB declared, a few bytes each
+            evil = [key(1000 + 16 * j + i, "trickle") for i in range(16)]
+            entries = b"".join(wire.PUT_ENTRY.pack(e, MiB, 0) for e in evil)
+            s = socket.create_connection(addr)
+            s.sendall(header(wire.OP_PUT, 16, 7) + entries + b"x" * 1000)
+            socks.append(s)
+        time.sleep(1.5)
+        with Client(c.address, transport="tcp", timeout=10.0) as cl:
+            still = sum(cl.batch_exists(NS, known))
+            new = [key(i, "after-trickle") for i in range(8)]
+            stored = cl.batch_put(NS, new, [value_for(k, MiB) for k in new])
+    finally:
+        for s in socks:
+            s.close()
+    assert still == len(known), f"trickled headers evicted {len(known) - still} of 40"
+    assert all(stored), f"trickled headers refused other puts: {stored}"
