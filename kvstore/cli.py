@@ -309,7 +309,7 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
     help="Most of DRAM + SSD one hinted session may fill; 0 = no cap [0.5].",
 )
 @click.option("--session-ttl", default=None, help="How long a paused session is kept [300s].")
-@click.option("--max-sessions", type=int, default=None, help="Live sessions per worker [4096].")
+@click.option("--max-sessions", type=int, default=None, help="Live sessions per tenant [4096].")
 @click.option(
     "--kv-events", default=None, help="Publish KV events (vLLM format) on this ZMQ PUB endpoint."
 )

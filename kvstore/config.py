@@ -141,12 +141,14 @@ class WorkerConfig:
     session_share: float = 0.5  # share of DRAM + SSD one hinted session may fill (0: no cap)
     session_ttl: float = _dur("300s")  # how long a paused session's blocks are kept
     session_idle_ttl: float = _dur("3600s")  # an active session with no hint leaves the table
-    max_sessions: int = 4096  # live sessions per worker (more push out the oldest)
-    max_session_blocks: int = 262144  # (session, block) pairs per worker
+    max_sessions: int = 4096  # live sessions per tenant (more push out its oldest)
+    max_session_blocks: int = 262144  # (session, block) pairs per tenant
     # KV events (worker/events.py): ZMQ PUB endpoint, e.g. tcp://0.0.0.0:5557; empty: off.
     kv_events: str = ""
     kv_events_replay: str = ""  # ZMQ ROUTER endpoint answering replay requests; empty: off
     kv_events_topic: str = "kvstore/"  # topic prefix (then the namespace)
+    kv_events_history_bytes: int = _size("32MiB")  # message payload bytes kept for replays
+    kv_events_replay_peers: int = 8  # replays served at once (more get the end frame)
 
 
 @dataclass(slots=True)
@@ -338,6 +340,8 @@ def validate(cfg: Config) -> None:
         raise InvalidArgument(f"worker.session_share must be in [0, 1], got {w.session_share}")
     if w.max_session_blocks < 0:
         raise InvalidArgument("worker.max_session_blocks must not be negative")
+    if w.kv_events_replay_peers < 0:
+        raise InvalidArgument("worker.kv_events_replay_peers must not be negative")
     for name in ("kv_events", "kv_events_replay"):
         ep = getattr(w, name)
         if ep and not re.match(r"^(tcp://[^\s]+:\d+|ipc://\S+|inproc://\S+)$", ep):

@@ -35,7 +35,7 @@ from .errors import (
     from_rpc_error,
 )
 from .keys import HASH_LEN, check_hashes, check_namespace, leading_run
-from .parts import part_views
+from .parts import check_disjoint, part_views
 from .proto import master_pb2, master_pb2_grpc, store_pb2, store_pb2_grpc
 from .replicas import (
     ReplicaStats,
@@ -83,6 +83,11 @@ class Client:
     tcp:// with the others.
     ``tls`` (default: env KVSTORE_TLS_CA/CERT/KEY) and ``token`` (default: env
     KVSTORE_TOKEN) are needed when the cluster enables TLS or tenants.
+    ``session_writer``: this client writes the blocks of sessions that some client
+    hints (an engine's save path whose scheduler sends the hints through another
+    Client): its puts are marked (wire.FLAG_SESSION), so a session over its share has
+    them declined. A client that sends a hint itself marks its puts from then on; the
+    puts of every other client are always admitted (docs/OPERATIONS.md, sessions).
     """
 
     def __init__(
@@ -94,6 +99,7 @@ class Client:
         max_threads: int = 16,
         tls: Tls | None = None,
         token: str | None = None,
+        session_writer: bool = False,
     ) -> None:
         if timeout <= 0:
             raise InvalidArgument("timeout must be positive")
@@ -119,6 +125,10 @@ class Client:
         self._channel: grpc.Channel | None = None
         self._watch_call: Any = None  # the open WatchShardMap call, to cancel on close
         self.replica_stats = ReplicaStats()
+        self.session_writer = session_writer
+        # Per namespace, the most copies a put of this client wrote with ``replicas=``
+        # (reads consult as many owners).
+        self._wrote_replicas: dict[str, int] = {}
         self._hints: SessionHints | None = None
         try:
             self._apply_map(self._fetch_map())
@@ -214,8 +224,13 @@ class Client:
         owner = view.ring.primary(hashes)
         return view, [(int(w), np.flatnonzero(owner == w)) for w in np.unique(owner)]
 
-    def _copies(self, view: View, ns: str, requested: int | None) -> int:
+    def _copies(self, view: View, ns: str, requested: int | None, *, reading: bool = False) -> int:
+        """Copies of a key in ``ns``: for a put, its ``replicas=`` or the map's count;
+        for a read (``reading``), also at least as many as this client ever wrote into
+        ``ns`` with a per-call ``replicas=``, so those copies are consulted too."""
         r = replica_count(ns, requested, view.replicas, view.ns_replicas or {})
+        if reading:
+            r = max(r, self._wrote_replicas.get(ns, 1))
         return min(r, len(view.workers)) if view.workers else r
 
     def _fan_out(
@@ -316,6 +331,9 @@ class Client:
     ) -> list[bool]:
         view, groups = self._groups(hashes)
         r = self._copies(view, ns, replicas)
+        if r > self._wrote_replicas.get(ns, 1):
+            with self._lock:
+                self._wrote_replicas[ns] = max(r, self._wrote_replicas.get(ns, 1))
         if r > 1 and groups:
             owners = view.ring.lookup(hashes, r)
             groups = [(w, np.flatnonzero(owners[:, 0] == w)) for w in np.unique(owners[:, 0])]
@@ -333,6 +351,9 @@ class Client:
         if not groups:
             return result
         sums = [wire.block_checksum(v) for v in views]
+        # A client that sends session hints marks its puts: its sessions' shares apply
+        # to them. Puts of clients without hints are always admitted.
+        flags = wire.FLAG_SESSION if self.session_writer or self._hints is not None else 0
         tasks: list[Callable[[], Any]] = []
         parts: list[np.ndarray] = []
         primaries = 0
@@ -341,7 +362,7 @@ class Client:
                 hs = [hashes[i] for i in chunk]
                 vs = [views[i] for i in chunk]
                 cs = [sums[i] for i in chunk]
-                tasks.append(_bind(view.workers[w].put, self.timeout, nsb, hs, vs, cs))
+                tasks.append(_bind(view.workers[w].put, self.timeout, nsb, hs, vs, cs, flags))
                 parts.append(chunk)
             if k == len(groups) - 1:
                 primaries = len(tasks)
@@ -391,7 +412,7 @@ class Client:
     ) -> tuple[View, list[tuple[int, np.ndarray]]]:
         """Like _groups, but each worker gets every key it holds any copy of."""
         view, groups = self._groups(hashes)
-        r = self._copies(view, ns, None)
+        r = self._copies(view, ns, None, reading=True)
         if r > 1 and groups:
             groups = any_owner_groups(view.ring.lookup(hashes, r))
         return view, groups
@@ -488,7 +509,7 @@ class Client:
         if (
             view is not None
             and view.workers
-            and self._copies(view, ns, None) == 1
+            and self._copies(view, ns, None, reading=True) == 1
             and all(w.ucx is None for w in view.workers)
         ):
             return self._prefix_scatter(nsb, hashes, view)
@@ -532,7 +553,7 @@ class Client:
         (see :mod:`kvstore_client.replicas`)."""
         nsb = self._check(ns, hashes)
         view, groups = self._groups(hashes)
-        r = self._copies(view, ns, None)
+        r = self._copies(view, ns, None, reading=True)
         if r > 1 and groups:
             return read_copies(self, view, nsb, hashes, None, r)[1]
         result: list[bytes | None] = [None] * len(hashes)
@@ -555,8 +576,9 @@ class Client:
         A block counts as a hit only if its stored size equals its buffer's size and
         its checksum matches; a buffer of a miss may hold partial bytes. The future
         never raises for worker failures (those are misses). A buffer that no block
-        can fill (empty, or above the workers' max value size) raises InvalidArgument
-        at once; to learn a stored block's size, read it with :meth:`batch_get`.
+        can fill (empty, or above the workers' max value size) or buffers that share a
+        byte raise InvalidArgument at once; to learn a stored block's size, read it
+        with :meth:`batch_get`.
         Calls on a closed client raise InvalidArgument. When every block lives on one
         same-host worker reached over shm://, the copies run on the calling thread and
         the future comes back already done (no executor hop).
@@ -575,6 +597,7 @@ class Client:
                     f"buffer {i} is {v.nbytes} bytes: no block can fill it (blocks are "
                     f"1..{limit or 'max-value-size'} bytes)"
                 )
+        check_disjoint(views)
         return self._get_into_blocks(ns, hashes, list(views))
 
     def batch_get_into_parts(
@@ -586,13 +609,15 @@ class Client:
         sizes and its checksum (over the parts) matches; it may have been written whole
         or in any other split. InvalidArgument at once (nothing read) for part lists
         that do not match the hashes, a block with no parts or zero bytes, a read-only
-        part, or a block above the workers' max value size.
+        part, parts (of any blocks) that share a byte, or a block above the workers'
+        max value size.
         """
         self._check(ns, hashes)
         view = self._view
         blocks, _ = part_views(
             parts, len(hashes), writable=True, max_value=view.max_value if view else 0
         )
+        check_disjoint([p for b in blocks for p in b])
         return self._get_into_blocks(ns, hashes, list(blocks))
 
     def _get_into_blocks(
@@ -605,7 +630,7 @@ class Client:
         if not groups:
             done.set_result(result)
             return done
-        r = self._copies(view, ns, None)
+        r = self._copies(view, ns, None, reading=True)
         if r > 1:
             return self._executor.submit(
                 lambda: read_copies(self, view, nsb, hashes, views, r)[0].tolist()
@@ -691,13 +716,15 @@ class Client:
         return leases.reserve(view, groups, self.timeout, ns.encode(), hashes, sizes)
 
     def remove(self, ns: str, hashes: list[bytes]) -> int:
-        """Remove blocks (every copy); returns how many copies were present."""
+        """Remove blocks (every copy); returns how many copies were present.
+
+        Every worker of the map is asked, not only a key's owners by the current
+        count: copies written with a per-call ``replicas=`` (by any client) or
+        repaired onto a new owner after a membership change must not come back."""
         nsb = self._check(ns, hashes)
-        view, groups = self._copy_groups(ns, hashes)
-        tasks: list[Callable[[], Any]] = [
-            _bind(view.workers[w].remove, self.timeout, nsb, [hashes[i] for i in idx])
-            for w, idx in groups
-        ]
+        view = self._view
+        links = view.workers if view is not None and hashes else []
+        tasks: list[Callable[[], Any]] = [_bind(w.remove, self.timeout, nsb, hashes) for w in links]
         return sum(n for n in self._fan_out(tasks, _misses_only) if n is not None)
 
     # ---- admin ---------------------------------------------------------------

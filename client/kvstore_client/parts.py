@@ -10,8 +10,11 @@ ucx:// one message per part). This module only checks and views the caller's inp
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from .errors import InvalidArgument
 from .wire import MAX_PARTS
@@ -77,3 +80,23 @@ def part_views(
         blocks.append(views)
         sizes.append(total)
     return blocks, sizes
+
+
+def check_disjoint(views: Sequence[memoryview]) -> None:
+    """InvalidArgument when any two of the destination ``views`` (writable byte views:
+    every part of every block of one read) share a byte. A read verifies each block
+    where it lands; a later block written over it would leave a "hit" holding wrong
+    bytes. Costs about 0.6 us per view (one address lookup each)."""
+    if len(views) < 2:
+        return
+    fb, ad = ctypes.c_char.from_buffer, ctypes.addressof
+    live = [v for v in views if v.nbytes]
+    starts = np.array([ad(fb(v)) for v in live], dtype=np.uint64)
+    ends = starts + np.array([v.nbytes for v in live], dtype=np.uint64)
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
+    if np.any(ends[:-1] > starts[1:]):
+        raise InvalidArgument(
+            "destination buffers overlap: every block (and every part of a block) "
+            "needs bytes of its own"
+        )

@@ -9,6 +9,9 @@ client (:mod:`kvstore_client.client`) executes them.
   on distinct hosts when the map has enough hosts; :mod:`kvstore_client.sharding`).
   The first is the primary: a put is "stored" when the primary stored it; the
   other copies are best effort and counted in :class:`ReplicaStats`.
+- A client that wrote into a namespace with a per-call ``replicas=`` above the
+  namespace's count reads (get, exists, match_prefix) as many owners from then on;
+  a removal asks every worker of the map, so no copy, whoever wrote it, survives.
 - Reads: the key's owners, those reachable over shm:// (same host) first, then in
   ring order; a miss or an unreachable worker moves the key to its next owner in
   the next round, so a read costs one round trip per round and one call per worker

@@ -84,9 +84,15 @@ class WorkerLink:
         return self.transfer
 
     def put(
-        self, timeout: float, ns: bytes, hs: list[bytes], vs: list[wire.Block], cs: list[int]
+        self,
+        timeout: float,
+        ns: bytes,
+        hs: list[bytes],
+        vs: list[wire.Block],
+        cs: list[int],
+        flags: int = 0,
     ) -> bytes:
-        return self.via.put(timeout, ns, hs, vs, cs)
+        return self.via.put(timeout, ns, hs, vs, cs, flags)
 
     def get(
         self, timeout: float, ns: bytes, hs: list[bytes], bufs: list[BlockView] | None

@@ -112,6 +112,10 @@ IOV_MAX = 1024
 # kvstore_client.transport.ucx).
 FLAG_PARTS = 1
 MAX_PARTS = 4096  # parts per block
+# Request flag (PUT, PUT_LOC): the writer sends session hints, so session shares apply
+# to its blocks (a session over its share has them declined). Blocks of writers
+# without it are always admitted (see docs/OPERATIONS.md, sessions).
+FLAG_SESSION = 2
 # Request flag (EXISTS): answer only how many leading keys are present (the worker
 # stops at its first miss); the answer carries TAG_RUN and the run in its count.
 FLAG_PREFIX = 1

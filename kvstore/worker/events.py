@@ -24,6 +24,15 @@ Block hashes are the connector's 16-byte chained hashes (the store's keys);
 request frame of an 8-byte big-endian start sequence with every buffered message
 from there as ``(topic, seq, payload)`` frames, then ``(b"", seq=-1, b"")``.
 
+Memory is bounded in bytes, whatever subscribers do: the history keeps at most
+``history_steps`` messages and ``history_bytes`` payload bytes (the oldest go
+first); one message carries at most ``MESSAGE_HASHES`` block hashes; a replay is
+sent as the peer reads it (a cursor per peer, at most ``REPLAY_HWM`` messages
+queued for it, nothing copied), at most ``replay_peers`` replays run at once (a
+request beyond that is answered with the end frame at once: ask again later), and
+a peer that reads nothing for ``REPLAY_STALL`` seconds is given up. A peer that
+asks from 0 and never reads thus costs at most REPLAY_HWM messages.
+
 Batching: the store appends (stored?, medium, blocks) records to a bounded queue
 under its lock (no encoding there); a publisher thread drains it every
 ``interval`` seconds, merges consecutive records of one kind, tier and namespace
@@ -34,6 +43,7 @@ counted (``dropped``): a slow publisher never grows memory without bound.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
@@ -52,6 +62,10 @@ log = logging.getLogger(__name__)
 DRAM = "CPU"  # vLLM's MEDIUM_CPU
 SSD = "STORAGE"  # vLLM's MEDIUM_STORAGE
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+MESSAGE_HASHES = 4096  # block hashes per message (about 75 KiB of msgpack)
+REPLAY_HWM = 16  # messages queued for one replay peer
+REPLAY_STALL = 10.0  # seconds a replay peer may read nothing before it is given up
+REPLAY_BURST = 256  # messages sent to one peer per turn of the publisher loop
 _BLOCK_TOKENS = re.compile(r"(?:^|/)b(\d+)(?:/|$)")
 
 
@@ -151,6 +165,8 @@ class KvEventPublisher:
         topic: str = "kvstore/",
         interval: float = 0.01,
         buffer_steps: int = 10_000,
+        history_bytes: int = 32 << 20,
+        replay_peers: int = 8,
         sink: EventSink | None = None,
     ) -> None:
         self.sink = sink or EventSink()
@@ -159,7 +175,13 @@ class KvEventPublisher:
         self.seq = 0
         self.sent = 0
         self.errors = 0
+        self.replays_refused = 0  # replay requests beyond replay_peers
+        self.replays_stalled = 0  # replay peers given up (read nothing for REPLAY_STALL)
+        self.history_bytes = history_bytes
+        self.replay_peers = replay_peers
         self._buffer: deque[tuple[bytes, int, bytes]] = deque(maxlen=buffer_steps)
+        self._buffered = 0  # payload bytes in _buffer
+        self._peers: dict[bytes, list[float]] = {}  # peer -> [next seq, last progress]
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -169,6 +191,9 @@ class KvEventPublisher:
         if replay:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.setsockopt(zmq.SNDHWM, REPLAY_HWM)
+            self._replay.setsockopt(zmq.SNDBUF, 256 << 10)
+            self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # full or gone: an error
             self.replay_endpoint = self._bind(self._replay, replay)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kv-events", daemon=True)
@@ -204,7 +229,13 @@ class KvEventPublisher:
         except zmq.ZMQError:
             self.errors += 1
             log.exception("KV event send failed")
-        self._buffer.append((topic, seq, payload))
+        buf = self._buffer
+        if buf.maxlen is not None and len(buf) == buf.maxlen:
+            self._buffered -= len(buf[0][2])
+        buf.append((topic, seq, payload))
+        self._buffered += len(payload)
+        while self._buffered > self.history_bytes and len(buf) > 1:
+            self._buffered -= len(buf.popleft()[2])
 
     def flush(self) -> None:
         """Send what the sink holds now (one message per namespace)."""
@@ -212,21 +243,70 @@ class KvEventPublisher:
         if not records:
             return
         now = time.time()
-        for ns, events in merge(records).items():
-            self._send((self.topic + ns).encode(), encode_batch(now, events))
+        for ns, events in merge(records, MESSAGE_HASHES).items():
+            topic = (self.topic + ns).encode()
+            batch: list[dict[str, Any]] = []
+            hashes = 0
+            for ev in events:  # at most MESSAGE_HASHES hashes per message
+                n = len(ev.get("block_hashes", ()))
+                if batch and hashes + n > MESSAGE_HASHES:
+                    self._send(topic, encode_batch(now, batch))
+                    batch, hashes = [], 0
+                batch.append(ev)
+                hashes += n
+            if batch:
+                self._send(topic, encode_batch(now, batch))
 
     def _serve_replay(self) -> None:
+        """Take a replay request: the peer gets a cursor (or, beyond replay_peers
+        replays at once, the end frame now); :meth:`_pump` sends as it reads."""
         assert self._replay is not None
         frames = self._replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
             log.warning("bad KV-event replay request (%d frames)", len(frames))
             return
         client, _, start = frames
-        first = int.from_bytes(start, "big")
-        for topic, seq, payload in list(self._buffer):
-            if seq >= first:
-                self._replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+        if client not in self._peers and len(self._peers) >= self.replay_peers:
+            self.replays_refused += 1
+            with contextlib.suppress(zmq.ZMQError):
+                self._replay.send_multipart((client, b"", b"", END_SEQ, b""), zmq.NOBLOCK)
+            return
+        self._peers[client] = [float(int.from_bytes(start, "big")), time.monotonic()]
+
+    def _pump(self) -> None:
+        """Send each replaying peer what fits in its queue (REPLAY_HWM messages), from
+        its cursor; the end frame when it has all; give up peers that stall or left."""
+        assert self._replay is not None
+        now = time.monotonic()
+        buf = self._buffer
+        for client, cur in list(self._peers.items()):
+            done = False
+            for _ in range(REPLAY_BURST):
+                base = buf[0][1] if buf else self.seq
+                nxt = max(int(cur[0]), base)  # what left the history is skipped
+                i = nxt - base
+                end = i >= len(buf)
+                if end:
+                    frames = (client, b"", b"", END_SEQ, b"")
+                else:
+                    topic, seq, payload = buf[i]
+                    frames = (client, b"", topic, seq.to_bytes(8, "big"), payload)
+                try:
+                    self._replay.send_multipart(frames, zmq.NOBLOCK)
+                except zmq.Again:  # its queue is full: it is not reading (yet)
+                    if now - cur[1] > REPLAY_STALL:
+                        self.replays_stalled += 1
+                        done = True
+                    break
+                except zmq.ZMQError:  # the peer is gone
+                    done = True
+                    break
+                cur[0], cur[1] = nxt + 1, now
+                if end:
+                    done = True
+                    break
+            if done:
+                del self._peers[client]
 
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -234,12 +314,16 @@ class KvEventPublisher:
             poller.register(self._replay, zmq.POLLIN)
         while not self._stop.is_set():
             if self._replay is not None:
-                ready = dict(poller.poll(int(self.interval * 1000)))
-                if self._replay in ready:
-                    try:
+                # Replays in flight: come back soon to refill their queues.
+                wait = 1 if self._peers else int(self.interval * 1000)
+                ready = dict(poller.poll(wait))
+                try:
+                    if self._replay in ready:
                         self._serve_replay()
-                    except zmq.ZMQError:
-                        log.exception("KV event replay failed")
+                    if self._peers:
+                        self._pump()
+                except zmq.ZMQError:
+                    log.exception("KV event replay failed")
             else:
                 self._stop.wait(self.interval)
             try:

@@ -99,8 +99,10 @@ class Budget:
         lim = self.limits
         # Holding nothing, one value's worth always fits (a request is never refused for
         # the size of a single value), or any amount with ``whole``; beyond that, every
-        # bound applies.
-        one = whole or nbytes <= lim.max_value_size
+        # bound applies. ``whole`` never lifts the worker's bound: no single request
+        # may pin more than hold_per_worker.
+        single = nbytes <= lim.max_value_size
+        one = whole or single
         if nbytes and h.bytes + nbytes > lim.hold_per_connection and (h.bytes or not one):
             return False
         if entries and h.entries + entries > lim.entries_per_connection:
@@ -110,7 +112,7 @@ class Budget:
             return False
         if entries and self._client_entries.get(h.client, 0) + entries > lim.entries_per_client:
             return False
-        if nbytes and self.bytes + nbytes > lim.hold_per_worker and (self.bytes or not one):
+        if nbytes and self.bytes + nbytes > lim.hold_per_worker and (self.bytes or not single):
             return False
         return not (entries and self.entries + entries > lim.entries_per_worker)
 
@@ -169,8 +171,9 @@ class Holder:
         take one value's worth, so a single value is never refused for its size alone;
         clients cut shm:// puts into requests of at most two values' worth (which
         always fit the per-connection bound, at least two values). ``whole``: a holder
-        holding nothing may take any amount (a read's pins: a client that releases each
-        read before the next is never refused; one that holds reads open is bounded)."""
+        holding nothing may take any amount up to the worker's bound (a read's pins: a
+        client that releases each read before the next is never refused; one that holds
+        reads open is bounded)."""
         return self.budget._take(self, nbytes, entries, wait, whole)
 
     def give(self, nbytes: int, entries: int = 0) -> None:

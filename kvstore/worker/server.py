@@ -96,6 +96,8 @@ class Worker:
                     max_blocks=cfg.max_session_blocks,
                     paused_ttl=cfg.session_ttl,
                     idle_ttl=cfg.session_idle_ttl,
+                    account_of=self.tenants.owner if self.tenants else None,
+                    move_slice=2048,  # a long chain changes state 2,048 keys at a time
                 ),
                 retain_budget=int(cfg.session_budget * cfg.dram_size),
                 session_share=int(
@@ -105,7 +107,11 @@ class Worker:
             self.events: KvEventPublisher | None = None
             if cfg.kv_events:
                 self.events = KvEventPublisher(
-                    cfg.kv_events, replay=cfg.kv_events_replay, topic=cfg.kv_events_topic
+                    cfg.kv_events,
+                    replay=cfg.kv_events_replay,
+                    topic=cfg.kv_events_topic,
+                    history_bytes=cfg.kv_events_history_bytes,
+                    replay_peers=cfg.kv_events_replay_peers,
                 )
                 self.store.events = self.events.sink
             n = cfg.shm_entries_per_connection

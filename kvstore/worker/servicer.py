@@ -18,6 +18,7 @@ from kvstore_client.proto import store_pb2, store_pb2_grpc
 from .. import metrics
 from ..auth import Tenant, bearer
 from ..errors import InvalidArgument, Unavailable, abort, to_grpc_code
+from . import removal
 from .requests import RequestCore
 from .store import BlockStore
 from .storerecords import StoreStats
@@ -138,11 +139,10 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     ) -> store_pb2.RemoveNamespaceResponse:
         # Prefix semantics, like tenant ownership: "t" removes "t" and every "t/...",
         # never "tx". A tenant that owns "t" owns all of these (tenants' namespaces
-        # never overlap), so the one ownership check covers them.
+        # never overlap), so the one ownership check covers them. In slices.
         def go(tenant: Tenant | None) -> store_pb2.RemoveNamespaceResponse:
             ns = self._ns(tenant, request.namespace)
-            removed = sum(self.store.remove_namespace(n) for n in self.store.namespaces_under(ns))
-            return store_pb2.RemoveNamespaceResponse(removed=removed)
+            return store_pb2.RemoveNamespaceResponse(removed=removal.remove_tree(self.store, ns))
 
         return self._run("remove_namespace", context, go)
 

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from .sessions import check_hint
-from .tiers.policy import SessionHint
+from .storerecords import LOOKUP_SLICES
+from .tiers.policy import SessionAdvance, SessionHint, SessionKeys
 
 if TYPE_CHECKING:
     from .store import BlockStore
@@ -28,23 +29,79 @@ def hint(
     returns how many leading blocks of the session's whole chain here (every key it
     listed so far, in order, not only this hint's: hints are incremental) are present,
     counted into its hit rate; 0 otherwise. InvalidArgument for a bad state, id or TTL
-    (nothing changes). Any thread."""
+    (nothing changes). Any thread.
+
+    A long hint runs in slices with the store lock released between them: its hashes
+    but the last slice's are added in the session's current state, then the last
+    slice comes with the state change; the session's room within its share is
+    measured over its chain slice by slice, and the chain's prefix match is sliced
+    too; a state change of a long chain (SessionTable.move_slice) moves its keys a
+    slice at a time. Another client's lookup waits for one slice at most, not the
+    whole chain."""
     check_hint(session, state, ttl)
     if store._demoter is None and time.monotonic() >= store._next_tick:
         store.session_tick(time.monotonic())  # no demoter thread to expire sessions
+    step = store.slice_keys * LOOKUP_SLICES
+    _advance(store, ns, session, step)  # an earlier change of this session, if pending
+    now = time.monotonic()
+    cut = max(0, len(keys) - step)
+    if cut and state == "ended":
+        with store.lock:
+            known = store.policy.sessions.get(ns, session) is not None
+        cut = cut if known else 0  # an unknown session's end does nothing
+    for i in range(0, cut, step):
+        with store.lock:
+            part = tuple(keys[i : min(i + step, cut)])
+            store._queue(store.policy.handle(SessionKeys(ns, session, part, now)))
+        store._execute()
     with store.lock:
-        store._queue(
-            store.policy.handle(SessionHint(ns, session, state, tuple(keys), ttl, time.monotonic()))
-        )
-        s = store.policy.sessions.get(ns, session)
-        chain = list(s.keys) if state == "active" and s is not None else []
+        ev = SessionHint(ns, session, state, tuple(keys[cut:]), ttl, now, measure=False)
+        store._queue(store.policy.handle(ev))
     store._execute()
+    _advance(store, ns, session, step)
+    with store.lock:
+        s = store.policy.sessions.get(ns, session)
+        chain = list(s.keys) if s is not None and s.state != "ended" else []
     if not chain:
+        return 0
+    _measure_room(store, ns, session, chain, step)
+    if state != "active":
         return 0
     hits = store.match_prefix(ns, chain)
     with store.lock:
         store.policy.sessions.record(ns, session, hits, len(chain))
     return hits
+
+
+def _advance(store: BlockStore, ns: str, session: str, step: int) -> None:
+    """Move a pending state change of the session to its end, ``step`` keys per hold
+    of the store lock."""
+    while True:
+        with store.lock:
+            if not store.policy.sessions.moving(ns, session):
+                return
+            store._queue(store.policy.handle(SessionAdvance(ns, session, step)))
+        store._execute()
+
+
+def _measure_room(
+    store: BlockStore, ns: str, session: str, chain: Sequence[bytes], step: int
+) -> None:
+    """What the session may still add within its share: its chain's bytes counted
+    slice by slice, in order, up to the share (TierPolicy.session_admits)."""
+    share = store.policy.session_share
+    if share <= 0:
+        return
+    held = 0
+    for i in range(0, len(chain), step):
+        with store.lock:
+            held += store.policy.chain_bytes(ns, chain[i : i + step])
+        if held >= share:
+            break
+    with store.lock:
+        s = store.policy.sessions.get(ns, session)
+        if s is not None and s.state != "ended":
+            s.room = max(0, share - held)
 
 
 def prefetch(store: BlockStore) -> None:

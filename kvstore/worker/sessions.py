@@ -5,7 +5,7 @@ Pure bookkeeping (no I/O, no clock: callers pass ``now``), owned by the tier pol
 any client) sends hints: ``(namespace, session id, state, block hashes, ttl)``.
 
 - A session is named by ``(namespace, session id)`` and gets a small integer id
-  (1..``max_sessions``) while it is in the table.
+  (reused once it leaves) while it is in the table.
 - States: ``active`` (its blocks are plain LRU blocks), ``paused`` (a tool call is
   running: its blocks are *protected* until its TTL ends), ``ended`` (its blocks
   that no other live session holds are *orphaned*: the first eviction candidates).
@@ -17,10 +17,13 @@ any client) sends hints: ``(namespace, session id, state, block hashes, ttl)``.
   the chain's tail before its head. A prefix match stops at the first missing block,
   so plain LRU, which evicts a chain from its head (its oldest-touched block), loses
   the whole prefix where this loses only its end.
-- Memory is bounded: at most ``max_sessions`` sessions (a new one pushes out the
-  oldest ended session, else the least recently hinted one, counted in
-  ``counters.dropped``) and ``max_blocks`` (session, block) pairs in all (hashes
-  beyond it are ignored, counted in ``counters.blocks_refused``).
+- Memory is bounded per tenant (the account ``account_of(ns)`` names; one account
+  when the worker has no tenants): at most ``max_sessions`` sessions of an account
+  (a new one pushes out that account's oldest ended session, else its least
+  recently hinted one, counted in ``counters.dropped``) and ``max_blocks``
+  (session, block) pairs of an account (hashes beyond it are ignored, counted in
+  ``counters.blocks_refused``). One tenant's flood of made-up sessions and hashes
+  therefore costs only its own sessions; the table holds at most accounts x bounds.
 
 Every call returns :class:`Change` records saying which blocks changed protection,
 which were orphaned and which belong to a session that just resumed (to prefetch);
@@ -30,7 +33,7 @@ the policy turns them into tier instructions.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore_client.errors import InvalidArgument
@@ -53,6 +56,13 @@ class Session:
     lookup_blocks: int = 0  # ... of the blocks asked about
     last: float = 0.0  # last hint
     room: int = -1  # bytes it may still add within its share (-1: no limit known)
+    account: str = ""  # the tenant its namespace belongs to ("" without tenants)
+    # A state change of a long chain moves its keys a slice at a time (advance): the
+    # keys of ``moving`` from ``moving_at`` on are still counted under ``moving_from``.
+    moving: list[bytes] | None = None
+    moving_from: str = ""
+    moving_at: int = 0
+    moving_orphan: bool = True
 
     @property
     def hit_rate(self) -> float:
@@ -110,17 +120,26 @@ class SessionTable:
         paused_ttl: float = 300.0,
         idle_ttl: float = 3600.0,
         ended_keep: float = 60.0,
+        account_of: Callable[[str], str | None] | None = None,
+        move_slice: int = 0,
     ) -> None:
         if max_sessions < 1 or max_blocks < 0:
             raise InvalidArgument("max_sessions must be >= 1 and max_blocks >= 0")
-        self.max_sessions = max_sessions
-        self.max_blocks = max_blocks
+        self.max_sessions = max_sessions  # per account
+        self.max_blocks = max_blocks  # per account
+        self.account_of = account_of
+        # A state change of a session with more keys than this is applied by
+        # :meth:`advance`, a slice at a time (0: always at once).
+        self.move_slice = move_slice
         self.paused_ttl = paused_ttl
         self.idle_ttl = idle_ttl
         self.ended_keep = ended_keep
         self.sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()  # by last hint
         self.by_sid: dict[int, Session] = {}
-        self._free_sids = list(range(max_sessions, 0, -1))
+        self._free_sids: list[int] = []
+        self._next_sid = 1
+        self._sessions_of: dict[str, int] = {}  # per account: sessions in the table
+        self._blocks_of: dict[str, int] = {}  # per account: (session, block) pairs
         self.refs: dict[Key, int] = {}  # live (active or paused) sessions holding a block
         self.paused_refs: dict[Key, int] = {}  # paused sessions holding a block
         self.owner: dict[Key, int] = {}  # sid of the last session that listed the block
@@ -173,7 +192,57 @@ class SessionTable:
             self.sessions.move_to_end((ns, name))
         s.last = now
         ch = Change(ns)
-        room = self.max_blocks - self.blocks
+        if s.moving is not None:  # the previous change is still moving: finish it
+            self._step(s, None, ch)
+        self._add(s, keys, ch)
+        if state != s.state or state == "paused":  # paused: its chain tail first, again
+            self._begin(s, state, orphan=True)
+            if not (self.move_slice and len(s.keys) > self.move_slice):
+                self._step(s, None, ch)
+        if state == "paused":
+            s.expires = now + (ttl if ttl is not None else self.paused_ttl)
+        elif state == "active":
+            s.expires = now + (ttl if ttl is not None else self.idle_ttl)
+        else:
+            s.expires = now + self.ended_keep
+        out.append(ch)
+        return out
+
+    def add_keys(self, ns: str, name: str, keys: Sequence[bytes], now: float) -> list[Change]:
+        """Add ``keys`` to the session in its current state (a new one starts
+        ``active``), with no state change: a long hint is fed in slices this way, its
+        last slice as a :meth:`hint`. InvalidArgument for an empty or oversized id."""
+        check_hint(name, "active", None)
+        out: list[Change] = []
+        s = self.sessions.get((ns, name))
+        if s is None:
+            s = self._new(ns, name, now, out)
+        ch = Change(ns)
+        self._add(s, keys, ch)
+        if ch:
+            out.append(ch)
+        return out
+
+    def advance(self, ns: str, name: str, n: int) -> list[Change]:
+        """Move up to ``n`` more keys of the session's pending state change (see
+        ``move_slice``); [] when nothing is pending."""
+        s = self.sessions.get((ns, name))
+        if s is None or s.moving is None:
+            return []
+        ch = Change(ns)
+        self._step(s, n, ch)
+        return [ch] if ch else []
+
+    def moving(self, ns: str, name: str) -> bool:
+        s = self.sessions.get((ns, name))
+        return s is not None and s.moving is not None
+
+    def _add(self, s: Session, keys: Sequence[bytes], ch: Change) -> None:
+        if s.state == "ended":
+            return  # an ended session holds no blocks
+        ns = s.ns
+        room = self.max_blocks - self._blocks_of.get(s.account, 0)
+        added = 0
         for k in keys:
             if k in s.keys:
                 continue
@@ -181,23 +250,13 @@ class SessionTable:
                 self.counters.blocks_refused += 1
                 continue
             room -= 1
+            added += 1
             s.keys[k] = None
-            self.blocks += 1
             self.owner[(ns, k)] = s.sid
             self._ref(s.state, ns, k, +1, ch, orphan=False)
-        if state != s.state:
-            if s.state == "paused" and state == "active":
-                ch.resumed.extend(s.keys)
-            self._move(s, state, ch, orphan=True)
-        if state == "paused":
-            s.expires = now + (ttl if ttl is not None else self.paused_ttl)
-            ch.tail_first.extend(reversed(s.keys))
-        elif state == "active":
-            s.expires = now + (ttl if ttl is not None else self.idle_ttl)
-        else:
-            s.expires = now + self.ended_keep
-        out.append(ch)
-        return out
+        if added:
+            self.blocks += added
+            self._blocks_of[s.account] = self._blocks_of.get(s.account, 0) + added
 
     def record(self, ns: str, name: str, hits: int, lookups: int) -> None:
         """Count a lookup of the session's chain: ``hits`` leading blocks of ``lookups``."""
@@ -218,7 +277,7 @@ class SessionTable:
             if self.refs.get((ns, k), 0) > 1:
                 return []  # a shared block (a system prompt): names no one session
             s = self.by_sid.get(self.owner.get((ns, k), 0))
-            if s is not None and s.state == "paused" and s.ns == ns:
+            if s is not None and s.state == "paused" and s.ns == ns and s.moving is None:
                 self.counters.resumed_by_lookup += 1
                 return self.hint(ns, s.name, "active", (), None, now)
         return []
@@ -236,41 +295,88 @@ class SessionTable:
     # ---- internals -------------------------------------------------------------
 
     def _new(self, ns: str, name: str, now: float, out: list[Change]) -> Session:
-        while not self._free_sids:
-            victim = next((v for v in self.sessions.values() if v.state == "ended"), None)
-            if victim is None:
-                victim = next(iter(self.sessions.values()))
+        acct = (self.account_of(ns) if self.account_of is not None else None) or ""
+        while self._sessions_of.get(acct, 0) >= self.max_sessions:
+            # The account's own oldest ended session, else its least recently hinted.
+            mine = [v for v in self.sessions.values() if v.account == acct]
+            victim = next((v for v in mine if v.state == "ended"), mine[0])
             self.counters.dropped += 1
             out.extend(self._drop(victim))
-        s = Session(self._free_sids.pop(), name, ns, "active", now + self.idle_ttl, last=now)
+        if self._free_sids:
+            sid = self._free_sids.pop()
+        else:
+            sid, self._next_sid = self._next_sid, self._next_sid + 1
+        s = Session(sid, name, ns, "active", now + self.idle_ttl, last=now, account=acct)
         self.sessions[(ns, name)] = s
         self.by_sid[s.sid] = s
+        self._sessions_of[acct] = self._sessions_of.get(acct, 0) + 1
         return s
 
     def _drop(self, s: Session) -> list[Change]:
         ch = Change(s.ns)
+        if s.moving is not None:
+            self._step(s, None, ch)
         self._move(s, "ended", ch, orphan=False)
         del self.sessions[(s.ns, s.name)]
         del self.by_sid[s.sid]
         self._free_sids.append(s.sid)
+        left = self._sessions_of.get(s.account, 1) - 1
+        if left:
+            self._sessions_of[s.account] = left
+        else:
+            self._sessions_of.pop(s.account, None)
         if s.lookup_blocks and len(self.closed_rates) < 10_000:
             self.closed_rates.append(s.hit_rate)
         return [ch] if ch else []
 
     def _move(self, s: Session, state: str, ch: Change, *, orphan: bool) -> None:
-        old = s.state
-        if old == state:
+        """Move every key of the session to ``state`` now."""
+        if s.state == state:
             return
+        self._begin(s, state, orphan=orphan)
+        self._step(s, None, ch)
+
+    def _begin(self, s: Session, state: str, *, orphan: bool) -> None:
+        """Start a state change: the session is in ``state`` now, its keys move by
+        :meth:`_step`, in chain order (its head protected first)."""
+        old = s.state
+        s.moving = list(s.keys)
+        s.moving_from, s.moving_at, s.moving_orphan = old, 0, orphan
         s.state = state
         self.paused += (state == "paused") - (old == "paused")
-        for k in s.keys:
-            self._ref(state, s.ns, k, +1, ch, orphan=orphan)  # new first: no false orphans
-            self._ref(old, s.ns, k, -1, ch, orphan=orphan)
-        if state == "ended":  # an ended session keeps its counters, not its blocks
-            for k in s.keys:
-                if self.owner.get((s.ns, k)) == s.sid:
-                    del self.owner[(s.ns, k)]
+
+    def _step(self, s: Session, n: int | None, ch: Change) -> None:
+        """Move up to ``n`` (None: all) pending keys from ``moving_from`` to the
+        session's state: references (new first, so no false orphans), a resumed
+        session's keys to prefetch, a paused one's chain reordered last block first
+        (the same share of it, from its end, so the steps together list the whole
+        chain reversed); an ended one gives up its keys when the last has moved."""
+        assert s.moving is not None
+        keys, a = s.moving, s.moving_at
+        b = len(keys) if n is None else min(len(keys), a + n)
+        old, new, ns, orphan = s.moving_from, s.state, s.ns, s.moving_orphan
+        for k in keys[a:b]:
+            if old != new:
+                self._ref(new, ns, k, +1, ch, orphan=orphan)
+                self._ref(old, ns, k, -1, ch, orphan=orphan)
+                if new == "ended" and self.owner.get((ns, k)) == s.sid:
+                    del self.owner[(ns, k)]
+        if old == "paused" and new == "active":
+            ch.resumed.extend(keys[a:b])
+        elif new == "paused":
+            m = len(keys)
+            ch.tail_first.extend(reversed(keys[m - b : m - a]))
+        s.moving_at = b
+        if b < len(keys):
+            return
+        s.moving = None
+        if new == "ended" and old != "ended":  # it keeps its counters, not its blocks
             self.blocks -= len(s.keys)
+            left = self._blocks_of.get(s.account, 0) - len(s.keys)
+            if left > 0:
+                self._blocks_of[s.account] = left
+            else:
+                self._blocks_of.pop(s.account, None)
             s.keys = {}
 
     def _ref(self, state: str, ns: str, k: bytes, sign: int, ch: Change, *, orphan: bool) -> None:

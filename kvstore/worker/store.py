@@ -15,7 +15,8 @@ instructions it returns after the lock is released:
   commits it only if the block is still on SSD (a removal in between wins).
 
 Big requests are cut into slices of ``slice_keys`` keys, each under its own hold of
-the lock, so one client's 65,536-key batch cannot stall everyone else's lookups.
+the lock, which is granted first come, first served (:mod:`.fairlock`): one client's
+65,536-key batch cannot stall everyone else's lookups.
 
 Reads look in DRAM, the staged copies, then SSD. A read pins what it returns until
 :meth:`BlockStore.done`: DRAM blocks by a pin count, SSD blocks by an open LMDB
@@ -42,9 +43,10 @@ import xxhash
 
 from kvstore_client.errors import QuotaExceeded, ResourceExhausted, SessionShareFull
 
-from . import session_ops
+from . import session_ops, storerecords
 from .arena import Arena
 from .events import DRAM, SSD, EventSink
+from .fairlock import FairLock
 from .sessions import SessionTable
 from .storerecords import Held, Reading, StoreCounters, StoreStats, _Staged, _Todo, snapshot
 from .tiers.dram import Block, DramTier
@@ -83,7 +85,6 @@ log = logging.getLogger(__name__)
 
 DEMOTE_BATCH_BYTES = 64 << 20
 SLICE_KEYS = 256
-LOOKUP_SLICES = 8  # a lookup holds the lock for up to this many slices of keys
 _SCALAR_KEYS = 16  # shorter lookups probe key by key (cheaper than one numpy pass)
 
 
@@ -131,7 +132,7 @@ class BlockStore:
         self.events = events  # KV events (stored / removed per tier), or None
         self.ssd_index = self.policy.ssd
         self.slice_keys = max(1, slice_keys)
-        self.lock = threading.Lock()
+        self.lock = FairLock()  # first come, first served: slices let others in
         self.counters = StoreCounters()
         self.ssd = ssd
         self._staged: dict[tuple[str, bytes], _Staged] = {}
@@ -156,7 +157,7 @@ class BlockStore:
     def _lookup_slices(self, n: int) -> Iterator[slice]:
         """Slices for exists / match_prefix: LOOKUP_SLICES times bigger, as one
         vectorised probe of 2,048 keys costs about what one of 256 does."""
-        step = self.slice_keys * LOOKUP_SLICES
+        step = self.slice_keys * storerecords.LOOKUP_SLICES
         for i in range(0, n, step):
             yield slice(i, min(n, i + step))
 
@@ -260,37 +261,28 @@ class BlockStore:
             self._execute()
         return n
 
-    def remove_namespace(self, ns: str) -> int:
-        """Remove every block of exactly this namespace (the servicer walks the ones
-        below it with :meth:`namespaces_under`)."""
-        with self.lock:
-            keys = set(self.tier.keys_of(ns))
-            keys.update(self.ssd_index.keys_of(ns))
-            keys.update(k for n, k in self._staged if n == ns)
-        return self.remove(ns, sorted(keys))
-
-    def namespaces_under(self, ns: str) -> list[str]:
-        """``ns`` and every namespace below ``ns + "/"`` that holds blocks (DRAM or SSD)."""
-        with self.lock:
-            names = set(self.tier.namespaces()) | {n for n, _ in self._staged}
-            names |= self.ssd_index.namespaces()
-        return sorted(n for n in names if n == ns or n.startswith(ns + "/"))
-
     # ---- writes (two-phase) --------------------------------------------------
 
     def reserve_many(
-        self, ns: str, keys: Sequence[bytes], sizes: Sequence[int], checksums: Sequence[int]
+        self,
+        ns: str,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        checksums: Sequence[int],
+        *,
+        hinted: bool = False,
     ) -> list[Block | ResourceExhausted | None]:
         """Reserve slots; per key a Block, None (already present) or ResourceExhausted
-        (QuotaExceeded when the namespace's quota is full)."""
+        (QuotaExceeded: quota full; SessionShareFull: only when ``hinted``, a writer
+        that sends session hints, wire.FLAG_SESSION, and the block's session is full)."""
         out: list[Block | ResourceExhausted | None] = []
         for s in self._slices(len(keys)):
             with self.lock:
                 if self.policy.charges(ns):
                     for k, size, c in zip(keys[s], sizes[s], checksums[s], strict=True):
-                        out.append(self._reserve_one(ns, k, size, c))
+                        out.append(self._reserve_one(ns, k, size, c, hinted))
                 else:
-                    out += self._reserve_free(ns, keys[s], sizes[s], checksums[s])
+                    out += self._reserve_free(ns, keys[s], sizes[s], checksums[s], hinted)
             self._execute()
         if self._demoter is not None:
             with self.lock:
@@ -300,14 +292,14 @@ class BlockStore:
         return out
 
     def _reserve_one(
-        self, ns: str, k: bytes, size: int, c: int
+        self, ns: str, k: bytes, size: int, c: int, hinted: bool
     ) -> Block | ResourceExhausted | None:
         if self.policy.on_ssd(ns, k) or (ns, k) in self._staged:
             self.tier.counters.skipped += 1
             return None
         if not self.policy.admits(ns, size):
             return QuotaExceeded(f"namespace {ns!r} is over its quota")
-        if self._over_share(ns, k, size):
+        if hinted and self._over_share(ns, k, size):
             return SessionShareFull(f"its session holds its share of worker memory ({ns!r})")
         try:
             b = self.tier.reserve(ns, k, size, c)
@@ -318,12 +310,17 @@ class BlockStore:
         return b
 
     def _reserve_free(
-        self, ns: str, keys: Sequence[bytes], sizes: Sequence[int], checksums: Sequence[int]
+        self,
+        ns: str,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        checksums: Sequence[int],
+        hinted: bool,
     ) -> list[Block | ResourceExhausted | None]:
         """:meth:`_reserve_one` of each key of a namespace no quota counts (caller holds
         the lock): no quota to check or charge, the rest the same."""
         on_ssd, staged, reserve = self.policy.ssd, self._staged, self.tier.reserve
-        share = self.policy.session_share and self.policy.sessions.owner
+        share = hinted and self.policy.session_share and self.policy.sessions.owner
         skipped = 0
         out: list[Block | ResourceExhausted | None] = []
         for k, size, c in zip(keys, sizes, checksums, strict=True):

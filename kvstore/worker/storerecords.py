@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from .tiers.dram import Block
 
+LOOKUP_SLICES = 8  # a lookup (or a session hint) holds the store lock for this many slices
+
 if TYPE_CHECKING:
     from .store import BlockStore
 

@@ -116,7 +116,11 @@ def main() -> None:
     rng = random.Random(cfg.get("warmup_seed", 99))
     # The first request pays one-off kernel set-up; keep it out of the measurements.
     generate(llm, [rng.randrange(3, 1000) for _ in range(2048 + 7)], 2)
-    ready: dict[str, Any] = {"event": "ready"}
+    # The block size the engine resolved (a hybrid model's is chosen by vLLM from its
+    # state size, which depends on the dtype and the CPU): checks derive token counts
+    # from it.
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    ready: dict[str, Any] = {"event": "ready", "block_size": block}
     if cfg.get("master"):
         from kvstore_client.connectors.vllm import _LIVE
 

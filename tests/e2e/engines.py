@@ -45,6 +45,7 @@ class Engine:
         self.log_path = log_dir / f"engine-{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.namespace: str | None = None  # the connector's, once ready
+        self.block_size = 0  # tokens per block the engine resolved, once ready
         self._buf = b""
 
     def start(self) -> Engine:
@@ -96,6 +97,7 @@ class Engine:
         if msg.get("event") != "ready":
             raise EngineError(f"engine {self.name}: unexpected {msg}")
         self.namespace = msg.get("namespace")
+        self.block_size = int(msg.get("block_size") or 0)
         return self
 
     def generate(

@@ -6,6 +6,11 @@ Engine A stores a 2,000-token prompt; engine B, another process, runs the prompt
 plus 200 tokens and loads the hit from the store, state included; its output is
 compared with engine R's, which serves the same from its own prefix cache. Two
 controls show the comparison would catch a wrong state or KV without state.
+
+vLLM sizes a hybrid model's blocks itself, from the size of its recurrent state (its
+dtype, and on CPU whether the host has AMX), so every token count below is derived
+from the block size the engine resolved (``Engine.block_size``), never assumed: the
+most a store hit can be is the prompt's whole blocks.
 """
 
 from __future__ import annotations
@@ -92,9 +97,16 @@ def compare(got: dict[str, Any], ref: dict[str, Any]) -> tuple[int, float]:
     return n, max(diffs, default=0.0)
 
 
+def whole_blocks(tokens: int, block: int) -> int:
+    """Tokens in the whole blocks of ``tokens`` (the longest possible hit)."""
+    assert block > 0, "the engine did not report its block size"
+    return tokens // block * block
+
+
 def store_two_boundaries(A: Engine, prompt: list[int]) -> dict[str, Any]:
     """A computes the first 900 tokens, then the whole prompt: vLLM keeps the state
-    at the end of each (block boundaries 7 and 15 of 128 tokens)."""
+    at the end of each (block boundaries 900 // B and len(prompt) // B; 7 and 15 with
+    128-token blocks)."""
     A.generate(prompt[:900], 1)
     return A.generate(prompt, OUT)
 
@@ -107,7 +119,11 @@ def test_engine_b_loads_kv_and_state_engine_a_stored(engines: dict[str, Engine])
     assert ra["stats"]["stored_states"] >= 1, ra["stats"]
     rb = B.generate(prompt + more, OUT, top=2)
     st = rb["stats"]
-    assert rb["num_cached_tokens"] >= 1800, (rb["num_cached_tokens"], st)
+    assert rb["num_cached_tokens"] == whole_blocks(len(prompt), B.block_size), (
+        rb["num_cached_tokens"],
+        B.block_size,
+        st,
+    )
     assert st["loaded_states"] == 1 and st["load_failed_blocks"] == 0
     R.generate(prompt, OUT)
     ref = R.generate(prompt + more, OUT, top=2)
@@ -124,28 +140,33 @@ def test_engine_b_loads_kv_and_state_engine_a_stored(engines: dict[str, Engine])
 
 
 def test_control_wrong_state_would_show(engines: dict[str, Engine], fault_file: Path) -> None:
-    """The state of boundary 7 loaded at boundary 15 moves the output. The prompt
-    ends just past boundary 15, so the first sampled tokens read the loaded state
-    directly (a short convolution's state holds the last few inputs only)."""
+    """The state of the first boundary (900 tokens in; 7 with 128-token blocks) loaded
+    at the last (15) moves the output. The prompt ends just past the last boundary,
+    so the first sampled tokens read the loaded state directly (a short
+    convolution's state holds the last few inputs only)."""
     A, B, R = engines["A"], engines["B"], engines["R"]
+    bs = B.block_size
     rng = random.Random(2028)
-    prompt = tokens(rng, 1922)
+    last = whole_blocks(1920, bs)  # the last boundary: 1920 with 128-token blocks
+    prompt = tokens(rng, last + 2)
     A.generate(prompt[:900], 1)
-    A.generate(prompt, 1)  # states at 896 (boundary 7) and 1920 (boundary 15)
+    A.generate(prompt, 1)  # states at whole_blocks(900) and at the last boundary
     longer = prompt + tokens(rng, 1)
     R.generate(prompt, 1)
     ref = R.generate(longer, OUT, top=2)
-    assert ref["num_cached_tokens"] == 1920
-    fault_file.write_text('{"state_from_index": 6}')
+    assert ref["num_cached_tokens"] == last
+    # The state stored under the first boundary's hash (index 900 // bs - 1).
+    fault_file.write_text(f'{{"state_from_index": {900 // bs - 1}}}')
     try:
         rb = B.generate(longer, OUT, top=2)
     finally:
         fault_file.unlink()
-    assert rb["stats"]["loaded_states"] == 1 and rb["num_cached_tokens"] == 1920
+    assert rb["stats"]["loaded_states"] == 1 and rb["num_cached_tokens"] == last
     moved = max(abs(a - b) for a, b in zip(rb["logprobs"], ref["logprobs"], strict=True))
     same = rb["tokens"] == ref["tokens"]
     REPORT.append(
-        f"hybrid control, state of boundary 7 loaded at 15: max |logprob diff| {moved:.3f}, "
+        f"hybrid control, state of boundary {900 // bs} loaded at {last // bs} ({bs}-token "
+        f"blocks): max |logprob diff| {moved:.3f}, "
         f"tokens {'equal' if same else 'differ'}"
     )
     assert moved > 0.5
@@ -161,20 +182,24 @@ def test_control_kv_without_state_is_no_hit(
     prompt, more = tokens(rng, 2000), tokens(rng, 200)
     store_two_boundaries(A, prompt)
     assert B.namespace is not None
-    hs = block_hashes(prompt, 128)
+    bs = B.block_size
+    first, last = 900 // bs, len(prompt) // bs  # boundaries 7 and 15 of 128 tokens
+    hs = block_hashes(prompt, bs)
     with Client(cluster.address) as cl:
-        assert cl.batch_exists(B.namespace + "/state", [hs[6], hs[14]]) == [True, True]
-        cl.remove(B.namespace + "/state", [hs[14]])
-        assert all(cl.batch_exists(B.namespace, hs[:15]))  # the KV is all there
+        states = [hs[first - 1], hs[last - 1]]
+        assert cl.batch_exists(B.namespace + "/state", states) == [True, True]
+        cl.remove(B.namespace + "/state", [hs[last - 1]])
+        assert all(cl.batch_exists(B.namespace, hs[:last]))  # the KV is all there
     rb = B.generate(prompt + more, OUT, top=2)
-    assert rb["num_cached_tokens"] == 7 * 128 and rb["stats"]["loaded_states"] == 1
+    assert rb["num_cached_tokens"] == first * bs and rb["stats"]["loaded_states"] == 1
     R.generate(prompt[:900], 1)
     ref = R.generate(prompt + more, OUT, top=2)
     n, diff = compare(rb, ref)
     assert rb["tokens"][:n] == ref["tokens"][:n] and diff <= TOL
     REPORT.append(
-        f"hybrid control, state at boundary 15 removed: B's hit shrank to "
-        f"{rb['num_cached_tokens']} tokens (boundary 7), output equal (max diff {diff:.4f})"
+        f"hybrid control, state at boundary {last} removed: B's hit shrank to "
+        f"{rb['num_cached_tokens']} tokens (boundary {first} of {bs}-token blocks), output "
+        f"equal (max diff {diff:.4f})"
     )
 
 
@@ -216,6 +241,7 @@ def test_qwen3_next_loads_kv_and_state(
             out: dict[str, Any] = {}
             for r in reqs:
                 out = e.generate(r, OUT, top=2)
+            out["block_size"] = e.block_size  # what this engine resolved
             return out
         finally:
             e.stop()
@@ -224,7 +250,10 @@ def test_qwen3_next_loads_kv_and_state(
     assert ra["stats"]["stored_states"] >= 1, ra["stats"]
     rb = run("QB", cluster.address, 22, [prompt + more])
     st = rb["stats"]
-    assert rb["num_cached_tokens"] >= 1800, (rb["num_cached_tokens"], st)
+    # 15 x 128 tokens where the state is bf16; 7 x 256 where vLLM keeps it in float32
+    # (its CPU build does on a host with AMX): the whole blocks of the prompt, either way.
+    want = whole_blocks(len(prompt), rb["block_size"])
+    assert rb["num_cached_tokens"] == want, (rb["num_cached_tokens"], rb["block_size"], st)
     assert st["loaded_states"] == 1 and st["load_failed_blocks"] == 0
     ref = run("QR", None, 23, [prompt, prompt + more])
     assert ref["num_cached_tokens"] == rb["num_cached_tokens"]  # R's own prefix cache
@@ -232,7 +261,8 @@ def test_qwen3_next_loads_kv_and_state(
     assert rb["tokens"][:n] == ref["tokens"][:n]
     assert diff <= TOL, f"logprobs differ by {diff:.4f} before the first near-tie"
     REPORT.append(
-        f"hybrid (tiny Qwen3-Next, bf16): engine B {rb['num_cached_tokens']}/{len(prompt)} "
+        f"hybrid (tiny Qwen3-Next, bf16, {rb['block_size']}-token blocks): engine B "
+        f"{rb['num_cached_tokens']}/{len(prompt)} "
         f"prompt tokens from the store ({st['loaded_blocks']} KV blocks + "
         f"{st['loaded_states']} state); tokens equal R's for {n}/{OUT} positions, max "
         f"|logprob diff| {diff:.4f}"

@@ -32,9 +32,11 @@ class Transfer(Protocol):
         hashes: Sequence[bytes],
         values: Sequence[wire.Block],
         checksums: Sequence[int],
+        flags: int = 0,
     ) -> bytes:
         """Store blocks that are absent (a block may be a list of parts, sent as one
-        value); one ``wire.PUT_*`` status byte per block."""
+        value); one ``wire.PUT_*`` status byte per block. ``flags``: wire.FLAG_SESSION
+        when the caller sends session hints (its session's share applies)."""
         ...
 
     def get(

@@ -96,9 +96,8 @@ def _locate(
     sock = conn.sock
     conn._req += 1
     req = conn._req
-    out: list[bytes | bytearray | memoryview] = [*conn.take_pending()]
-    out += [wire.encode_request_header(wire.OP_GET_LOC, ns, len(hashes), req), b"".join(hashes)]
-    wire.send_buffers(sock, out)
+    head = wire.encode_request_header(wire.OP_GET_LOC, ns, len(hashes), req)
+    wire.send_buffers(sock, [head, b"".join(hashes)])
     h = conn._answer(wire.OP_GET_LOC, req)
     arena.check(h.ns_len)
     if h.count != len(hashes):
@@ -181,7 +180,7 @@ def reserve(
         for j in range(n):
             wire.PUT_ENTRY.pack_into(entries, j * wire.PUT_ENTRY.size, hashes[j], sizes[j], 0)
         head = wire.encode_request_header(wire.OP_PUT_LOC, ns, n, req, wire.FLAG_LATE_SUM)
-        wire.send_buffers(conn.sock, [*conn.take_pending(), head, entries])
+        wire.send_buffers(conn.sock, [head, entries])
         h = conn._answer(wire.OP_PUT_LOC, req)
         arena.check(h.ns_len)
         if h.count != n:

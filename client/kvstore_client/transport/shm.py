@@ -11,9 +11,9 @@ behind the same address) is an error for that call and the mapping is dropped.
 
 Then a get is one GET_LOC round trip for the locations, one numpy copy per block out
 of the mapping into the caller's buffer, whose bytes are then checked against the
-block's xxh3-64 (a mismatch is a miss), and a one-way RELEASE that rides along with
-the connection's next request (or is sent by the pool's flusher once the connection
-has been idle for ``TcpPool.FLUSH_AFTER``). A block read into several parts is copied
+block's xxh3-64 (a mismatch is a miss), and a one-way RELEASE sent as soon as the
+copies are done, before the call returns: a client stopped right after a read (a
+debugger, a checkpoint, a GC pause) holds no pins. A block read into several parts is copied
 out of the mapping once, into a per-thread bounce buffer, verified there and scattered
 from cache. A single same-host worker's get runs on the caller's thread. A put is a
 PUT_LOC round trip for reserved slots, copies into them, and a PUT_COMMIT round trip.
@@ -38,7 +38,7 @@ import xxhash
 from .. import wire
 from ..errors import KVStoreError, Unavailable
 from . import pins
-from .tcp import SENDS_PENDING, GetResult, TcpConnection, TcpPool, TcpTransfer
+from .tcp import GetResult, TcpConnection, TcpPool, TcpTransfer
 
 SOCKET_PREFIX = "kvstore-"
 
@@ -214,11 +214,13 @@ def get(
     if buffers is not None:
         sizes = [wire.block_size(b) for b in buffers]
         cuts = pieces(sizes)
-    else:
-        cuts = [(a, min(a + 32, n)) for a in range(0, n, 32)] if n > 32 else [(0, n)]
+    else:  # sizes unknown: at most PIECES pieces of at least 32 keys (a worker keeps
+        # at most 64 requests of a connection open, Limits.max_open_requests)
+        per = max(32, -(-n // PIECES))
+        cuts = [(a, min(a + per, n)) for a in range(0, n, per)]
     sock = conn.sock
     reqs: list[int] = []
-    out: list[bytes | bytearray | memoryview] = [*conn.take_pending()]
+    out: list[bytes | bytearray | memoryview] = []
     for a, b in cuts:
         conn._req += 1
         reqs.append(conn._req)
@@ -228,11 +230,8 @@ def get(
     found = [False] * n
     values: list[bytearray | None] = [None] * n
     total = 0
-    last = reqs[-1]
     for (a, b), req in zip(cuts, reqs, strict=True):
-        total += _get_piece(
-            conn, arena, ns, req, a, b - a, buffers, sizes, found, values, req == last
-        )
+        total += _get_piece(conn, arena, ns, req, a, b - a, buffers, sizes, found, values)
     return GetResult(found, values, total)
 
 
@@ -247,12 +246,10 @@ def _get_piece(
     sizes: list[int],
     found: list[bool],
     values: list[bytearray | None],
-    defer: bool,
 ) -> int:
     """Read one GET_LOC answer (blocks first..first+count), copy, release; returns the
-    payload bytes found. ``defer``: the RELEASE (one-way) rides along with the
-    connection's next request instead of waking the worker now (the pool's flusher
-    sends it if the connection stays idle, TcpPool.FLUSH_AFTER)."""
+    payload bytes found. The RELEASE (one-way) goes out at once: pins never outlive
+    the call that took them, whatever the caller's process does next."""
     sock = conn.sock
     h = conn._answer(wire.OP_GET_LOC, req)
     try:
@@ -337,11 +334,7 @@ def _get_piece(
                 found[i] = digest(out) == checksum
     finally:
         # One-way: the worker unpins; no answer to wait for.
-        release = wire.encode_request_header(wire.OP_RELEASE, ns, 0, req)
-        if defer:
-            conn.pending.append(release)
-        else:
-            wire.send_buffers(sock, [release])
+        wire.send_buffers(sock, [wire.encode_request_header(wire.OP_RELEASE, ns, 0, req)])
     return total
 
 
@@ -352,8 +345,10 @@ def put(
     hashes: Sequence[bytes],
     values: Sequence[memoryview | list[memoryview]],
     checksums: Sequence[int],
+    flags: int = 0,
 ) -> bytes:
-    """Write blocks through the mapping; returns one wire.PUT_* status per block. A
+    """Write blocks through the mapping; returns one wire.PUT_* status per block
+    (``flags``: wire.FLAG_SESSION or 0, on each PUT_LOC). A
     block given as parts gets one copy per part into its slot. Pipelined: every
     piece's PUT_LOC is sent at once; each piece is copied and committed as its slots
     arrive, and the commit answers are read at the end."""
@@ -361,7 +356,7 @@ def put(
     cuts = pieces(sizes)
     sock = conn.sock
     reqs: list[int] = []
-    out: list[bytes | bytearray | memoryview] = [*conn.take_pending()]
+    out: list[bytes | bytearray | memoryview] = []
     for a, b in cuts:
         conn._req += 1
         reqs.append(conn._req)
@@ -370,7 +365,7 @@ def put(
             wire.PUT_ENTRY.pack_into(
                 entries, (j - a) * wire.PUT_ENTRY.size, hashes[j], sizes[j], checksums[j]
             )
-        out += [wire.encode_request_header(wire.OP_PUT_LOC, ns, b - a, conn._req), entries]
+        out += [wire.encode_request_header(wire.OP_PUT_LOC, ns, b - a, conn._req, flags), entries]
     wire.send_buffers(sock, out)
     dst = arena.array
     mv = arena.view
@@ -385,7 +380,7 @@ def put(
             conn.close()
             raise
         locs = list(wire.PUT_LOC_ENTRY.iter_unpack(wire.recv_exact(sock, h.count * 16)))
-        flags = bytearray(h.count)
+        written = bytearray(h.count)
         for j, (status, off) in enumerate(locs):
             if status != wire.PUT_LOC_SLOT:
                 continue
@@ -403,9 +398,9 @@ def put(
                     off += k
             else:
                 np.copyto(dst[off : off + n], _as_array(v))
-            flags[j] = 1
+            written[j] = 1
         commit = wire.encode_request_header(wire.OP_PUT_COMMIT, ns, h.count, req)
-        wire.send_buffers(sock, [commit, flags])
+        wire.send_buffers(sock, [commit, written])
         all_locs += locs
     status = bytearray()
     for req in reqs:
@@ -416,9 +411,6 @@ def put(
         s if loc[0] == wire.PUT_LOC_SLOT else loc[0]
         for s, loc in zip(status, all_locs, strict=True)
     )
-
-
-SENDS_PENDING.update((get, put))  # they send a connection's owed RELEASEs themselves
 
 
 class ShmTransfer(TcpTransfer):
@@ -441,14 +433,15 @@ class ShmTransfer(TcpTransfer):
         hashes: Sequence[bytes],
         values: Sequence[wire.Block],
         checksums: Sequence[int],
+        flags: int = 0,
     ) -> bytes:
         if self.arena.stale:
-            return super().put(timeout, ns, hashes, values, checksums)
+            return super().put(timeout, ns, hashes, values, checksums, flags)
         vs = [v if isinstance(v, list | memoryview) else memoryview(v) for v in values]
         out = bytearray()
         for a, b in wire.runs([wire.block_size(v) for v in vs], self.put_limit):
             out += self.pool.call(
-                timeout, put, self.arena, ns, hashes[a:b], vs[a:b], checksums[a:b]
+                timeout, put, self.arena, ns, hashes[a:b], vs[a:b], checksums[a:b], flags
             )
         return bytes(out)
 

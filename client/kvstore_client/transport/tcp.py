@@ -55,10 +55,6 @@ class TcpConnection:
                 sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
         self._req = 0
         self._scratch = memoryview(bytearray(1 << 16))
-        # One-way frames owed to the worker (shm:// RELEASEs), sent ahead of this
-        # connection's next request or by the pool's flusher (TcpPool.FLUSH_AFTER).
-        self.pending: list[bytes] = []
-        self.pending_since = 0.0
         try:
             self.sock = wrap_client_socket(sock, tls, host)
             if token:
@@ -77,18 +73,6 @@ class TcpConnection:
     def close(self) -> None:
         self.sock.close()
 
-    def flush(self) -> None:
-        """Send the one-way frames owed to the worker now."""
-        if self.pending:
-            out, self.pending = self.pending, []
-            wire.send_buffers(self.sock, out)
-
-    def take_pending(self) -> list[bytes]:
-        """The owed one-way frames, for the caller to send ahead of its request (one
-        ``sendmsg`` for both)."""
-        out, self.pending = self.pending, []
-        return out
-
     def _answer(self, op: int, req_id: int) -> wire.Header:
         head = wire.recv_exact(self.sock, wire.HEADER_LEN)
         h = wire.decode_header(head, wire.ANS_MAGIC)
@@ -105,14 +89,16 @@ class TcpConnection:
         hashes: Sequence[bytes],
         values: Sequence[wire.Block],
         checksums: Sequence[int],
+        flags: int = 0,
     ) -> bytes:
         """Send one PUT frame; returns one wire.PUT_* status byte per block. A block given
-        as parts goes out as one value (``sendmsg`` over the part list, no join)."""
+        as parts goes out as one value (``sendmsg`` over the part list, no join).
+        ``flags``: wire.FLAG_SESSION or 0."""
         self._req += 1
         entries = bytearray(len(hashes) * wire.PUT_ENTRY.size)
         for i, (key, v, c) in enumerate(zip(hashes, values, checksums, strict=True)):
             wire.PUT_ENTRY.pack_into(entries, i * wire.PUT_ENTRY.size, key, wire.block_size(v), c)
-        head = wire.encode_request_header(wire.OP_PUT, ns, len(hashes), self._req)
+        head = wire.encode_request_header(wire.OP_PUT, ns, len(hashes), self._req, flags)
         wire.send_buffers(self.sock, [head, entries, *wire.flat_buffers(values)])
         h = self._answer(wire.OP_PUT, self._req)
         return bytes(wire.recv_exact(self.sock, h.count))
@@ -207,21 +193,8 @@ class TcpConnection:
         return self._answer(wire.OP_REMOVE, self._req).count
 
 
-# Functions run by TcpPool.call that send a connection's owed frames themselves, ahead
-# of their own request (transport.shm registers its get and put).
-SENDS_PENDING: set[Callable[..., Any]] = set()
-
-
 class TcpPool:
-    """Connections to one worker's tcp:// endpoint, opened on demand.
-
-    An idle connection may owe the worker one-way frames (shm:// RELEASEs deferred to
-    ride along with the next request): a flusher thread sends those of connections
-    idle for FLUSH_AFTER seconds, so a worker's pins are never held much longer
-    than the copy that needed them.
-    """
-
-    FLUSH_AFTER = 0.002
+    """Connections to one worker's tcp:// endpoint, opened on demand."""
 
     def __init__(
         self, host: str, port: int, *, max_idle: int = 8, tls: Tls | None = None, token: str = ""
@@ -235,8 +208,6 @@ class TcpPool:
         self._lock = threading.Lock()
         self._closed = False
         self.down_until = 0.0  # after a connect failure, fail fast for a moment
-        self._owed = threading.Event()  # an idle connection owes frames
-        self._flusher: threading.Thread | None = None
         self._leased: set[TcpConnection] = set()  # held by a lease (see transport.pins)
 
     def take(self, timeout: float) -> TcpConnection:
@@ -267,49 +238,14 @@ class TcpPool:
         with self._lock:
             if not self._closed and len(self._idle) < self.max_idle:
                 self._idle.append(conn)
-                if conn.pending:
-                    conn.pending_since = time.monotonic()
-                    self._owed.set()
-                    if self._flusher is None:
-                        self._flusher = threading.Thread(
-                            target=self._flush_loop, name="kvstore-flush", daemon=True
-                        )
-                        self._flusher.start()
                 return
         conn.close()  # closing releases on the worker whatever the connection held
-
-    def _flush_loop(self) -> None:
-        """Send the owed frames of connections idle for FLUSH_AFTER seconds."""
-        while True:
-            self._owed.wait()
-            time.sleep(self.FLUSH_AFTER)
-            now = time.monotonic()
-            with self._lock:
-                if self._closed:
-                    return
-                late = [
-                    c for c in self._idle if c.pending and now - c.pending_since >= self.FLUSH_AFTER
-                ]
-                for c in late:
-                    self._idle.remove(c)
-                if not any(c.pending for c in self._idle):
-                    self._owed.clear()
-            for c in late:
-                try:
-                    c.sock.settimeout(1.0)
-                    c.flush()
-                except OSError:
-                    c.close()
-                    continue
-                self.give(c)
 
     def call(self, timeout: float, fn: Callable[..., R], *args: Any) -> R:
         """Run ``fn(connection, *args)`` on a pooled connection within ``timeout``."""
         conn = self.take(timeout)
         conn.sock.settimeout(max(timeout, 0.001))
         try:
-            if conn.pending and fn not in SENDS_PENDING:
-                conn.flush()
             result = fn(conn, *args)
         except (KVStoreError, OSError) as e:  # TimeoutError is an OSError
             conn.close()
@@ -340,7 +276,6 @@ class TcpPool:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._owed.set()  # the flusher sees the pool closed and ends
             idle, self._idle = self._idle, []
             leased, self._leased = list(self._leased), set()
         for c in [*idle, *leased]:  # closing releases what a lease still holds
@@ -378,8 +313,9 @@ class TcpTransfer:
         hashes: Sequence[bytes],
         values: Sequence[wire.Block],
         checksums: Sequence[int],
+        flags: int = 0,
     ) -> bytes:
-        return self.pool.call(timeout, TcpConnection.put, ns, hashes, values, checksums)
+        return self.pool.call(timeout, TcpConnection.put, ns, hashes, values, checksums, flags)
 
     def get(
         self,

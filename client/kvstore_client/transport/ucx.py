@@ -416,17 +416,20 @@ class UcxConnection:
         hashes: Sequence[bytes],
         values: Sequence[wire.Block],
         checksums: Sequence[int],
+        session: int = 0,
     ) -> bytes:
         """Send one PUT frame; returns one wire.PUT_* status byte per block. Blocks given
-        as several parts go as one message per part (wire.FLAG_PARTS frame)."""
+        as several parts go as one message per part (wire.FLAG_PARTS frame).
+        ``session``: wire.FLAG_SESSION or 0."""
         self._req += 1
         entries = bytearray(len(hashes) * wire.PUT_ENTRY.size)
         for i, (key, v, c) in enumerate(zip(hashes, values, checksums, strict=True)):
             wire.PUT_ENTRY.pack_into(entries, i * wire.PUT_ENTRY.size, key, wire.block_size(v), c)
-        flags = wire.FLAG_PARTS if _has_parts(values) else 0
+        parts = wire.FLAG_PARTS if _has_parts(values) else 0
+        flags = parts | (session & wire.FLAG_SESSION)
         head = wire.HEADER.pack(wire.REQ_MAGIC, wire.OP_PUT, flags, len(ns), len(hashes), self._req)
         msgs: list[Buffer] = [head, ns + entries]
-        if flags:
+        if parts:
             counts, sizes = part_tables(values)
             msgs = [head, ns + entries + counts, sizes]
         h = await self._exchange(wire.OP_PUT, [*msgs, *wire.flat_buffers(values)])
@@ -592,9 +595,10 @@ class UcxPool:
         hashes: Sequence[bytes],
         values: Sequence[wire.Block],
         checksums: Sequence[int],
+        flags: int = 0,
     ) -> bytes:
         """PUT one batch: one wire.PUT_* status byte per block (see TcpConnection.put)."""
-        return self.call(timeout, UcxConnection.put, ns, hashes, values, checksums)
+        return self.call(timeout, UcxConnection.put, ns, hashes, values, checksums, flags)
 
     def get(
         self,

@@ -223,12 +223,12 @@ class DramTier(SlotIndex):
         flags: np.ndarray = (slots >= 0) & (st[np.maximum(slots, 0)] == READY)
         return flags
 
-    def keys_of(self, ns: str) -> list[bytes]:
-        """Keys of the namespace's ready blocks (any order)."""
+    def keys_of(self, ns: str, limit: int | None = None) -> list[bytes]:
+        """Keys of the namespace's ready blocks (any order; at most ``limit``)."""
         nsid = self._ns_ids.get(ns)
         if nsid is None:
             return []
-        return self.keys_at(self.slots_where(nsid, READY))
+        return self.keys_at(self.slots_where(nsid, READY)[:limit])
 
     def acquire(self, ns: str, key: bytes) -> Block | None:
         """Pin a ready block for reading and mark it recently used; None on a miss.

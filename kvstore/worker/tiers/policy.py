@@ -340,6 +340,26 @@ class SessionHint:
     keys: tuple[bytes, ...]
     ttl: float | None
     now: float
+    measure: bool = True  # measure the session's room now (False: the caller does, in slices)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionAdvance:
+    """Move up to ``n`` more keys of a session's pending state change."""
+
+    ns: str
+    session: str
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class SessionKeys:
+    """A slice of a long hint's hashes, added in the session's current state."""
+
+    ns: str
+    session: str
+    keys: tuple[bytes, ...]
+    now: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,6 +390,8 @@ Event = (
     | NeedSsdRoom
     | Tick
     | SessionHint
+    | SessionKeys
+    | SessionAdvance
     | Lookup
     | SessionTick
 )
@@ -581,8 +603,13 @@ class TierPolicy:
             out = self._changes(
                 self.sessions.hint(ev.ns, ev.session, ev.state, ev.keys, ev.ttl, ev.now)
             )
-            self._measure_room(ev.ns, ev.session)
+            if ev.measure:
+                self._measure_room(ev.ns, ev.session)
             return out
+        elif isinstance(ev, SessionKeys):
+            return self._changes(self.sessions.add_keys(ev.ns, ev.session, ev.keys, ev.now))
+        elif isinstance(ev, SessionAdvance):
+            return self._changes(self.sessions.advance(ev.ns, ev.session, ev.n))
         elif isinstance(ev, Lookup):
             return self._changes(self.sessions.lookup(ev.ns, ev.keys, ev.now))
         elif isinstance(ev, SessionTick):
@@ -657,6 +684,17 @@ class TierPolicy:
             return False
         s.room -= size
         return True
+
+    def chain_bytes(self, ns: str, keys: Sequence[bytes]) -> int:
+        """Bytes these blocks of a chain occupy in DRAM, else on SSD."""
+        held = 0
+        for k in keys:
+            size = self.dram_size(ns, k)
+            if not size:
+                e = self.ssd.get(ns, k)
+                size = e.size if e is not None else 0
+            held += size
+        return held
 
     def _measure_room(self, ns: str, name: str) -> None:
         """After a hint: what the session may still add within its share. Counted over

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from kvstore_client import wire
 from kvstore_client.errors import (
+    InvalidArgument,
     ProtocolError,
     ResourceExhausted,
 )
@@ -180,6 +181,17 @@ def _check_open(core: RequestCore, st: ShmState) -> None:
         raise ProtocolError("too many unreleased shm requests on one connection")
 
 
+def _check_new_id(st: ShmState, req_id: int) -> None:
+    """A request id names one open request of a connection: a LOC request that reuses
+    the id of one still open is refused (INVALID_ARGUMENT, then the connection closes
+    and gives back everything it holds), so no pin or reservation is ever orphaned
+    by an overwritten entry."""
+    if req_id in st.open:
+        raise InvalidArgument(
+            f"request id {req_id} is already open on this connection: release it first"
+        )
+
+
 def get_loc(
     store: BlockStore,
     core: RequestCore,
@@ -195,6 +207,7 @@ def get_loc(
     """
     _check_open(core, st)
     keys = _hashes(conn, h.count)
+    _check_new_id(st, h.req_id)
     reading = store.read(ns, keys, verify_dram=False)
     # One pass: the answer's entries, and the bytes of distinct pinned slots (a hash
     # repeated pins one slot, not more memory).
@@ -247,12 +260,17 @@ def put_loc(
     _check_open(core, st)
     raw = wire.recv_exact(conn, h.count * wire.PUT_ENTRY.size)
     entries = list(wire.PUT_ENTRY.iter_unpack(raw))
+    _check_new_id(st, h.req_id)
     core.check_sizes([e[1] for e in entries])
     nbytes = sum(e[1] for e in entries)
     slots: list[Block | ResourceExhausted | None]
     if st.holder.take(nbytes, h.count, wait=0.5):
         slots = store.reserve_many(
-            ns, [e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries]
+            ns,
+            [e[0] for e in entries],
+            [e[1] for e in entries],
+            [e[2] for e in entries],
+            hinted=bool(h.flags_or_code & wire.FLAG_SESSION),
         )
     else:
         nbytes = 0

@@ -10,9 +10,13 @@ connection keeps being served.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
+import select
 import socket
 import ssl
+import sys
+import termios
 import threading
 import time
 from collections.abc import Callable
@@ -60,6 +64,56 @@ def tune_socket(sock: socket.socket) -> None:
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
+
+
+DRAIN_BYTES = 256 << 20
+FIRST_BYTES = 256 << 10  # a put reserves a block once this much of it has arrived
+
+
+def _arrived(sock: socket.socket, size: int, timeout: float) -> int:
+    """Wait until min(``size``, FIRST_BYTES) payload bytes have arrived (or ``timeout``:
+    TimeoutError); returns the bytes waiting in the socket. Plain sockets only (TLS
+    cannot tell its buffered plaintext): those return ``size`` at once."""
+    if isinstance(sock, ssl.SSLSocket) or size <= 0:
+        return size
+    want = min(size, FIRST_BYTES)
+    buf = bytearray(4)
+    fcntl.ioctl(sock.fileno(), termios.FIONREAD, buf)
+    have = int.from_bytes(buf, sys.byteorder)
+    if have < want:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+        try:
+            poller = select.poll()
+            poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+            if not poller.poll(int(timeout * 1000)):
+                raise TimeoutError("a put's payload did not arrive")
+        finally:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, buf)
+        have = int.from_bytes(buf, sys.byteorder)
+    return have
+
+
+def _drain(sock: socket.socket, seconds: float, limit: int = DRAIN_BYTES) -> None:
+    """Close a refused connection gracefully: stop sending (the error answer is out),
+    then read and drop what the peer still sends (a refused frame's body) for up to
+    ``seconds`` and ``limit`` bytes. Closing with unread bytes would reset the
+    connection, and a client still sending its body would see the reset instead of
+    the error it was sent."""
+    deadline = time.monotonic() + seconds
+    scratch = memoryview(bytearray(1 << 16))
+    got = 0
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+        while got < limit:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            sock.settimeout(left)
+            n = sock.recv_into(scratch)
+            if not n:
+                return
+            got += n
 
 
 class TcpTransferServer:
@@ -216,6 +270,8 @@ class TcpTransferServer:
         except ProtocolError as e:
             self.store.counters.bad_frames += 1
             log.info("closing connection after a bad frame: %s", e)
+            if conn is raw:
+                _drain(raw, min(2.0, self.frame_timeout))
         except (TimeoutError, ConnectionError, OSError):
             pass  # idle, stalled or gone: just close
         except Exception:  # never let one connection take the daemon down
@@ -378,11 +434,16 @@ class TcpTransferServer:
         start = 0
         try:
             while start < len(entries):
-                # Reserve only the next reserve_ahead declared bytes (at least one block),
-                # within the connection's, the client address's and the worker's budget:
-                # a sender has to deliver bytes before it can hold (or evict) more.
+                # Reserve only for bytes that are coming: wait for the next block's
+                # first FIRST_BYTES, then take the blocks that the bytes already here
+                # plus FIRST_BYTES cover (at least one, at most reserve_ahead), within
+                # the connection's, the client address's and the worker's budget. A
+                # sender that declares blocks and sends nothing (or trickles) holds and
+                # evicts nothing; one that stalls later holds about what it sent.
+                in_hand = _arrived(conn, entries[start][1], self.frame_timeout)
+                limit = min(ahead_limit, max(entries[start][1], in_hand + FIRST_BYTES))
                 end, ahead = start + 1, entries[start][1]
-                while end < len(entries) and ahead + entries[end][1] <= ahead_limit:
+                while end < len(entries) and ahead + entries[end][1] <= limit:
                     ahead += entries[end][1]
                     end += 1
                 part = entries[start:end]
@@ -390,7 +451,11 @@ class TcpTransferServer:
                 if st.holder.take(ahead, wait=wait):
                     held = ahead
                     slots = self.store.reserve_many(
-                        ns, [e[0] for e in part], [e[1] for e in part], [e[2] for e in part]
+                        ns,
+                        [e[0] for e in part],
+                        [e[1] for e in part],
+                        [e[2] for e in part],
+                        hinted=bool(h.flags_or_code & wire.FLAG_SESSION),
                     )
                 else:  # over budget: refuse this part as full, read and drop its bytes
                     slots = [ResourceExhausted("transfer budget exhausted")] * len(part)

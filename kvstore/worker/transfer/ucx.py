@@ -267,7 +267,7 @@ class UcxTransferServer:
         except InvalidArgument as e:
             await self._fail(ep, h, e)
             raise ProtocolError(str(e)) from e
-        if h.flags_or_code & ~wire.FLAG_PARTS or (
+        if h.flags_or_code & ~(wire.FLAG_PARTS | wire.FLAG_SESSION) or (
             h.flags_or_code and h.op not in (wire.OP_PUT, wire.OP_GET)
         ):
             raise ProtocolError(f"bad flags {h.flags_or_code} for op {h.op}")
@@ -336,7 +336,11 @@ class UcxTransferServer:
         slots: list[Block | ResourceExhausted | None]
         if holder.take(declared):
             slots = self.store.reserve_many(
-                ns, [e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries]
+                ns,
+                [e[0] for e in entries],
+                [e[1] for e in entries],
+                [e[2] for e in entries],
+                hinted=bool(h.flags_or_code & wire.FLAG_SESSION),
             )
         else:
             declared = 0
