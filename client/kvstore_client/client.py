@@ -713,7 +713,8 @@ class Client:
         view, groups = self._groups(hashes)
         if self._copies(view, ns, None) > 1:
             return ArenaSlots([None] * len(hashes), [False] * len(hashes))
-        return leases.reserve(view, groups, self.timeout, ns.encode(), hashes, sizes)
+        flags = wire.FLAG_SESSION if self.session_writer or self._hints is not None else 0
+        return leases.reserve(view, groups, self.timeout, ns.encode(), hashes, sizes, flags)
 
     def remove(self, ns: str, hashes: list[bytes]) -> int:
         """Remove blocks (every copy); returns how many copies were present.

@@ -38,15 +38,16 @@ def pin(
 
 def reserve(
     view: View, groups: list[tuple[int, np.ndarray]], timeout: float, ns: bytes,
-    hashes: Sequence[bytes], sizes: Sequence[int],
+    hashes: Sequence[bytes], sizes: Sequence[int], flags: int = 0,
 ) -> ArenaSlots:  # fmt: skip
-    """Per owner, reserve slots on a same-host worker; the rest stays None."""
+    """Per owner, reserve slots on a same-host worker; the rest stays None.
+    ``flags``: request flags of the reservations (FLAG_SESSION)."""
     out = ArenaSlots([None] * len(hashes), [False] * len(hashes))
     for w, idx in groups:
         ids = [int(i) for i in idx]
         try:
             got = view.workers[w].via.reserve(
-                timeout, ns, [hashes[i] for i in ids], [sizes[i] for i in ids]
+                timeout, ns, [hashes[i] for i in ids], [sizes[i] for i in ids], flags
             )
         except PeerError:
             continue

@@ -74,7 +74,9 @@ def _worker(address: str, staging_mb: int = 1, mla: bool = False, tp: tuple[int,
     ws = WorkerSide(setup, kcc, Counters(), (tp[0], tp[1], 0, 1))
     caches = [torch.randn(shape), torch.randn(shape)]
     ws.register_kv_caches({"l0": caches[0], "l1": caches[1]})
-    assert ws._holder.get(wait=10) is not None
+    client = ws._holder.get(wait=10)
+    assert client is not None
+    assert client.session_writer  # session hints on: its puts are marked (session shares)
     assert not ws._zero_copy and isinstance(ws.mover, bc.HostMover)
     return ws, caches
 

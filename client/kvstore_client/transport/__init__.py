@@ -64,7 +64,12 @@ class Transfer(Protocol):
         ...
 
     def reserve(
-        self, timeout: float, ns: bytes, hashes: Sequence[bytes], sizes: Sequence[int]
+        self,
+        timeout: float,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        sizes: Sequence[int],
+        flags: int = 0,
     ) -> ArenaSlots | None:
         """Reserve slots in a same-host worker's arena to write blocks into directly,
         published by their commit (see :mod:`.pins`); None when this transport

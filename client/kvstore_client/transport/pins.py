@@ -166,10 +166,12 @@ def reserve(
     ns: bytes,
     hashes: Sequence[bytes],
     sizes: Sequence[int],
+    flags: int = 0,
 ) -> ArenaSlots:
-    """Reserve slots for ``hashes`` (one PUT_LOC with FLAG_LATE_SUM, on a leased
-    connection). Raises a PeerError when the worker cannot be reached or answers
-    wrongly (the connection is closed, which drops what it reserved)."""
+    """Reserve slots for ``hashes`` (one PUT_LOC with FLAG_LATE_SUM and ``flags``,
+    e.g. FLAG_SESSION, on a leased connection). Raises a PeerError when the worker
+    cannot be reached or answers wrongly (the connection is closed, which drops
+    what it reserved)."""
     conn = pool.lease(timeout)
     conn.sock.settimeout(max(timeout, 0.001))
     n = len(hashes)
@@ -179,7 +181,7 @@ def reserve(
         entries = bytearray(n * wire.PUT_ENTRY.size)
         for j in range(n):
             wire.PUT_ENTRY.pack_into(entries, j * wire.PUT_ENTRY.size, hashes[j], sizes[j], 0)
-        head = wire.encode_request_header(wire.OP_PUT_LOC, ns, n, req, wire.FLAG_LATE_SUM)
+        head = wire.encode_request_header(wire.OP_PUT_LOC, ns, n, req, wire.FLAG_LATE_SUM | flags)
         wire.send_buffers(conn.sock, [head, entries])
         h = conn._answer(wire.OP_PUT_LOC, req)
         arena.check(h.ns_len)

@@ -464,10 +464,15 @@ class ShmTransfer(TcpTransfer):
         return pins.pin(self.pool, self.arena, timeout, ns, hashes)
 
     def reserve(
-        self, timeout: float, ns: bytes, hashes: Sequence[bytes], sizes: Sequence[int]
+        self,
+        timeout: float,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        sizes: Sequence[int],
+        flags: int = 0,
     ) -> pins.ArenaSlots | None:
         """Reserve slots in the mapped arena to write into directly (see
         :mod:`.pins`); None once the mapping is stale."""
         if self.arena.stale:
             return None
-        return pins.reserve(self.pool, self.arena, timeout, ns, hashes, sizes)
+        return pins.reserve(self.pool, self.arena, timeout, ns, hashes, sizes, flags)

@@ -337,7 +337,12 @@ class TcpTransfer:
         return None
 
     def reserve(
-        self, timeout: float, ns: bytes, hashes: Sequence[bytes], sizes: Sequence[int]
+        self,
+        timeout: float,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        sizes: Sequence[int],
+        flags: int = 0,
     ) -> ArenaSlots | None:
         """None: a tcp:// worker has no slots in this process's memory."""
         return None

@@ -623,7 +623,12 @@ class UcxPool:
         return None
 
     def reserve(
-        self, timeout: float, ns: bytes, hashes: Sequence[bytes], sizes: Sequence[int]
+        self,
+        timeout: float,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        sizes: Sequence[int],
+        flags: int = 0,
     ) -> ArenaSlots | None:
         """None: a ucx:// worker has no slots in this process's memory."""
         return None

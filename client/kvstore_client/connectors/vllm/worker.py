@@ -42,6 +42,7 @@ state block together, or reports the request as failed (never KV without state).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import json
 import logging
 import threading
@@ -52,6 +53,7 @@ from typing import Any
 
 import torch  # type: ignore[import-not-found, unused-ignore]
 
+from ...client import Client
 from ...keys import leading_run
 from ...transport.pins import ArenaPins, ArenaSlots
 from .. import blockcopy as bc
@@ -147,7 +149,10 @@ class WorkerSide:
         for j, g in enumerate(setup.state_groups):
             for name in kv_cache_config.kv_cache_groups[g].layer_names:
                 self._group_of[name] = ("state", j)
-        self._holder = ClientHolder(setup.cfg.master, setup.cfg.timeout_s)
+        # With session hints on, the scheduler's client sends them and this one
+        # writes the sessions' blocks: its puts are marked so session shares apply.
+        writer = functools.partial(Client, session_writer=setup.cfg.session_hints)
+        self._holder = ClientHolder(setup.cfg.master, setup.cfg.timeout_s, factory=writer)
         self._layers: dict[str, bc.LayerGeometry] = {}
         self._state_layers: dict[str, bc.LayerGeometry] = {}
         self._block_bytes = 0
