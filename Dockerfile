@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 #
-# kvstore image (distribution kvstore-cache): `kvstore master|worker|check ...` as uid 10001.
+# kvstore image (kvstore-cache + kvstore-client): `kvstore master|worker|check ...` as uid 10001.
 #
 #   docker build -t kvstore:0.1.0 .
 #   docker build --build-arg EXTRAS=ucx -t kvstore:0.1.0-ucx .   # with the UCX/RDMA transport
@@ -24,7 +24,7 @@ COPY pyproject.toml README.md ./
 COPY client ./client
 COPY kvstore ./kvstore
 RUN python -m venv /opt/kvstore \
- && /opt/kvstore/bin/pip install ".${EXTRAS:+[${EXTRAS}]}" \
+ && /opt/kvstore/bin/pip install ./client ".${EXTRAS:+[${EXTRAS}]}" \
  && /opt/kvstore/bin/kvstore version \
  && /opt/kvstore/bin/kvstore --help >/dev/null
 

@@ -6,13 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint typecheck unit chart proto clean venv e2e
 
-$(STAMP): pyproject.toml
-	@echo "== $(VENV): installing kvstore-cache (editable) with its dev and bench extras; about a minute the first time"
+$(STAMP): pyproject.toml client/pyproject.toml
+	@echo "== $(VENV): installing kvstore-client and kvstore-cache (editable) with the dev and bench extras; about a minute the first time"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	@# venvs made before the rename hold the old distribution name: drop it
 	$(BIN)/python -m pip uninstall -q -y kvstore 2>/dev/null || true
-	$(BIN)/python -m pip install --progress-bar on -e '.[dev,bench]'
+	$(BIN)/python -m pip install --progress-bar on -e ./client -e '.[dev,bench]'
 	touch $(STAMP)
 	@echo "== installed: $(BIN)/kvstore"
 
