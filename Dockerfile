@@ -9,8 +9,9 @@
 # PYTHON_IMAGE is any Debian-like image with python3 (>= 3.11), venv and pip; CI passes
 # a minbase made by debootstrap. The benchmarks (bench/) are not in the image: `kvstore
 # bench` is loaded only when run and says so. The Helm chart (deploy/helm/kvstore) runs
-# the image with a read-only root filesystem and mounts /tmp, /dev/shm (DRAM arena) and
-# /data (SSD tier) as volumes.
+# the image with a read-only root filesystem and mounts /tmp, /dev/shm (the hand-over
+# socket of the DRAM arena, which is itself an anonymous memfd) and /data (SSD tier)
+# as volumes.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 

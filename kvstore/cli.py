@@ -281,7 +281,18 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
 @click.option("--metrics-port", type=int, default=None, help="Prometheus port; 0 = off.")
 @click.option("--dram-size", default=None, help="DRAM arena size, e.g. 4GiB [1GiB].")
 @click.option("--max-value-size", default=None, help="Largest block, also the slab [16MiB].")
-@click.option("--shm-dir", default=None, help="tmpfs for the arena [/dev/shm].")
+@click.option(
+    "--shm-dir",
+    default=None,
+    help="Directory of the arena's hand-over socket for same-host clients (the arena "
+    "itself is an anonymous memfd, in no directory) [/dev/shm].",
+)
+@click.option(
+    "--huge-pages",
+    default=None,
+    help="Back the arena with huge pages of this size (2MiB, 1GiB) reserved in the "
+    "kernel (vm.nr_hugepages); 0 = regular pages [0].",
+)
 @click.option("--ssd-path", default=None, help="LMDB directory of the SSD tier (off if unset).")
 @click.option(
     "--ssd-size",
