@@ -2,7 +2,8 @@
 
 Precedence: defaults < ``--config FILE`` (YAML, sections ``master:`` and
 ``worker:``) < environment ``KVSTORE_<SECTION>_<FIELD>`` (e.g.
-``KVSTORE_WORKER_DRAM_SIZE=4GiB``) < command-line flags. Sizes are text such as
+``KVSTORE_WORKER_DRAM_SIZE=4GiB``; ``KVSTORE_MASTER`` also sets the worker's master,
+below ``KVSTORE_WORKER_MASTER``) < command-line flags. Sizes are text such as
 "4GiB", "512MiB", "64k" or a plain number of bytes; durations are "10s",
 "500ms", "2m" or a plain number of seconds. Unknown keys are errors, so a typo
 never silently falls back to a default.
@@ -252,7 +253,9 @@ def _coerce(section: str, f: dataclasses.Field[Any], value: Any) -> Any:
             raise ValueError("want a single text value")
         return str(value)
     except (TypeError, ValueError) as e:
-        raise InvalidArgument(f"bad value {value!r} for {section}.{f.name}: {e}") from e
+        raise InvalidArgument(
+            f"bad value {value!r} for {section}.{f.name} ({_flag(f.name)}): {e}"
+        ) from e
 
 
 def _apply(cfg: Config, section: str, values: Mapping[str, Any], origin: str) -> None:
@@ -459,6 +462,10 @@ def load_config(
                 raise InvalidArgument(f"config section {section!r} must be a mapping")
             _apply(cfg, section, values, path)
     env = os.environ if environ is None else environ
+    # KVSTORE_MASTER (what `kvstore up` tells you to export, and what clients, status and
+    # check read) is the worker's master too, below the more specific KVSTORE_WORKER_MASTER.
+    if env.get("KVSTORE_MASTER"):
+        _apply(cfg, "worker", {"master": env["KVSTORE_MASTER"]}, "KVSTORE_MASTER")
     for section in ("master", "worker"):
         prefix = f"KVSTORE_{section.upper()}_"
         from_env = {k[len(prefix) :].lower(): v for k, v in env.items() if k.startswith(prefix)}
