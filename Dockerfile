@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 #
-# kvstore image (distribution kvstore-cache): `kvstore master|worker|check ...` as uid 10001.
+# kvstore image (kvstore-cache + kvstore-client): `kvstore master|worker|check ...` as uid 10001.
 #
 #   docker build -t kvstore:0.1.0 .
 #   docker build --build-arg EXTRAS=ucx -t kvstore:0.1.0-ucx .   # with the UCX/RDMA transport
@@ -9,8 +9,9 @@
 # PYTHON_IMAGE is any Debian-like image with python3 (>= 3.11), venv and pip; CI passes
 # a minbase made by debootstrap. The benchmarks (bench/) are not in the image: `kvstore
 # bench` is loaded only when run and says so. The Helm chart (deploy/helm/kvstore) runs
-# the image with a read-only root filesystem and mounts /tmp, /dev/shm (DRAM arena) and
-# /data (SSD tier) as volumes.
+# the image with a read-only root filesystem and mounts /tmp, /dev/shm (the hand-over
+# socket of the DRAM arena, which is itself an anonymous memfd) and /data (SSD tier)
+# as volumes.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -24,7 +25,7 @@ COPY pyproject.toml README.md ./
 COPY client ./client
 COPY kvstore ./kvstore
 RUN python -m venv /opt/kvstore \
- && /opt/kvstore/bin/pip install ".${EXTRAS:+[${EXTRAS}]}" \
+ && /opt/kvstore/bin/pip install ./client ".${EXTRAS:+[${EXTRAS}]}" \
  && /opt/kvstore/bin/kvstore version \
  && /opt/kvstore/bin/kvstore --help >/dev/null
 

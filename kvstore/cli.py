@@ -131,6 +131,9 @@ class KvstoreGroup(click.Group):
             raise click.ClickException(one_line(e)) from None
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
 def _setup_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
@@ -146,8 +149,12 @@ class ConfigError(click.ClickException):
 
 
 def _config(ctx: click.Context, section: str, flags: dict[str, Any]) -> Config:
+    return _config_sections(ctx, {section: flags})
+
+
+def _config_sections(ctx: click.Context, flags: dict[str, dict[str, Any]]) -> Config:
     try:
-        return load_config(ctx.obj.get("config"), {section: flags})
+        return load_config(ctx.obj.get("config"), flags)
     except KVStoreError as e:
         raise ConfigError(str(e)) from e
 
@@ -167,9 +174,10 @@ def check_ports(host: str, ports: list[tuple[int, str]]) -> None:
                 pass
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
+                zero = "0 turns it off" if flag == "--metrics-port" else "0 picks a free port"
                 raise click.ClickException(
                     f"port {port} on {bind_host} is already in use: stop what holds it or "
-                    f"choose another with {flag} (0 picks a free port)"
+                    f"choose another with {flag} ({zero})"
                 ) from None
             if e.errno in (errno.EADDRNOTAVAIL, errno.EACCES):
                 raise click.ClickException(
@@ -213,14 +221,43 @@ def _security_options(f: Any) -> Any:
     envvar="KVSTORE_CONFIG",
     help="YAML config file (sections master:, worker:).",
 )
-@click.option("--log-level", default="info", show_default=True, envvar="KVSTORE_LOG_LEVEL")
+@click.option(
+    "--log-level",
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    default="info",
+    show_default=True,
+    envvar="KVSTORE_LOG_LEVEL",
+)
+@click.version_option(__version__, "--version", prog_name="kvstore", message="%(prog)s %(version)s")
 @click.pass_context
 def main(ctx: click.Context, config_file: str | None, log_level: str) -> None:
     """kvstore: a distributed KV-cache store for LLM inference."""
     ctx.ensure_object(dict)
     ctx.obj["config"] = config_file
+    log_level = log_level.lower()
     os.environ["KVSTORE_LOG_LEVEL"] = log_level  # daemons this command starts log alike
+    if config_file:
+        os.environ["KVSTORE_CONFIG"] = config_file  # ... and read the same file
     _setup_logging(log_level)
+
+
+def _set_config(ctx: click.Context, _: click.Parameter, value: str | None) -> None:
+    if value:
+        ctx.ensure_object(dict)
+        ctx.obj["config"] = value
+        os.environ["KVSTORE_CONFIG"] = value
+
+
+# `--config` is accepted after the subcommand too (`kvstore worker --config kv.yaml`).
+config_option = click.option(
+    "--config",
+    type=click.Path(dir_okay=False),
+    default=None,
+    expose_value=False,
+    is_eager=True,
+    callback=_set_config,
+    help="YAML config file (sections master:, worker:); same as kvstore --config.",
+)
 
 
 @main.command()
@@ -250,6 +287,7 @@ def version() -> None:
     help="PREFIX=R: copies for namespaces starting with PREFIX (longest wins); repeatable.",
 )
 @_security_options
+@config_option
 @click.pass_context
 def master(ctx: click.Context, /, **flags: Any) -> None:
     """Run the master (control plane: membership and the shard map)."""
@@ -266,7 +304,11 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
 
 
 @main.command()
-@click.option("--master", default=None, help="Master host:port (comma-separated for HA).")
+@click.option(
+    "--master",
+    default=None,
+    help="Master host:port (comma-separated for HA); else $KVSTORE_MASTER [127.0.0.1:7700].",
+)
 @click.option("--host", default=None, help="Bind address [127.0.0.1].")
 @click.option("--advertise-host", default=None, help="Address clients should use.")
 @click.option("--id", "id", default=None, help="Stable worker id (ring identity).")
@@ -281,7 +323,18 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
 @click.option("--metrics-port", type=int, default=None, help="Prometheus port; 0 = off.")
 @click.option("--dram-size", default=None, help="DRAM arena size, e.g. 4GiB [1GiB].")
 @click.option("--max-value-size", default=None, help="Largest block, also the slab [16MiB].")
-@click.option("--shm-dir", default=None, help="tmpfs for the arena [/dev/shm].")
+@click.option(
+    "--shm-dir",
+    default=None,
+    help="Directory of the arena's hand-over socket for same-host clients (the arena "
+    "itself is an anonymous memfd, in no directory) [/dev/shm].",
+)
+@click.option(
+    "--huge-pages",
+    default=None,
+    help="Back the arena with huge pages of this size (2MiB, 1GiB) reserved in the "
+    "kernel (vm.nr_hugepages); 0 = regular pages [0].",
+)
 @click.option("--ssd-path", default=None, help="LMDB directory of the SSD tier (off if unset).")
 @click.option(
     "--ssd-size",
@@ -317,6 +370,7 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
 @click.option("--kv-events-topic", default=None, help="Topic prefix of KV events [kvstore/].")
 @_security_options
 @click.option("--token", default=None, help="Bearer token for the master (admin tenant).")
+@config_option
 @click.pass_context
 def worker(ctx: click.Context, /, **flags: Any) -> None:
     """Run a worker (a shard server with a DRAM tier)."""
@@ -343,37 +397,64 @@ def worker(ctx: click.Context, /, **flags: Any) -> None:
 
 @main.command()
 @click.option("--workers", type=int, default=2, show_default=True)
-@click.option("--dram-size", default="1GiB", show_default=True, help="Per worker.")
-@click.option("--max-value-size", default="16MiB", show_default=True)
-@click.option("--master-port", type=int, default=7700, show_default=True, help="0 = free port.")
-@click.option("--host", default="127.0.0.1", show_default=True)
-def up(workers: int, dram_size: str, max_value_size: str, master_port: int, host: str) -> None:
-    """Run a master and N workers on this host until Ctrl-C."""
+@click.option("--dram-size", default=None, help="Per worker [worker.dram_size: 1GiB].")
+@click.option("--max-value-size", default=None, help="[worker.max_value_size: 16MiB].")
+@click.option("--master-port", type=int, default=None, help="0 = free port [master.port: 7700].")
+@click.option("--host", default=None, help="Bind address of all daemons [master.host: 127.0.0.1].")
+@config_option
+@click.pass_context
+def up(
+    ctx: click.Context,
+    workers: int,
+    dram_size: str | None,
+    max_value_size: str | None,
+    master_port: int | None,
+    host: str | None,
+) -> None:
+    """Run a master and N workers on this host until Ctrl-C.
+
+    A config file (--config) and KVSTORE_* variables apply to the daemons as they do
+    to `kvstore master` and `kvstore worker`, flags first; worker ports and ids are
+    picked per worker, since N workers share this host."""
     from .cluster import LocalCluster, StartError
-    from .config import parse_size
 
     # Check what we can before starting anything.
     if workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {workers}")
-    sizes = {}
-    for flag, text in (("--dram-size", dram_size), ("--max-value-size", max_value_size)):
-        try:
-            sizes[flag] = parse_size(text)
-        except KVStoreError as e:
-            raise ConfigError(f"{flag}: {e}") from e
-    if sizes["--dram-size"] < sizes["--max-value-size"]:
+    cfg = _config_sections(
+        ctx,
+        {
+            "master": {"port": master_port, "host": host},
+            "worker": {"dram_size": dram_size, "max_value_size": max_value_size, "host": host},
+        },
+    )
+    m, w = cfg.master, cfg.worker
+    if w.dram_size < w.max_value_size:
         raise ConfigError(
-            f"--dram-size ({dram_size}) must be at least --max-value-size ({max_value_size})"
+            f"--dram-size ({format_size(w.dram_size)}) must be at least --max-value-size "
+            f"({format_size(w.max_value_size)})"
         )
+    if w.ssd_path and workers > 1:
+        raise ConfigError(
+            f"worker.ssd_path ({w.ssd_path}) would be shared by {workers} workers: run "
+            "kvstore up --workers 1, or kvstore worker once per SSD directory"
+        )
+    host = m.host
+    master_port = m.port
     check_ports(host, [(master_port, "--master-port")])
+    dram_text = format_size(w.dram_size).replace(" ", "")
     cluster = LocalCluster(
         workers=workers,
-        dram_size=dram_size,
-        max_value_size=max_value_size,
+        dram_size=str(w.dram_size),
+        max_value_size=str(w.max_value_size),
         master_port=master_port,
         host=host,
         worker_ttl="5s",
         relay_stderr=True,
+        # N workers on one host: each picks its own ports and id, whatever the file says.
+        extra_worker_args=["--grpc-port", "0", "--tcp-port", "0", "--id", ""]
+        + (["--ucx-port", "0"] if w.ucx_port > 0 else [])
+        + (["--metrics-port", "0"] if w.metrics_port > 0 and workers > 1 else []),
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -381,7 +462,7 @@ def up(workers: int, dram_size: str, max_value_size: str, master_port: int, host
         cluster.start()
     except StartError as e:
         raise click.ClickException(str(e)) from e
-    click.echo(f"kvstore cluster up: master {cluster.address}, {workers} workers of {dram_size}")
+    click.echo(f"kvstore cluster up: master {cluster.address}, {workers} workers of {dram_text}")
     click.echo(
         f"  export KVSTORE_MASTER={cluster.address}; kvstore status --master {cluster.address}"
     )
@@ -434,6 +515,9 @@ def status(master: str, as_json: bool, timeout: float, sessions: bool, top: int)
             "capacity_bytes": w.info.capacity_bytes,
             "used_bytes": w.stats.used_bytes,
             "keys": w.stats.keys,
+            "ssd_capacity_bytes": w.stats.ssd_capacity_bytes,
+            "ssd_used_bytes": w.stats.ssd_used_bytes,
+            "ssd_keys": w.stats.ssd_keys,
             "hits": w.stats.hits,
             "misses": w.stats.misses,
             "evictions": w.stats.evictions,
@@ -526,32 +610,59 @@ def print_status(addr: str, map_version: int, workers: list[dict[str, Any]]) -> 
     from rich.console import Console
     from rich.table import Table
 
+    if not workers:
+        click.echo(
+            f"kvstore {addr} · no workers: none has registered with this master. Start one "
+            f"with `kvstore worker --master {addr}` (or `export KVSTORE_MASTER={addr}`); a "
+            "worker that cannot reach the master logs `waiting for the master` and retries."
+        )
+        return
     used = sum(int(w["used_bytes"]) for w in workers)
     cap = sum(int(w["capacity_bytes"]) for w in workers)
+    ssd_used = sum(int(w.get("ssd_used_bytes", 0)) for w in workers)
+    ssd_cap = sum(int(w.get("ssd_capacity_bytes", 0)) for w in workers)
+    ssd = (
+        f" · SSD {format_size(float(ssd_used))} of {format_size(float(ssd_cap))}" if ssd_cap else ""
+    )
     t = Table(
         title=(
-            f"kvstore {addr} · {len(workers)} workers · "
-            f"{format_size(float(used))} of {format_size(float(cap))} used · "
+            f"kvstore {addr} · {len(workers)} workers · DRAM "
+            f"{format_size(float(used))} of {format_size(float(cap))} used{ssd} · "
             f"map rev {map_version % 10000:04d}"
         ),
-        caption="map rev: changes whenever a worker joins or leaves (--json: full version)",
+        caption=(
+            ("DRAM, SSD: used / capacity; keys: in DRAM + on SSD\n" if ssd_cap else "")
+            + "map rev: changes whenever a worker joins or leaves (--json: full version)"
+        ),
         box=box.SIMPLE_HEAD,
         title_justify="left",
         caption_justify="left",
     )
     t.add_column("worker", overflow="fold")
     t.add_column("address", overflow="fold")
-    t.add_column("used / capacity", justify="right", overflow="fold")
+    t.add_column(
+        "DRAM used / capacity" if not ssd_cap else "DRAM", justify="right", overflow="fold"
+    )
+    if ssd_cap:
+        t.add_column("SSD", justify="right", overflow="fold")
     t.add_column("keys", justify="right")
     t.add_column("hits / misses", justify="right", overflow="fold")
     for w in workers:
-        t.add_row(
+        cells = [
             str(w["id"]),
             f"{w['grpc']}\n{_short_endpoints(str(w['grpc']), list(w['endpoints']))}",
             f"{format_size(float(w['used_bytes']))} / {format_size(float(w['capacity_bytes']))}",
-            str(w["keys"]),
-            f"{w['hits']} / {w['misses']}",
-        )
+        ]
+        keys = str(w["keys"])
+        if ssd_cap:
+            cells.append(
+                f"{format_size(float(w['ssd_used_bytes']))} / "
+                f"{format_size(float(w['ssd_capacity_bytes']))}"
+                if w["ssd_capacity_bytes"]
+                else "-"
+            )
+            keys = f"{w['keys']} + {w['ssd_keys']}" if w["ssd_capacity_bytes"] else keys
+        t.add_row(*cells, keys, f"{w['hits']} / {w['misses']}")
     Console().print(t)
 
 

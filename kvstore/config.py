@@ -2,7 +2,8 @@
 
 Precedence: defaults < ``--config FILE`` (YAML, sections ``master:`` and
 ``worker:``) < environment ``KVSTORE_<SECTION>_<FIELD>`` (e.g.
-``KVSTORE_WORKER_DRAM_SIZE=4GiB``) < command-line flags. Sizes are text such as
+``KVSTORE_WORKER_DRAM_SIZE=4GiB``; ``KVSTORE_MASTER`` also sets the worker's master,
+below ``KVSTORE_WORKER_MASTER``) < command-line flags. Sizes are text such as
 "4GiB", "512MiB", "64k" or a plain number of bytes; durations are "10s",
 "500ms", "2m" or a plain number of seconds. Unknown keys are errors, so a typo
 never silently falls back to a default.
@@ -10,6 +11,7 @@ never silently falls back to a default.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -105,7 +107,8 @@ class WorkerConfig:
     metrics_port: int = 0
     dram_size: int = _size("1GiB")
     max_value_size: int = _size("16MiB")  # also the slab size
-    shm_dir: str = "/dev/shm"
+    shm_dir: str = "/dev/shm"  # where the arena's hand-over socket lives (the arena is a memfd)
+    huge_pages: int = _size("0")  # page size backing the arena (2MiB, 1GiB); 0: regular pages
     max_connections: int = 1024
     idle_timeout: float = _dur("300s")
     frame_timeout: float = _dur("30s")
@@ -252,7 +255,9 @@ def _coerce(section: str, f: dataclasses.Field[Any], value: Any) -> Any:
             raise ValueError("want a single text value")
         return str(value)
     except (TypeError, ValueError) as e:
-        raise InvalidArgument(f"bad value {value!r} for {section}.{f.name}: {e}") from e
+        raise InvalidArgument(
+            f"bad value {value!r} for {section}.{f.name} ({_flag(f.name)}): {e}"
+        ) from e
 
 
 def _apply(cfg: Config, section: str, values: Mapping[str, Any], origin: str) -> None:
@@ -348,6 +353,17 @@ def validate(cfg: Config) -> None:
             raise InvalidArgument(
                 f"worker.{name} ({_flag(name)}) is {ep!r}: want tcp://HOST:PORT or ipc://PATH"
             )
+    hp = w.huge_pages
+    if hp and (hp & (hp - 1) or hp < 64 << 10):
+        raise InvalidArgument(
+            f"worker.huge_pages (--huge-pages) is {hp}: want a huge page size such as 2MiB "
+            "or 1GiB, or 0 for regular pages"
+        )
+    if hp and w.dram_size < max(hp, w.max_value_size):
+        raise InvalidArgument(
+            f"worker.dram_size (--dram-size) must be at least one huge page "
+            f"({format_size(hp)}) with --huge-pages"
+        )
     if w.promote not in ("always", "second-hit", "never"):
         raise InvalidArgument(f"worker.promote is {w.promote!r}: want always, second-hit or never")
 
@@ -387,8 +403,8 @@ def check_worker_files(w: WorkerConfig) -> None:
     """The arena directory exists and is writable; the SSD path is (or can be) a directory."""
     if not os.path.isdir(w.shm_dir):
         raise InvalidArgument(
-            f"worker.shm_dir (--shm-dir) {w.shm_dir} is not a directory: give a tmpfs "
-            "mount such as /dev/shm"
+            f"worker.shm_dir (--shm-dir) {w.shm_dir} is not a directory: give a local "
+            "directory for the arena's hand-over socket, such as /dev/shm"
         )
     if not os.access(w.shm_dir, os.W_OK | os.X_OK):
         raise InvalidArgument(f"worker.shm_dir (--shm-dir) {w.shm_dir} is not writable")
@@ -405,6 +421,25 @@ def check_worker_files(w: WorkerConfig) -> None:
             ) from e
         if not os.access(w.ssd_path, os.W_OK | os.X_OK):
             raise InvalidArgument(f"worker.ssd_path (--ssd-path) {w.ssd_path} is not writable")
+        check_ssd_room(w.ssd_path, w.ssd_size)
+
+
+def check_ssd_room(path: str, ssd_size: int) -> None:
+    """The SSD tier's values must fit on its disk: free space plus what the tier's LMDB
+    files already hold there (a restarted worker reuses them)."""
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    held = 0
+    for name in ("data.mdb", "lock.mdb"):
+        with contextlib.suppress(OSError):
+            held += os.stat(os.path.join(path, name)).st_blocks * 512
+    if ssd_size > free + held:
+        raise InvalidArgument(
+            f"worker.ssd_size (--ssd-size) is {format_size(ssd_size)} but {path} has "
+            f"{format_size(free + held)} free"
+            + (f" (with the {format_size(held)} the tier holds already)" if held else "")
+            + ": lower --ssd-size or use a bigger disk"
+        )
 
 
 def load_config(
@@ -431,6 +466,10 @@ def load_config(
                 raise InvalidArgument(f"config section {section!r} must be a mapping")
             _apply(cfg, section, values, path)
     env = os.environ if environ is None else environ
+    # KVSTORE_MASTER (what `kvstore up` tells you to export, and what clients, status and
+    # check read) is the worker's master too, below the more specific KVSTORE_WORKER_MASTER.
+    if env.get("KVSTORE_MASTER"):
+        _apply(cfg, "worker", {"master": env["KVSTORE_MASTER"]}, "KVSTORE_MASTER")
     for section in ("master", "worker"):
         prefix = f"KVSTORE_{section.upper()}_"
         from_env = {k[len(prefix) :].lower(): v for k, v in env.items() if k.startswith(prefix)}

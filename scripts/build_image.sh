@@ -14,8 +14,9 @@
 # About 4-9 minutes cold (debootstrap and pip), under a minute with the cache.
 #
 # Smoke test: a master and a worker, each in its own container with a read-only root
-# filesystem, uid 10001, no capabilities, tmpfs /tmp and /dev/shm (the chart's
-# securityContext and volumes), then `kvstore check` (inside the worker's container
+# filesystem, uid 10001, no capabilities, tmpfs /tmp and a small /dev/shm for the arena's
+# hand-over socket (the chart's securityContext and volumes; the arena is a memfd,
+# charged to the container's memory), then `kvstore check` (inside the worker's container
 # over shm://, and from a third container over tcp://). Every container this script
 # started is removed on exit, whatever happens.
 set -euo pipefail
@@ -119,7 +120,7 @@ say "smoke: master on 127.0.0.1:$MASTER_PORT, worker grpc $GRPC_PORT tcp $TCP_PO
 STARTED+=("$NAME-master")
 "${RUN[@]}" -d --name "$NAME-master" "$IMAGE" master --host 127.0.0.1 --port "$MASTER_PORT" >/dev/null
 STARTED+=("$NAME-worker")
-"${RUN[@]}" -d --name "$NAME-worker" --shm-size 160m "$IMAGE" worker \
+"${RUN[@]}" -d --name "$NAME-worker" --shm-size 16m "$IMAGE" worker \
   --master "127.0.0.1:$MASTER_PORT" --host 127.0.0.1 --grpc-port "$GRPC_PORT" \
   --tcp-port "$TCP_PORT" --dram-size 64MiB --max-value-size 1MiB >/dev/null
 

@@ -43,7 +43,11 @@ NAMESPACE = "kvstore"
 FULLNAME = "kv-kvstore"
 
 # Kinds served by CRDs: kubernetes-validate has no schema for them.
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+CRD_KINDS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+}
+ALERT_RULES = CHART_DIR / "files" / "kvstore-alerts.yaml"
 
 # Schema nodes that hold Kubernetes objects verbatim (validated after rendering instead).
 PASSTHROUGH = frozenset(
@@ -232,12 +236,15 @@ def expect_full(ms: list[Manifest]) -> list[str]:
     problems = []
     if not find(ms, "ServiceMonitor"):
         problems.append("ServiceMonitor missing with metrics.serviceMonitor.enabled")
+    rules = find(ms, "PrometheusRule")
+    if not rules or rules[0]["metadata"]["labels"].get("release") != "prometheus":
+        problems.append("PrometheusRule (with its labels) missing with prometheusRule.enabled")
     worker = container(ms, "StatefulSet", f"{FULLNAME}-worker")
     res = worker.get("resources", {})
     for section in ("requests", "limits"):
         got = res.get(section, {})
-        if got.get("hugepages-2Mi") != "4608Mi":  # 4GiB arena + 512MiB headroom
-            problems.append(f"hugepages-2Mi {section}: {got.get('hugepages-2Mi')}, want 4608Mi")
+        if got.get("hugepages-2Mi") != "4Gi":  # the 4GiB arena, in whole 2 MiB pages
+            problems.append(f"hugepages-2Mi {section}: {got.get('hugepages-2Mi')}, want 4Gi")
         if got.get("rdma/hca_shared_devices_a") != 1:
             problems.append(f"RDMA resource missing from {section}")
     if "IPC_LOCK" not in worker["securityContext"]["capabilities"].get("add", []):
@@ -246,8 +253,10 @@ def expect_full(ms: list[Manifest]) -> list[str]:
         problems.append("worker.containerSecurityContext should be merged into the worker's")
     (sts,) = find(ms, "StatefulSet", f"{FULLNAME}-worker")
     (dshm,) = [v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm"]
-    if dshm["emptyDir"].get("medium") != "HugePages-2Mi":
-        problems.append(f"/dev/shm should be HugePages-2Mi, got {dshm['emptyDir']}")
+    if dshm["emptyDir"] != {"medium": "Memory", "sizeLimit": "16Mi"}:
+        problems.append(f"/dev/shm holds only the hand-over socket, got {dshm['emptyDir']}")
+    if "--huge-pages=2MiB" not in worker["args"]:
+        problems.append("hugepages.enabled should pass --huge-pages=2MiB to the worker")
     affinity = sts["spec"]["template"]["spec"].get("affinity", {}).get("podAntiAffinity", {})
     if "requiredDuringSchedulingIgnoredDuringExecution" not in affinity:
         problems.append("hostPath StatefulSet workers need required pod anti-affinity")
@@ -284,7 +293,8 @@ VARIANTS: tuple[Variant, ...] = (
                     "metricRelabelings": [
                         {"action": "drop", "sourceLabels": ["__name__"], "regex": "go_.*"}
                     ],
-                }
+                },
+                "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}},
             },
             "master": {
                 "service": {"type": "LoadBalancer"},
@@ -355,7 +365,25 @@ REJECTIONS: tuple[Rejection, ...] = (
     Rejection(
         "memory limit below the arena",
         {"worker": {"resources": {"limits": {"memory": "4Gi"}}}},
-        "must exceed the /dev/shm arena",
+        "must exceed the DRAM arena plus the worker's own memory",
+        by="template",
+    ),
+    Rejection(
+        # Huge pages keep the arena out of the memory limit, but the check stays on.
+        "memory limit below the headroom with huge pages",
+        {
+            "worker": {
+                "hugepages": {"enabled": True},
+                "resources": {"limits": {"memory": "256Mi"}, "requests": {"memory": "256Mi"}},
+            }
+        },
+        "must exceed worker.dram.headroom",
+        by="template",
+    ),
+    Rejection(
+        "the renamed shmHeadroom",
+        {"worker": {"dram": {"shmHeadroom": "1GiB"}}},
+        "is now worker.dram.headroom",
         by="template",
     ),
     Rejection(
@@ -444,6 +472,13 @@ def check_crds(manifests: list[Manifest]) -> list[str]:
             problems.append(f"{ident(m)}: unexpected CRD {m.get('apiVersion')} {m.get('kind')}")
             continue
         spec = m.get("spec", {})
+        if m.get("kind") == "PrometheusRule":
+            # The rules themselves are checked by promtool (tests/unit/test_alert_rules.py).
+            import yaml
+
+            if spec != yaml.safe_load(ALERT_RULES.read_text()):
+                problems.append(f"{ident(m)}: spec is not files/kvstore-alerts.yaml")
+            continue
         selector = spec.get("selector", {})
         allowed = set()
         for expr in selector.get("matchExpressions", []):
@@ -502,13 +537,8 @@ def check_conventions(manifests: list[Manifest], variant: Variant) -> list[str]:
             mounts = {vm["mountPath"]: vm["name"] for vm in c.get("volumeMounts", [])}
             if c["name"] == "worker":
                 dshm = volumes.get(mounts.get("/dev/shm", ""), {}).get("emptyDir", {})
-                medium = dshm.get("medium", "")
-                if not (medium == "Memory" and dshm.get("sizeLimit")) and not medium.startswith(
-                    "HugePages"
-                ):
-                    problems.append(
-                        f"{where}: /dev/shm must be a sized Memory or HugePages emptyDir"
-                    )
+                if not (dshm.get("medium") == "Memory" and dshm.get("sizeLimit")):
+                    problems.append(f"{where}: /dev/shm must be a sized Memory emptyDir")
 
         if m["kind"] == "StatefulSet":
             governing = find(manifests, "Service", m["spec"]["serviceName"])

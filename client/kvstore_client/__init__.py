@@ -17,7 +17,7 @@ from .errors import (
     ResourceExhausted,
     Unavailable,
 )
-from .prefix import block_hashes
+from .prefix import block_hashes, key_of
 
 __version__ = "0.1.0"
 
@@ -32,4 +32,5 @@ __all__ = [
     "Unavailable",
     "__version__",
     "block_hashes",
+    "key_of",
 ]

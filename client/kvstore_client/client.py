@@ -575,8 +575,9 @@ class Client:
 
         A block counts as a hit only if its stored size equals its buffer's size and
         its checksum matches; a buffer of a miss may hold partial bytes. The future
-        never raises for worker failures (those are misses). A buffer that no block
-        can fill (empty, or above the workers' max value size) or buffers that share a
+        never raises for worker failures (those are misses). An empty value is a value:
+        a 0-byte buffer is a hit when the stored value is ``b""``. A buffer that no
+        block can fill (above the workers' max value size) or buffers that share a
         byte raise InvalidArgument at once; to learn a stored block's size, read it
         with :meth:`batch_get`.
         Calls on a closed client raise InvalidArgument. When every block lives on one
@@ -592,10 +593,10 @@ class Client:
         for i, v in enumerate(views):
             if v.readonly:
                 raise InvalidArgument(f"buffer {i} is read-only")
-            if v.nbytes == 0 or (limit and v.nbytes > limit):
+            if limit and v.nbytes > limit:
                 raise InvalidArgument(
                     f"buffer {i} is {v.nbytes} bytes: no block can fill it (blocks are "
-                    f"1..{limit or 'max-value-size'} bytes)"
+                    f"0..{limit} bytes)"
                 )
         check_disjoint(views)
         return self._get_into_blocks(ns, hashes, list(views))
@@ -608,9 +609,9 @@ class Client:
         copy). A block is a hit only if its stored size equals the sum of its parts'
         sizes and its checksum (over the parts) matches; it may have been written whole
         or in any other split. InvalidArgument at once (nothing read) for part lists
-        that do not match the hashes, a block with no parts or zero bytes, a read-only
-        part, parts (of any blocks) that share a byte, or a block above the workers'
-        max value size.
+        that do not match the hashes, a block with no parts (parts of zero bytes in all
+        are an empty value, like ``b""``), a read-only part, parts (of any blocks)
+        that share a byte, or a block above the workers' max value size.
         """
         self._check(ns, hashes)
         view = self._view

@@ -45,7 +45,10 @@ def check_hashes(hashes: Sequence[bytes]) -> None:
     for i, h in enumerate(hashes):
         if not isinstance(h, bytes) or len(h) != HASH_LEN:
             got = f"{len(h)} bytes" if isinstance(h, (bytes, bytearray)) else type(h).__name__
-            raise InvalidArgument(f"hash {i} must be {HASH_LEN} bytes, got {got}")
+            raise InvalidArgument(
+                f"hash {i} must be {HASH_LEN} bytes, got {got}: keys are 16-byte hashes "
+                "(kvstore_client.key_of(b'...') makes one from any bytes)"
+            )
 
 
 def pack_hashes(hashes: Sequence[bytes]) -> bytes:

@@ -71,8 +71,6 @@ def part_views(
                 raise InvalidArgument(f"block {i} part {j} is read-only")
             views.append(v)
             total += v.nbytes
-        if total == 0:
-            raise InvalidArgument(f"block {i}: its parts hold zero bytes")
         if max_value and total > max_value:
             raise InvalidArgument(
                 f"block {i} is {total} bytes in {len(views)} parts; the limit is {max_value}"

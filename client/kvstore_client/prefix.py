@@ -66,3 +66,18 @@ def block_hashes(
         h = xxhash.xxh3_128_digest(h + data[i * step : (i + 1) * step] + extra)
         out.append(h)
     return out
+
+
+def key_of(data: bytes | bytearray | memoryview | str) -> bytes:
+    """The 16-byte key (xxh3-128 digest) of ``data``: a str is hashed as UTF-8.
+
+    Keys are 16-byte hashes; use this to store values under your own names
+    (``c.batch_put(ns, [key_of("doc-1")], [value])``). Token blocks of a prompt take
+    :func:`block_hashes` instead, whose keys chain the prefix. Raises
+    :class:`InvalidArgument` for anything else.
+    """
+    if isinstance(data, str):
+        data = data.encode()
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise InvalidArgument(f"key_of takes bytes or str, got {type(data).__name__}")
+    return xxhash.xxh3_128_digest(data)

@@ -39,9 +39,13 @@ MAX_WORKERS = 1024  # at <= 2.7 KiB per worker, the map stays under gRPC's 4 MiB
 
 
 class IdConflict(KVStoreError):
-    """A worker id is live and bound to another instance token (FAILED_PRECONDITION)."""
+    """A worker id is live and bound to another instance token (FAILED_PRECONDITION).
+
+    ``live_at``: the holder's gRPC address when the master saw it accept a connection
+    there (a different address than the caller's): the id is provably taken."""
 
     code = Code.FAILED_PRECONDITION
+    live_at: str = ""
 
 
 def _printable(text: str) -> bool:

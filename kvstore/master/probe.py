@@ -30,3 +30,20 @@ async def address_refuses(addr: str, timeout: float = 1.0) -> bool:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         return False
     return await refuses(host.strip("[]"), int(port), timeout)
+
+
+async def address_accepts(addr: str, timeout: float = 1.0) -> bool:
+    """True when something accepts a TCP connection at ``host:port`` right now."""
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return False
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(host.strip("[]"), int(port)), timeout
+        )
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True

@@ -43,7 +43,7 @@ from ..config import MasterConfig
 from ..errors import InvalidArgument, KVStoreError, to_grpc_code
 from .guard import TenantGuard
 from .membership import MAX_ID, IdConflict, Membership
-from .probe import address_refuses
+from .probe import address_accepts, address_refuses
 from .snapshot import Layout, Snapshot, encode, restore
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ R = TypeVar("R")
 FORWARDED = "kvstore-forwarded"  # metadata on a call a standby forwarded (never forwarded twice)
 LEADER_TRAILER = "kvstore-leader"
 TTL_TRAILER = "kvstore-ttl"  # on an IdConflict: the TTL after which a silent id is free
+LIVE_TRAILER = "kvstore-id-live"  # on an IdConflict: the holder answers at this address
 FORWARD_TIMEOUT = 3.0
 STATUS_FORWARD_TIMEOUT = 1.5
 WATCH_COALESCE_S = 0.1  # bench scale: bounds the watch fan-out under churn
@@ -244,7 +245,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 await self._not_leader(context, f"leader unreachable: {e.code().name}")
             trailer: Any = e.trailing_metadata() or ()
-            ttl = tuple((str(k), str(v)) for k, v in trailer if k == TTL_TRAILER)
+            ttl = tuple((str(k), str(v)) for k, v in trailer if k in (TTL_TRAILER, LIVE_TRAILER))
             if ttl:
                 context.set_trailing_metadata(ttl)
             await context.abort(e.code(), e.details() or e.code().name)
@@ -262,7 +263,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         """Log a refused membership write (with the caller's address) and abort the call
         with the error's code; the state is unchanged."""
         if isinstance(e, IdConflict):
-            context.set_trailing_metadata(((TTL_TRAILER, f"{self.m.ttl:g}"),))
+            md = [(TTL_TRAILER, f"{self.m.ttl:g}")]
+            if e.live_at:
+                md.append((LIVE_TRAILER, e.live_at))
+            context.set_trailing_metadata(tuple(md))
         log.warning(
             "refused %s for worker %r from %s: %s", op, worker_id[:MAX_ID], context.peer(), e
         )
@@ -281,11 +285,15 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         try:
             try:
                 joined = self.m.register(w, request.instance, time.monotonic())
-            except IdConflict:
+            except IdConflict as conflict:
                 # A restarted worker may take its id at once if the old instance is
                 # provably gone: nothing listens on its registered gRPC port any more.
                 old = self.m.live_grpc(w.id)
                 if not old or not await address_refuses(old):
+                    # Provably taken when the holder answers at another address than
+                    # the caller's (at the same one, the caller may be answering itself).
+                    if old and old != w.grpc and await address_accepts(old):
+                        conflict.live_at = old
                     raise
                 if self.m.evict(w.id, old):
                     log.warning(

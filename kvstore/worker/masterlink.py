@@ -12,7 +12,8 @@ the master refuses another token for an id that is live (FAILED_PRECONDITION).
   that was SIGKILLed and restarted under its id gets it once the dead instance's
   registration expires); if the id is still taken and this process never
   registered, ``on_fatal`` is called with a one-line message (the worker exits
-  non-zero while the first instance keeps serving).
+  non-zero while the first instance keeps serving). When the master saw the holder
+  answer at another address (trailer ``kvstore-id-live``), that happens at once.
 - ``on_registered`` runs after the first successful registration (the worker
   turns its health to SERVING there).
 - **Heartbeats** go on one long-lived ``HeartbeatStream`` per registration (a
@@ -55,6 +56,7 @@ _CHANNEL_OPTIONS = [
 ]
 
 TTL_TRAILER = "kvstore-ttl"  # sent by the master with an id conflict (kvstore.master.server)
+LIVE_TRAILER = "kvstore-id-live"  # ... with the holder's address when it answers there
 LEADER_TRAILER = "kvstore-leader"  # sent by a standby master: the leader's address
 DEFAULT_CONFLICT_TTL = 30.0  # when the master did not say its TTL
 
@@ -226,7 +228,9 @@ class MasterLink:
                     if code == grpc.StatusCode.FAILED_PRECONDITION:
                         if conflict_until is None:
                             conflict_until = now + _conflict_ttl(e) * 1.5 + 1.0
-                        if not self.ever_registered and now > conflict_until:
+                        if _trailer(e, LIVE_TRAILER):  # the holder answers: no use waiting
+                            conflict_until = now
+                        if not self.ever_registered and now >= conflict_until:
                             self._on_fatal(
                                 f"worker id {self.worker_id!r} is in use by another live worker "
                                 f"(master {self.masters[idx]}: {details}); stop that worker or "

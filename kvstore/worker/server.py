@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -73,7 +74,11 @@ class Worker:
         if self.tls.enabled and not (cfg.tls_cert and cfg.tls_key):
             raise InvalidArgument("TLS needs both --tls-cert and --tls-key")
         ssd = SsdStore(cfg.ssd_path, cfg.ssd_size, sync=cfg.ssd_sync) if cfg.ssd_path else None
-        self.arena = Arena(cfg.dram_size - cfg.dram_size % cfg.max_value_size, cfg.shm_dir)
+        # Whole slabs, and with --huge-pages whole huge pages too.
+        unit = math.lcm(cfg.max_value_size, cfg.huge_pages or 1)
+        self.arena = Arena(
+            max(unit, cfg.dram_size - cfg.dram_size % unit), cfg.shm_dir, huge_page=cfg.huge_pages
+        )
         # Anything failing from here on (a port in use, a bad certificate) must not leave
         # listeners or the hand-over socket behind.
         try:

@@ -138,8 +138,13 @@ def test_client_bad_input_raises_what_the_readme_says(cluster: LocalCluster) -> 
         c.batch_put("t/ns", [key], ["text"])  # type: ignore[list-item]
     with pytest.raises(InvalidArgument, match="not a bytes-like"):
         c.batch_put("t/ns", [key], [12345])  # type: ignore[list-item]
-    with pytest.raises(InvalidArgument, match="no block can fill it"):
-        c.batch_get_into("t/ns", [key], [memoryview(bytearray(0))])
+    # An empty value is a value (issue 25): stored, read back as b"", and a 0-byte
+    # buffer is a hit for it (a miss for any other value).
+    empty = os.urandom(16)
+    assert c.batch_put("t/ns", [empty], [b""]) == [True]
+    assert c.batch_get("t/ns", [empty]) == [b""]
+    assert c.batch_get_into("t/ns", [empty], [memoryview(bytearray(0))]).result() == [True]
+    assert c.batch_get_into("t/ns", [key], [memoryview(bytearray(0))]).result() == [False]
     with pytest.raises(InvalidArgument, match="no block can fill it"):
         c.batch_get_into("t/ns", [key], [memoryview(bytearray(32 << 20))])
     assert c.batch_put("t/ns", [key], [b"v" * 64]) == [True]

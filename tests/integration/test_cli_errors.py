@@ -109,13 +109,18 @@ def test_worker_failing_after_its_arena_exists_removes_it(tmp_path: Path) -> Non
 # ---- item 2: `kvstore up` reports the child's own error ---------------------------------
 
 
-def test_up_reports_the_workers_real_error(shm_dir: Path, taken_port: int) -> None:
+def test_up_reports_the_workers_real_error(shm_dir: Path, tmp_path: Path) -> None:
+    # (Worker ports from the environment no longer make `up` fail: it picks each
+    # worker's ports itself since issue 25. A bad SSD path still fails the worker.)
+    not_a_dir = tmp_path / "ssd-file"
+    not_a_dir.write_text("x")
     err = fails(
         shm_dir,
-        "up", "--master-port", "0", "--dram-size", "64MiB", "--max-value-size", "1MiB",
-        env={"KVSTORE_WORKER_TCP_PORT": str(taken_port)},
+        "up", "--workers", "1", "--master-port", "0", "--dram-size", "64MiB",
+        "--max-value-size", "1MiB",
+        env={"KVSTORE_WORKER_SSD_PATH": str(not_a_dir)},
     )  # fmt: skip
-    assert "kvstore worker failed to start" in err and str(taken_port) in err, err
+    assert "kvstore worker failed to start" in err and str(not_a_dir) in err, err
     assert "no ready line" not in err
 
 

@@ -120,6 +120,28 @@ def test_second_worker_with_the_same_id_exits_with_one_line(
     assert first.alive() and round_trips(c.address, "guard-second")
 
 
+def test_a_duplicate_id_fails_at_once_when_its_holder_answers(
+    make_cluster: MakeCluster, tmp_path: Path
+) -> None:
+    """Issue 25: with the default 10 s TTL a duplicate --id waited 1.5 TTL + 1 s (21 s
+    with start-up) before its error, although the master could see the holder alive."""
+    c = make_cluster(workers=1, dram_size="64MiB", max_value_size="1MiB", worker_ttl="10s",
+                     extra_worker_args=["--id", "w0"])  # fmt: skip
+    log = tmp_path / "second.log"
+    t0 = time.monotonic()
+    second = spawn("worker", c._worker_args(), log_path=str(log))
+    try:
+        code = second.proc.wait(20)
+    finally:
+        second.kill()
+    took = time.monotonic() - t0
+    assert code != 0
+    assert took < 6, f"the holder answers at its address: no need to wait out the TTL ({took})"
+    lines = [ln for ln in log.read_text().splitlines() if ln.startswith("Error:")]
+    assert len(lines) == 1 and "'w0' is in use by another live worker" in lines[0], lines
+    assert c.worker_procs[0].alive() and round_trips(c.address, "guard-fast")
+
+
 def test_a_killed_worker_restarted_under_its_id_rejoins_at_once(
     make_cluster: MakeCluster,
 ) -> None:

@@ -67,7 +67,6 @@ def test_bad_part_lists_store_nothing(shared_cluster: LocalCluster, transport: s
         bad: list[object] = [
             [good],  # one part list for two hashes
             [good, []],  # a block with no parts
-            [good, [bytearray(0), b""]],  # zero bytes in all
             [good, [bytearray(limit), bytearray(1)]],  # above the max value size
             [good, ["text"]],  # not bytes-like
             [good, b"flat bytes"],  # not a list of parts
@@ -81,6 +80,22 @@ def test_bad_part_lists_store_nothing(shared_cluster: LocalCluster, transport: s
         with pytest.raises(InvalidArgument, match="read-only"):
             c.batch_get_into_parts(NS, keys, [[bytearray(5)], [b"read-only"]])
         assert c.batch_exists(NS, keys) == [False, False], "nothing was stored"
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_empty_values_are_values(shared_cluster: LocalCluster, transport: str) -> None:
+    """One behaviour for b"" (issue 25): whole or in parts, it is stored and read back,
+    and buffers of zero bytes in all are a hit for it."""
+    keys = [key(i, f"empty{transport}") for i in range(3)]
+    with Client(shared_cluster.address, transport=transport) as c:
+        assert c.batch_put_parts(NS, keys[:2], [[b"", b""], [b""]]) == [True, True]
+        assert c.batch_put(NS, keys[2:], [b""]) == [True]
+        assert c.batch_get(NS, keys) == [b""] * 3
+        bufs: list[list[bytearray]] = [[bytearray(0)], [bytearray(0), bytearray(0)], []]
+        bufs[2] = [bytearray(0)]
+        assert c.batch_get_into_parts(NS, keys, bufs).result() == [True] * 3
+        assert c.batch_get_into(NS, keys, [bytearray(0)] * 3).result() == [True] * 3
+        assert c.batch_get_into(NS, keys, [bytearray(1)] * 3).result() == [False] * 3
 
 
 def test_parts_with_replicas(make_cluster: MakeCluster) -> None:

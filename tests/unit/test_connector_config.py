@@ -85,3 +85,14 @@ def test_every_counter_has_its_prometheus_metric() -> None:
         before = TOTALS.peek()[name]
         record("test", None, name, 1)
         assert TOTALS.peek()[name] == before + 1
+
+
+def test_switches_refuse_words_they_do_not_know() -> None:
+    """Issue 25: zero_copy "maybe" was silently False."""
+    for key in ("zero_copy", "session_hints"):
+        with pytest.raises(ValueError, match=f"{key} must be true or false.*'maybe'"):
+            ConnectorConfig.from_dict({"master": "h:1", key: "maybe"})
+        with pytest.raises(ValueError, match=key):
+            ConnectorConfig.from_dict({"master": "h:1", key: 2})
+    for text, want in (("off", False), ("No", False), (" TRUE ", True), (0, False), (True, True)):
+        assert ConnectorConfig.from_dict({"master": "h:1", "zero_copy": text}).zero_copy is want

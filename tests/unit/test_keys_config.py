@@ -45,6 +45,21 @@ def test_hash_checks_and_packing() -> None:
     assert unpack_hashes(b"a" * 16 + b"b" * 16) == [b"a" * 16, b"b" * 16]
 
 
+def test_key_of_makes_a_key_from_any_bytes() -> None:
+    import xxhash
+
+    from kvstore_client import key_of
+
+    with pytest.raises(errors.InvalidArgument, match=r"16-byte hashes.*key_of"):
+        check_hashes([b"ab"])  # the error names the helper
+    k = key_of(b"ab")
+    check_hashes([k])
+    assert k == xxhash.xxh3_128_digest(b"ab") == key_of("ab") == key_of(memoryview(b"ab"))
+    assert key_of(b"ab") != key_of(b"ac")
+    with pytest.raises(errors.InvalidArgument):
+        key_of(12)  # type: ignore[arg-type]
+
+
 def test_bitmap_roundtrip() -> None:
     flags = [True, False, True, True, False, False, False, True, True]
     assert from_bitmap(to_bitmap(flags), len(flags)) == flags

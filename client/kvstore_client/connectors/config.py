@@ -16,10 +16,23 @@ LOOKUP_MODES = ("batch", "per_block", "prefix")
 LOAD_MODES = ("async", "sync")
 
 
-def parse_bool(v: object) -> bool:
-    if isinstance(v, str):
-        return v.strip().lower() in ("1", "true", "yes", "on")
-    return bool(v)
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def parse_bool(v: object, key: str = "value") -> bool:
+    """true/false, 1/0 and the words of ``_TRUE`` / ``_FALSE``; anything else (e.g.
+    ``"maybe"``) is a ValueError naming ``key``, never a silent False."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.strip().lower() in _TRUE + _FALSE:
+        return v.strip().lower() in _TRUE
+    raise ValueError(
+        f"kvstore connector: {key} must be true or false (or {'/'.join(_TRUE)}, "
+        f"{'/'.join(_FALSE)}), not {v!r}"
+    )
 
 
 @dataclass(slots=True, frozen=True)
@@ -157,8 +170,8 @@ class ConnectorConfig:
             staging_mb=num("staging_mb", int, 256, True),
             test_fault_file=d.get("test_fault_file") or None,
             load_failure_policy=policy,
-            zero_copy=parse_bool(d.get("zero_copy", True)),
-            session_hints=parse_bool(d.get("session_hints", True)),
+            zero_copy=parse_bool(d.get("zero_copy", True), "zero_copy"),
+            session_hints=parse_bool(d.get("session_hints", True), "session_hints"),
             save_policy=choice("save_policy", SAVE_POLICIES),
             lookup=choice("lookup", LOOKUP_MODES),
             load_mode=choice("load_mode", LOAD_MODES),

@@ -87,8 +87,12 @@ class ArenaShare:
                 uid = int.from_bytes(cred[4:8], "little")
                 if uid in (me, 0):
                     socket.send_fds(conn, [hello], [self.arena.fd])
+            except (BrokenPipeError, ConnectionResetError) as e:
+                # A peer that only checked the socket is alive (another worker's
+                # sweep_stale at its start) and left: routine, not worth a log line.
+                log.debug("shm hand-over: the peer left first (%s)", e)
             except Exception as e:  # one client must not stop the hand-over for others
-                log.info("shm hand-over failed: %s", e)
+                log.warning("shm hand-over failed: %s", e)
             finally:
                 conn.close()
 

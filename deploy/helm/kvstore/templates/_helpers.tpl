@@ -136,16 +136,28 @@ Kubernetes quantity -> whole MiB (rounded down), or "" when it cannot be parsed
 {{- end -}}
 {{- end -}}
 
-{{/* Size of the /dev/shm volume in MiB: dram.size + shmHeadroom. */}}
-{{- define "kvstore.worker.shmMiB" -}}
-{{- add (include "kvstore.sizeMiB" .Values.worker.dram.size | int64) (include "kvstore.sizeMiB" .Values.worker.dram.shmHeadroom | int64) -}}
+{{/* Huge page size as the worker's --huge-pages flag takes it: 2Mi -> 2MiB. */}}
+{{- define "kvstore.worker.hugePageFlag" -}}
+{{- ternary "2MiB" "1GiB" (eq .Values.worker.hugepages.pageSize "2Mi") -}}
 {{- end -}}
 
-{{/* Huge pages requested per worker in MiB: the /dev/shm size rounded up to whole pages. */}}
+{{/* Huge pages requested per worker in MiB: dram.size rounded up to whole pages. */}}
 {{- define "kvstore.worker.hugepagesMiB" -}}
 {{- $page := ternary 2 1024 (eq .Values.worker.hugepages.pageSize "2Mi") | int64 -}}
-{{- $shm := include "kvstore.worker.shmMiB" . | int64 -}}
-{{- mul (div (add $shm (sub $page 1)) $page) $page -}}
+{{- $dram := include "kvstore.sizeMiB" .Values.worker.dram.size | int64 -}}
+{{- mul (div (add $dram (sub $page 1)) $page) $page -}}
+{{- end -}}
+
+{{/* Memory (MiB) a worker needs under its memory limit: the arena (a memfd of shared
+memory, charged to the container's memory cgroup) unless it is on huge pages, plus
+dram.headroom for the process itself. */}}
+{{- define "kvstore.worker.memoryNeedMiB" -}}
+{{- $headroom := include "kvstore.sizeMiB" .Values.worker.dram.headroom | int64 -}}
+{{- if .Values.worker.hugepages.enabled -}}
+{{- $headroom -}}
+{{- else -}}
+{{- add (include "kvstore.sizeMiB" .Values.worker.dram.size | int64) $headroom -}}
+{{- end -}}
 {{- end -}}
 
 {{/* PVC size: persistence.size, or ssd.size plus 10% for filesystem overhead. */}}

@@ -59,7 +59,6 @@ hard
 
 {{- define "kvstore.worker.podTemplate" -}}
 {{- $w := .Values.worker -}}
-{{- $shmMiB := include "kvstore.worker.shmMiB" . -}}
 metadata:
   labels:
     {{- include "kvstore.labels" (dict "ctx" $ "component" "worker") | nindent 4 }}
@@ -152,6 +151,9 @@ spec:
         - --tcp-port={{ int $w.ports.tcp }}
         - --metrics-port={{ int .Values.metrics.port }}
         - --dram-size={{ $w.dram.size }}
+        {{- if $w.hugepages.enabled }}
+        - --huge-pages={{ include "kvstore.worker.hugePageFlag" . }}
+        {{- end }}
         {{- if $w.ssd.enabled }}
         - --ssd-path=/data
         - --ssd-size={{ $w.ssd.size }}
@@ -208,15 +210,12 @@ spec:
     - name: tmp
       emptyDir:
         sizeLimit: 64Mi
-    {{- /* The DRAM arena lives in /dev/shm: memory (or huge pages), never the node disk. */}}
+    {{- /* /dev/shm holds only the arena's hand-over socket: the arena is a memfd, in no
+    file system, of memory or (worker.hugepages) huge pages. */}}
     - name: dshm
       emptyDir:
-        {{- if $w.hugepages.enabled }}
-        medium: HugePages-{{ $w.hugepages.pageSize }}
-        {{- else }}
         medium: Memory
-        sizeLimit: {{ include "kvstore.mibQuantity" $shmMiB }}
-        {{- end }}
+        sizeLimit: 16Mi
     {{- if and $w.ssd.enabled (eq $w.ssd.type "hostPath") }}
     - name: data
       hostPath:
