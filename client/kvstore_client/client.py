@@ -24,6 +24,7 @@ import numpy as np
 
 from . import leases, wire
 from .copyreads import read_copies
+from .dispatch import Dispatch
 from .errors import (
     CallerError,
     InvalidArgument,
@@ -39,8 +40,6 @@ from .parts import check_disjoint, part_views
 from .proto import master_pb2, master_pb2_grpc, store_pb2, store_pb2_grpc
 from .replicas import (
     ReplicaStats,
-    any_owner_groups,
-    replica_count,
 )
 from .routing import Links, View, frames
 from .routing import bind as _bind
@@ -50,7 +49,6 @@ from .sessions import SessionHints
 from .sharding import DEFAULT_VNODES_PER_GIB, build_ring
 from .transport import BlockView
 from .transport.pins import ArenaPins, ArenaSlots
-from .transport.shm import ShmTransfer
 from .transport.tcp import GetResult, TcpConnection, TcpPool
 from .transport.ucx import available as ucx_available
 
@@ -119,16 +117,11 @@ class Client:
         self._master_idx = 0
         self._closed = threading.Event()
         self._lock = threading.Lock()
-        self._view: View | None = None
+        self._d = Dispatch(timeout, max_threads, self.tls, self._md)
         self._links = Links(transport, self.tls, self._token)
-        self._executor = cf.ThreadPoolExecutor(max_threads, thread_name_prefix="kvstore-io")
         self._channel: grpc.Channel | None = None
         self._watch_call: Any = None  # the open WatchShardMap call, to cancel on close
-        self.replica_stats = ReplicaStats()
         self.session_writer = session_writer
-        # Per namespace, the most copies a put of this client wrote with ``replicas=``
-        # (reads consult as many owners).
-        self._wrote_replicas: dict[str, int] = {}
         self._hints: SessionHints | None = None
         try:
             self._apply_map(self._fetch_map())
@@ -202,7 +195,9 @@ class Client:
             max_value = min((w.max_value_bytes for w in m.workers), default=0)
             local = np.array([w.arena is not None for w in workers], dtype=bool)
             ns_r = dict(m.namespace_replicas)
-            self._view = View(m.version, ring, workers, max_value, max(1, m.replicas), ns_r, local)
+            self._d.view = View(
+                m.version, ring, workers, max_value, max(1, m.replicas), ns_r, local
+            )
 
     def workers(self) -> list[master_pb2.WorkerInfo]:
         """The workers of the current map."""
@@ -215,49 +210,15 @@ class Client:
 
     # ---- routing -------------------------------------------------------------
 
-    def _groups(self, hashes: Sequence[bytes]) -> tuple[View, list[tuple[int, np.ndarray]]]:
-        view = self._view
-        if view is None or not view.workers:
-            return View(0, build_ring([]), [], 0), []
-        if len(view.workers) == 1:  # no hashing onto the ring needed
-            return view, [(0, np.arange(len(hashes)))]
-        owner = view.ring.primary(hashes)
-        return view, [(int(w), np.flatnonzero(owner == w)) for w in np.unique(owner)]
+    @property
+    def _view(self) -> View | None:
+        """The current map (tests and the shm transport's hand-over read it)."""
+        return self._d.view
 
-    def _copies(self, view: View, ns: str, requested: int | None, *, reading: bool = False) -> int:
-        """Copies of a key in ``ns``: for a put, its ``replicas=`` or the map's count;
-        for a read (``reading``), also at least as many as this client ever wrote into
-        ``ns`` with a per-call ``replicas=``, so those copies are consulted too."""
-        r = replica_count(ns, requested, view.replicas, view.ns_replicas or {})
-        if reading:
-            r = max(r, self._wrote_replicas.get(ns, 1))
-        return min(r, len(view.workers)) if view.workers else r
-
-    def _fan_out(
-        self,
-        tasks: Sequence[Callable[[], T]],
-        on_error: Callable[[int, KVStoreError], None],
-    ) -> list[T | None]:
-        """Run tasks in parallel within the deadline; errors go to on_error and yield None."""
-        if len(tasks) == 1:
-            try:
-                return [tasks[0]()]
-            except KVStoreError as e:
-                on_error(0, e)
-                return [None]
-        futs = [self._executor.submit(t) for t in tasks]
-        out: list[T | None] = []
-        deadline = time.monotonic() + self.timeout + 1.0
-        for i, f in enumerate(futs):
-            try:
-                out.append(f.result(timeout=max(0.0, deadline - time.monotonic())))
-            except KVStoreError as e:
-                on_error(i, e)
-                out.append(None)
-            except cf.TimeoutError:
-                on_error(i, Unavailable("worker call outlived its deadline"))
-                out.append(None)
-        return out
+    @property
+    def replica_stats(self) -> ReplicaStats:
+        """Counters of copies written, failed, repaired and fallback reads."""
+        return self._d.replica_stats
 
     def _check(self, ns: str, hashes: Sequence[bytes]) -> bytes:
         if self._closed.is_set():
@@ -329,11 +290,9 @@ class Client:
         sizes: list[int],
         replicas: int | None,
     ) -> list[bool]:
-        view, groups = self._groups(hashes)
-        r = self._copies(view, ns, replicas)
-        if r > self._wrote_replicas.get(ns, 1):
-            with self._lock:
-                self._wrote_replicas[ns] = max(r, self._wrote_replicas.get(ns, 1))
+        view, groups = self._d.groups(hashes)
+        r = self._d.copies(view, ns, replicas)
+        self._d.wrote(ns, r)
         if r > 1 and groups:
             owners = view.ring.lookup(hashes, r)
             groups = [(w, np.flatnonzero(owners[:, 0] == w)) for w in np.unique(owners[:, 0])]
@@ -362,7 +321,7 @@ class Client:
                 hs = [hashes[i] for i in chunk]
                 vs = [views[i] for i in chunk]
                 cs = [sums[i] for i in chunk]
-                tasks.append(_bind(view.workers[w].put, self.timeout, nsb, hs, vs, cs, flags))
+                tasks.append(_bind(view.workers[w].via.put, self.timeout, nsb, hs, vs, cs, flags))
                 parts.append(chunk)
             if k == len(groups) - 1:
                 primaries = len(tasks)
@@ -377,11 +336,11 @@ class Client:
                 full.append(e)  # raised after the other workers' results are in
 
         for t, (chunk, status) in enumerate(
-            zip(parts, self._fan_out(tasks, on_error), strict=True)
+            zip(parts, self._d.fan_out(tasks, on_error), strict=True)
         ):
             if t >= primaries:
                 ok = 0 if status is None else sum(1 for x in status if x in (0, 1))
-                self.replica_stats.add(copies_written=ok, copies_failed=len(chunk) - ok)
+                self._d.replica_stats.add(copies_written=ok, copies_failed=len(chunk) - ok)
                 continue
             if status is None:
                 continue
@@ -399,7 +358,7 @@ class Client:
         """Which hashes are present on any of their owners (False also for unreachable
         workers); one batched request per worker."""
         nsb = self._check(ns, hashes)
-        view, groups = self._copy_groups(ns, hashes)
+        view, groups = self._d.copy_groups(ns, hashes)
         if not groups:
             return [False] * len(hashes)
         if any(view.workers[w].ucx is not None for w, _ in groups):
@@ -407,25 +366,15 @@ class Client:
         flags: list[bool] = self._exists_scatter(nsb, hashes, view, groups).tolist()
         return flags
 
-    def _copy_groups(
-        self, ns: str, hashes: Sequence[bytes]
-    ) -> tuple[View, list[tuple[int, np.ndarray]]]:
-        """Like _groups, but each worker gets every key it holds any copy of."""
-        view, groups = self._groups(hashes)
-        r = self._copies(view, ns, None, reading=True)
-        if r > 1 and groups:
-            groups = any_owner_groups(view.ring.lookup(hashes, r))
-        return view, groups
-
     def _exists_threads(
         self, nsb: bytes, hashes: list[bytes], view: View, groups: list[tuple[int, np.ndarray]]
     ) -> list[bool]:
         result = [False] * len(hashes)
         tasks: list[Callable[[], Any]] = [
-            _bind(view.workers[w].exists, self.timeout, nsb, [hashes[i] for i in idx])
+            _bind(view.workers[w].via.exists, self.timeout, nsb, [hashes[i] for i in idx])
             for w, idx in groups
         ]
-        for (_, idx), flags in zip(groups, self._fan_out(tasks, _misses_only), strict=True):
+        for (_, idx), flags in zip(groups, self._d.fan_out(tasks, _misses_only), strict=True):
             if flags is not None:
                 for j, i in enumerate(idx):
                     result[int(i)] = result[int(i)] or flags[j]
@@ -509,11 +458,11 @@ class Client:
         if (
             view is not None
             and view.workers
-            and self._copies(view, ns, None, reading=True) == 1
+            and self._d.copies(view, ns, None, reading=True) == 1
             and all(w.ucx is None for w in view.workers)
         ):
             return self._prefix_scatter(nsb, hashes, view)
-        view, groups = self._copy_groups(ns, hashes)
+        view, groups = self._d.copy_groups(ns, hashes)
         if not groups:
             return 0
         if any(view.workers[w].ucx is not None for w, _ in groups):
@@ -552,16 +501,16 @@ class Client:
         In a namespace with replicas, a key missed by one owner is read from the next
         (see :mod:`kvstore_client.replicas`)."""
         nsb = self._check(ns, hashes)
-        view, groups = self._groups(hashes)
-        r = self._copies(view, ns, None, reading=True)
+        view, groups = self._d.groups(hashes)
+        r = self._d.copies(view, ns, None, reading=True)
         if r > 1 and groups:
-            return read_copies(self, view, nsb, hashes, None, r)[1]
+            return read_copies(self._d, view, nsb, hashes, None, r)[1]
         result: list[bytes | None] = [None] * len(hashes)
         tasks: list[Callable[[], Any]] = [
-            _bind(view.workers[w].get, self.timeout, nsb, [hashes[i] for i in idx], None)
+            _bind(view.workers[w].via.get, self.timeout, nsb, [hashes[i] for i in idx], None)
             for w, idx in groups
         ]
-        for (_, idx), res in zip(groups, self._fan_out(tasks, _misses_only), strict=True):
+        for (_, idx), res in zip(groups, self._d.fan_out(tasks, _misses_only), strict=True):
             if res is not None:
                 for j, i in enumerate(idx):
                     v = res.values[j]
@@ -625,21 +574,21 @@ class Client:
         self, ns: str, hashes: list[bytes], views: list[BlockView]
     ) -> cf.Future[list[bool]]:
         nsb = ns.encode()
-        view, groups = self._groups(hashes)
+        view, groups = self._d.groups(hashes)
         result = [False] * len(hashes)
         done: cf.Future[list[bool]] = cf.Future()
         if not groups:
             done.set_result(result)
             return done
-        r = self._copies(view, ns, None, reading=True)
+        r = self._d.copies(view, ns, None, reading=True)
         if r > 1:
-            return self._executor.submit(
-                lambda: read_copies(self, view, nsb, hashes, views, r)[0].tolist()
+            return self._d.executor.submit(
+                lambda: read_copies(self._d, view, nsb, hashes, views, r)[0].tolist()
             )
         if len(groups) == 1:
             link = view.workers[groups[0][0]]
             via = link.via
-            if isinstance(via, ShmTransfer) and not via.arena.stale:
+            if via.local:
                 # A same-host worker's blocks are copied by this thread anyway: no hop
                 # through the executor (the future comes back done).
                 try:
@@ -673,8 +622,8 @@ class Client:
                 done.set_result(result)
 
         for w, idx in groups:
-            fut = self._executor.submit(
-                view.workers[w].get,
+            fut = self._d.executor.submit(
+                view.workers[w].via.get,
                 self.timeout,
                 nsb,
                 [hashes[i] for i in idx],
@@ -691,8 +640,8 @@ class Client:
         are done (the views die then). Worker failures are misses; InvalidArgument
         for bad input. Namespaces with several copies per block pin nothing."""
         self._check(ns, hashes)
-        view, groups = self._groups(hashes)
-        if self._copies(view, ns, None) > 1:
+        view, groups = self._d.groups(hashes)
+        if self._d.copies(view, ns, None) > 1:
             return ArenaPins([None] * len(hashes))
         return leases.pin(view, groups, self.timeout, ns.encode(), hashes)
 
@@ -711,8 +660,8 @@ class Client:
         for i, n in enumerate(sizes):
             if n <= 0 or (limit and n > limit):
                 raise InvalidArgument(f"block {i} is {n} bytes; blocks are 1..{limit} bytes")
-        view, groups = self._groups(hashes)
-        if self._copies(view, ns, None) > 1:
+        view, groups = self._d.groups(hashes)
+        if self._d.copies(view, ns, None) > 1:
             return ArenaSlots([None] * len(hashes), [False] * len(hashes))
         flags = wire.FLAG_SESSION if self.session_writer or self._hints is not None else 0
         return leases.reserve(view, groups, self.timeout, ns.encode(), hashes, sizes, flags)
@@ -726,8 +675,10 @@ class Client:
         nsb = self._check(ns, hashes)
         view = self._view
         links = view.workers if view is not None and hashes else []
-        tasks: list[Callable[[], Any]] = [_bind(w.remove, self.timeout, nsb, hashes) for w in links]
-        return sum(n for n in self._fan_out(tasks, _misses_only) if n is not None)
+        tasks: list[Callable[[], Any]] = [
+            _bind(w.via.remove, self.timeout, nsb, hashes) for w in links
+        ]
+        return sum(n for n in self._d.fan_out(tasks, _misses_only) if n is not None)
 
     # ---- admin ---------------------------------------------------------------
 
@@ -783,14 +734,14 @@ class Client:
             raise InvalidArgument("this Client is closed")
         with self._lock:
             if self._hints is None:
-                self._hints = SessionHints(self)
+                self._hints = SessionHints(self._d)
         return self._hints.hint(ns, session_id, state, ttl, hashes)
 
     def sessions(self, limit: int = 10) -> list[store_pb2.SessionsResponse]:
         """Each worker's top ``limit`` sessions and session counters."""
         with self._lock:
             if self._hints is None:
-                self._hints = SessionHints(self)
+                self._hints = SessionHints(self._d)
         return self._hints.sessions(limit)
 
     # ---- lifetime ------------------------------------------------------------
@@ -805,7 +756,7 @@ class Client:
             call.cancel()
         if self._channel is not None:
             self._channel.close()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._d.close()
         with self._lock:
             self._links.close()
             if self._hints is not None:

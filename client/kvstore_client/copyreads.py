@@ -1,7 +1,7 @@
 """Reads in namespaces with replicas: any copy serves, missing copies are repaired.
 
-Executes the plan of :mod:`kvstore_client.replicas` (pure) for a
-:class:`~kvstore_client.client.Client`: round k asks each still-missing key's k-th
+Executes the plan of :mod:`kvstore_client.replicas` (pure) with a client's
+:class:`~kvstore_client.dispatch.Dispatch`: round k asks each still-missing key's k-th
 owner (shm-reachable owners first), the first round also asks the other owners
 whether they hold the key, and copies they lack are written back in the background.
 """
@@ -9,22 +9,20 @@ whether they hold the key, and copies they lack are written back in the backgrou
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from . import wire
+from .dispatch import Dispatch
 from .errors import KVStoreError
 from .replicas import any_owner_groups, by_worker, read_order, repairs
 from .routing import View, bind, misses_only
 from .transport import BlockView
 
-if TYPE_CHECKING:
-    from .client import Client
-
 
 def read_copies(
-    client: Client,
+    d: Dispatch,
     view: View,
     nsb: bytes,
     hashes: list[bytes],
@@ -48,8 +46,8 @@ def read_copies(
         gets = by_worker(order[todo, col], todo)
         tasks: list[Callable[[], Any]] = [
             bind(
-                view.workers[w].get,
-                client.timeout,
+                view.workers[w].via.get,
+                d.timeout,
                 nsb,
                 [hashes[i] for i in idx],
                 [bufs[i] for i in idx] if bufs is not None else None,
@@ -61,10 +59,10 @@ def read_copies(
             rest = [(w, idx[order[idx, 0] != w]) for w, idx in any_owner_groups(owners)]
             checks = [(w, idx) for w, idx in rest if len(idx)]
             tasks += [
-                bind(view.workers[w].exists, client.timeout, nsb, [hashes[i] for i in idx])
+                bind(view.workers[w].via.exists, d.timeout, nsb, [hashes[i] for i in idx])
                 for w, idx in checks
             ]
-        res = client._fan_out(tasks, misses_only)
+        res = d.fan_out(tasks, misses_only)
         for (w, idx), got in zip(gets, res[: len(gets)], strict=True):
             if got is None:
                 continue
@@ -85,7 +83,7 @@ def read_copies(
         todo = todo[found_at[todo] < 0]
     fallback = int(np.count_nonzero((found_at >= 0) & (found_at != owners[:, 0])))
     if fallback:
-        client.replica_stats.add(fallback_reads=fallback)
+        d.replica_stats.add(fallback_reads=fallback)
     fix = repairs(owners, found_at, present)
     if fix:
         src = {
@@ -93,12 +91,12 @@ def read_copies(
             for _, idx in fix
             for i in idx
         }
-        client._executor.submit(_repair, client, view, nsb, hashes, src, fix)
+        d.executor.submit(_repair, d, view, nsb, hashes, src, fix)
     return found_at >= 0, values
 
 
 def _repair(
-    client: Client,
+    d: Dispatch,
     view: View,
     nsb: bytes,
     hashes: list[bytes],
@@ -109,17 +107,17 @@ def _repair(
     for w, idx in fix:
         vs: list[wire.Block] = [memoryview(src[int(i)]) for i in idx]
         try:
-            status = view.workers[w].put(
-                client.timeout,
+            status = view.workers[w].via.put(
+                d.timeout,
                 nsb,
                 [hashes[i] for i in idx],
                 vs,
                 [wire.block_checksum(v) for v in vs],
             )
         except KVStoreError:
-            client.replica_stats.add(copies_failed=len(idx))
+            d.replica_stats.add(copies_failed=len(idx))
             continue
-        client.replica_stats.add(repaired=sum(1 for x in status if x in (0, 1)))
+        d.replica_stats.add(repaired=sum(1 for x in status if x in (0, 1)))
 
 
 def _joined(b: BlockView) -> bytes:

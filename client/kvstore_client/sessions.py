@@ -23,11 +23,11 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 
+from .dispatch import Dispatch
 from .errors import (
     InvalidArgument,
     KVStoreError,
@@ -38,9 +38,6 @@ from .errors import (
 from .keys import check_hashes, check_namespace
 from .proto import store_pb2, store_pb2_grpc
 from .security import open_channel
-
-if TYPE_CHECKING:
-    from .client import Client
 
 STATES = ("active", "paused", "ended")
 MAX_SESSION_ID_BYTES = 256
@@ -61,11 +58,11 @@ def check_hint(session_id: str, state: str, ttl: float | None) -> None:
 
 
 class SessionHints:
-    """Sends hints for one :class:`~kvstore_client.client.Client` (one gRPC channel per
-    worker, kept until :meth:`close`)."""
+    """Sends hints for one client, through its :class:`~kvstore_client.dispatch.Dispatch`
+    (one gRPC channel per worker, kept until :meth:`close`)."""
 
-    def __init__(self, client: Client) -> None:
-        self._client = client
+    def __init__(self, d: Dispatch) -> None:
+        self._d = d
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         # (ns, session) -> (hashes every worker took, the last of them, when sent in full)
@@ -108,7 +105,7 @@ class SessionHints:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = open_channel(address, self._client.tls)
+                ch = self._channels[address] = open_channel(address, self._d.tls)
         return store_pb2_grpc.StoreStub(ch)
 
     def hint(
@@ -127,14 +124,14 @@ class SessionHints:
         InvalidArgument / PermissionDenied for a hint the caller got wrong; an
         unreachable worker is skipped (hints are advice), so the result may be short.
         """
-        c = self._client
+        d = self._d
         check_namespace(ns)
         check_hint(session_id, state, ttl)
         hashes = list(hashes)
         check_hashes(hashes)
         now = time.monotonic()
         skip = self._new_part(ns, session_id, hashes, now)
-        view, groups = c._copy_groups(ns, hashes[skip:])
+        view, groups = d.copy_groups(ns, hashes[skip:])
         new = hashes[skip:]
         owned = {w: idx for w, idx in groups}
         empty = np.zeros(0, dtype=np.int64)
@@ -154,7 +151,7 @@ class SessionHints:
         def on_error(_: int, e: KVStoreError) -> None:
             errors.append(e)
 
-        took = sum(1 for r in c._fan_out(tasks, on_error) if r is not None)
+        took = sum(1 for r in d.fan_out(tasks, on_error) if r is not None)
         self._remember(ns, session_id, state, hashes, skip, took == len(tasks), now)
         for e in errors:
             if isinstance(e, InvalidArgument | PermissionDenied | Unauthenticated):
@@ -164,9 +161,7 @@ class SessionHints:
     def _task(self, address: str, req: store_pb2.SessionHintRequest) -> Callable[[], int]:
         def call() -> int:
             try:
-                self._stub(address).SessionHint(
-                    req, timeout=self._client.timeout, metadata=self._client._md
-                )
+                self._stub(address).SessionHint(req, timeout=self._d.timeout, metadata=self._d.md)
             except grpc.RpcError as e:
                 raise from_rpc_error(e) from e
             return 1
@@ -176,14 +171,14 @@ class SessionHints:
     def sessions(self, limit: int = 10) -> list[store_pb2.SessionsResponse]:
         """Every reachable worker's session table (top ``limit`` sessions each)."""
         out = []
-        view = self._client._view
+        view = self._d.view
         for link in view.workers if view else []:
             try:
                 out.append(
                     self._stub(link.info.grpc).Sessions(
                         store_pb2.SessionsRequest(limit=limit),
-                        timeout=self._client.timeout,
-                        metadata=self._client._md,
+                        timeout=self._d.timeout,
+                        metadata=self._d.md,
                     )
                 )
             except grpc.RpcError as e:

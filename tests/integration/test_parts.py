@@ -84,7 +84,7 @@ def test_bad_part_lists_store_nothing(shared_cluster: LocalCluster, transport: s
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_empty_values_are_values(shared_cluster: LocalCluster, transport: str) -> None:
-    """One behaviour for b"" (issue 25): whole or in parts, it is stored and read back,
+    """One behaviour for b"": whole or in parts, it is stored and read back,
     and buffers of zero bytes in all are a hit for it."""
     keys = [key(i, f"empty{transport}") for i in range(3)]
     with Client(shared_cluster.address, transport=transport) as c:
@@ -95,7 +95,7 @@ def test_empty_values_are_values(shared_cluster: LocalCluster, transport: str) -
         bufs[2] = [bytearray(0)]
         assert c.batch_get_into_parts(NS, keys, bufs).result() == [True] * 3
         assert c.batch_get_into(NS, keys, [bytearray(0)] * 3).result() == [True] * 3
-        assert c.batch_get_into(NS, keys, [bytearray(1)] * 3).result() == [False] * 3
+        assert c.batch_get_into(NS, keys, [bytearray(1) for _ in keys]).result() == [False] * 3
 
 
 def test_parts_with_replicas(make_cluster: MakeCluster) -> None:
@@ -114,7 +114,7 @@ def test_parts_with_replicas(make_cluster: MakeCluster) -> None:
         owners = view.ring.lookup(keys, 2)
         for w in set(owners[:, 0].tolist()):
             idx = [i for i in range(8) if owners[i, 0] == w]
-            view.workers[w].remove(5.0, NS.encode(), [keys[i] for i in idx])
+            view.workers[w].via.remove(5.0, NS.encode(), [keys[i] for i in idx])
         dest = [empty_like(split(v, 3)) for v in vals]
         assert c.batch_get_into_parts(NS, keys, dest).result() == [True] * 8
         assert [b"".join(bytes(p) for p in d) for d in dest] == vals
