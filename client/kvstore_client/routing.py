@@ -22,7 +22,7 @@ from .errors import CallerError, KVStoreError
 from .proto import master_pb2
 from .security import Tls
 from .sharding import Ring
-from .transport import BlockView, GetResult, Transfer, shm
+from .transport import Transfer, shm
 from .transport.shm import ShmArena, ShmTransfer
 from .transport.tcp import TcpPool, TcpTransfer, parse_tcp_url
 from .transport.ucx import UcxPool, find_ucx_url, parse_ucx_url
@@ -82,28 +82,6 @@ class WorkerLink:
     def via(self) -> Transfer:
         assert self.transfer is not None
         return self.transfer
-
-    def put(
-        self,
-        timeout: float,
-        ns: bytes,
-        hs: list[bytes],
-        vs: list[wire.Block],
-        cs: list[int],
-        flags: int = 0,
-    ) -> bytes:
-        return self.via.put(timeout, ns, hs, vs, cs, flags)
-
-    def get(
-        self, timeout: float, ns: bytes, hs: list[bytes], bufs: list[BlockView] | None
-    ) -> GetResult:
-        return self.via.get(timeout, ns, hs, bufs)
-
-    def exists(self, timeout: float, ns: bytes, hs: list[bytes]) -> list[bool]:
-        return self.via.exists(timeout, ns, hs)
-
-    def remove(self, timeout: float, ns: bytes, hs: list[bytes]) -> int:
-        return self.via.remove(timeout, ns, hs)
 
 
 @dataclass(slots=True)

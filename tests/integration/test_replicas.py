@@ -81,7 +81,7 @@ def copies(c: Client, ns: str, hashes: list[bytes]) -> np.ndarray:
     assert view is not None
     total = np.zeros(len(hashes), dtype=int)
     for w in view.workers:
-        total += np.array(w.exists(5.0, ns.encode(), hashes), dtype=int)
+        total += np.array(w.via.exists(5.0, ns.encode(), hashes), dtype=int)
     return total
 
 

@@ -25,6 +25,13 @@ BlockView = memoryview | list[memoryview]  # a destination: one view, or its par
 class Transfer(Protocol):
     """Batched block calls to one worker, each within ``timeout`` seconds."""
 
+    @property
+    def local(self) -> bool:
+        """True when a read is copies on the calling thread with no wait on the
+        network (a same-host worker's mapped arena): callers need not hand it to a
+        pool."""
+        ...
+
     def put(
         self,
         timeout: float,

@@ -36,7 +36,7 @@ import numpy as np
 import xxhash
 
 from .. import wire
-from ..errors import KVStoreError, Unavailable
+from ..errors import KVStoreError, Unavailable, from_transport_error
 from . import pins
 from .tcp import GetResult, TcpConnection, TcpPool, TcpTransfer
 
@@ -413,6 +413,136 @@ def put(
     )
 
 
+# ---- leases (see .pins) -----------------------------------------------------------
+
+
+def pin(
+    pool: TcpPool, arena: ShmArena, timeout: float, ns: bytes, hashes: Sequence[bytes]
+) -> pins.ArenaPins:
+    """Pin ``hashes`` in ``arena`` (one GET_LOC). Raises a PeerError when the worker
+    cannot be reached or answers wrongly (the connection is then closed, which
+    releases what it held)."""
+    conn = pool.lease(timeout)
+    conn.sock.settimeout(max(timeout, 0.001))
+    try:
+        views, req = _locate(conn, arena, ns, hashes)
+    except (KVStoreError, OSError) as e:
+        pool.end_lease(conn, keep=False)
+        err = from_transport_error(e, f"{pool.host}:{pool.port}")
+        if err is e:
+            raise
+        raise err from e
+    done = threading.Event()
+
+    def release() -> None:
+        if done.is_set():
+            return
+        done.set()
+        try:
+            wire.send_buffers(conn.sock, [wire.encode_request_header(wire.OP_RELEASE, ns, 0, req)])
+        except OSError:
+            pool.end_lease(conn, keep=False)
+            return
+        pool.end_lease(conn, keep=True)
+
+    return pins.ArenaPins(views, [arena], [release])
+
+
+def _locate(
+    conn: TcpConnection, arena: ShmArena, ns: bytes, hashes: Sequence[bytes]
+) -> tuple[list[memoryview | None], int]:
+    sock = conn.sock
+    conn._req += 1
+    req = conn._req
+    head = wire.encode_request_header(wire.OP_GET_LOC, ns, len(hashes), req)
+    wire.send_buffers(sock, [head, b"".join(hashes)])
+    h = conn._answer(wire.OP_GET_LOC, req)
+    arena.check(h.ns_len)
+    if h.count != len(hashes):
+        raise Unavailable(f"{h.count} locations for {len(hashes)} hashes")
+    meta = wire.recv_exact(sock, h.count * wire.LOC_ENTRY.size)
+    entries = list(wire.LOC_ENTRY.iter_unpack(meta))
+    views: list[memoryview | None] = [None] * len(hashes)
+    digest = xxhash.xxh3_64_intdigest
+    for i, (status, size, checksum, _) in enumerate(entries):  # inline payloads first
+        if status == wire.LOC_INLINE:
+            buf = bytearray(size)
+            wire.recv_into_exact(sock, memoryview(buf))
+            if digest(buf) == checksum:
+                views[i] = memoryview(buf)
+    mv = arena.view
+    for i, (status, size, checksum, off) in enumerate(entries):
+        if status == wire.LOC_ARENA and off + size <= len(mv):
+            slot = mv[off : off + size]
+            if digest(slot) == checksum:
+                views[i] = slot
+    return views, req
+
+
+def reserve(
+    pool: TcpPool,
+    arena: ShmArena,
+    timeout: float,
+    ns: bytes,
+    hashes: Sequence[bytes],
+    sizes: Sequence[int],
+    flags: int = 0,
+) -> pins.ArenaSlots:
+    """Reserve slots for ``hashes`` (one PUT_LOC with FLAG_LATE_SUM and ``flags``,
+    e.g. FLAG_SESSION, on a leased connection). Raises a PeerError when the worker
+    cannot be reached or answers wrongly (the connection is closed, which drops
+    what it reserved)."""
+    conn = pool.lease(timeout)
+    conn.sock.settimeout(max(timeout, 0.001))
+    n = len(hashes)
+    try:
+        conn._req += 1
+        req = conn._req
+        entries = bytearray(n * wire.PUT_ENTRY.size)
+        for j in range(n):
+            wire.PUT_ENTRY.pack_into(entries, j * wire.PUT_ENTRY.size, hashes[j], sizes[j], 0)
+        head = wire.encode_request_header(wire.OP_PUT_LOC, ns, n, req, wire.FLAG_LATE_SUM | flags)
+        wire.send_buffers(conn.sock, [head, entries])
+        h = conn._answer(wire.OP_PUT_LOC, req)
+        arena.check(h.ns_len)
+        if h.count != n:
+            raise Unavailable(f"{h.count} slots for {n} blocks")
+        locs = list(wire.PUT_LOC_ENTRY.iter_unpack(wire.recv_exact(conn.sock, n * 16)))
+    except (KVStoreError, OSError) as e:
+        pool.end_lease(conn, keep=False)
+        err = from_transport_error(e, f"{pool.host}:{pool.port}")
+        if err is e:
+            raise
+        raise err from e
+    mv = arena.view
+    views: list[memoryview | None] = [None] * n
+    for j, (status, off) in enumerate(locs):
+        if status == wire.PUT_LOC_SLOT and off + sizes[j] <= len(mv):
+            views[j] = mv[off : off + sizes[j]]
+    present = [status == wire.PUT_PRESENT for status, _ in locs]
+
+    def commit(written: list[bool]) -> list[bool]:
+        flags = bytes(1 if w and v is not None else 0 for w, v in zip(written, views, strict=True))
+        sums = bytearray(n * wire.SUMS.size)
+        for j, v in enumerate(views):
+            if flags[j] and v is not None:
+                wire.SUMS.pack_into(sums, j * wire.SUMS.size, xxhash.xxh3_64_intdigest(v))
+        try:
+            head = wire.encode_request_header(wire.OP_PUT_COMMIT, ns, n, req, wire.FLAG_LATE_SUM)
+            wire.send_buffers(conn.sock, [head, flags, sums])
+            conn._answer(wire.OP_PUT_COMMIT, req)
+            status = wire.recv_exact(conn.sock, n)
+        except (KVStoreError, OSError):
+            pool.end_lease(conn, keep=False)  # closing drops the reservations
+            return [False] * n
+        pool.end_lease(conn, keep=True)
+        return [s == wire.PUT_STORED for s in status]
+
+    out = pins.ArenaSlots(views, present, [arena])
+    out._commits.append((list(range(n)), commit))
+    return out
+
+
 class ShmTransfer(TcpTransfer):
     """The :class:`~kvstore_client.transport.Transfer` of a same-host worker whose arena
     is mapped: gets and puts copy through the mapping (control over a pooled tcp://
@@ -425,6 +555,12 @@ class ShmTransfer(TcpTransfer):
         # A worker lets one connection hold at least two values' worth of shm
         # reservations at a time: a put is cut into requests that always fit.
         self.put_limit = 2 * max(max_value, 1)
+
+    @property
+    def local(self) -> bool:
+        """True while the arena is mapped: a read is copies on the calling thread
+        (the client runs it there, with no hop through its pool)."""
+        return not self.arena.stale
 
     def put(
         self,
@@ -461,7 +597,7 @@ class ShmTransfer(TcpTransfer):
         mapping is stale."""
         if self.arena.stale:
             return None
-        return pins.pin(self.pool, self.arena, timeout, ns, hashes)
+        return pin(self.pool, self.arena, timeout, ns, hashes)
 
     def reserve(
         self,
@@ -475,4 +611,4 @@ class ShmTransfer(TcpTransfer):
         :mod:`.pins`); None once the mapping is stale."""
         if self.arena.stale:
             return None
-        return pins.reserve(self.pool, self.arena, timeout, ns, hashes, sizes, flags)
+        return reserve(self.pool, self.arena, timeout, ns, hashes, sizes, flags)

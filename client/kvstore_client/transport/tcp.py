@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import xxhash
@@ -25,11 +25,9 @@ from .. import wire
 from ..errors import KVStoreError, ProtocolError, Unavailable, from_code, from_transport_error
 from ..keys import HASH_LEN
 from ..security import Tls, wrap_client_socket
+from .pins import ArenaPins, ArenaSlots
 
 SOCK_BUF = 4 << 20
-if TYPE_CHECKING:
-    from .pins import ArenaPins, ArenaSlots
-
 R = TypeVar("R")
 
 
@@ -305,6 +303,11 @@ class TcpTransfer:
 
     def __init__(self, pool: TcpPool) -> None:
         self.pool = pool
+
+    @property
+    def local(self) -> bool:
+        """False: calls wait on the network (run them on the client's pool)."""
+        return False
 
     def put(
         self,

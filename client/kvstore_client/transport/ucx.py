@@ -618,6 +618,11 @@ class UcxPool:
         """Remove blocks; returns how many were present."""
         return self.call(timeout, UcxConnection.remove, ns, hashes)
 
+    @property
+    def local(self) -> bool:
+        """False: calls wait on the network (run them on the client's pool)."""
+        return False
+
     def pin(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> ArenaPins | None:
         """None: a ucx:// worker's blocks cannot be pinned in this process's memory."""
         return None
