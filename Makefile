@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck unit chart proto clean venv e2e
+.PHONY: run test lint typecheck unit integration chart proto clean venv e2e
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	@echo "== $(VENV): installing kvstore-client and kvstore-cache (editable) with the dev and bench extras; about a minute the first time"
@@ -33,13 +33,19 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# Pure state machines and codecs, no processes: seconds.
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests/unit
+
+# Real daemons on 127.0.0.1: integration, reliability, security (tests/e2e needs the
+# engines' venv: `make e2e`).
+integration: $(STAMP)
+	$(BIN)/python -m pytest -q tests --ignore=tests/unit --ignore=tests/e2e
 
 chart: $(STAMP)
 	$(BIN)/python scripts/check_chart.py
 
-test: lint typecheck chart unit
+test: lint typecheck chart unit integration
 
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
