@@ -16,7 +16,7 @@ import xxhash
 
 from .sessions import check_hint
 from .storerecords import LOOKUP_SLICES
-from .tiers.policy import SessionAdvance, SessionHint, SessionKeys
+from .tiers.policy import SessionAdvance, SessionDrain, SessionHint, SessionKeys
 
 if TYPE_CHECKING:
     from .store import BlockStore
@@ -59,6 +59,7 @@ def hint(
         store._queue(store.policy.handle(ev))
     store._execute()
     _advance(store, ns, session, step)
+    drain(store)  # sessions this hint pushed out of a full table
     with store.lock:
         s = store.policy.sessions.get(ns, session)
         chain = list(s.keys) if s is not None and s.state != "ended" else []
@@ -71,6 +72,16 @@ def hint(
     with store.lock:
         store.policy.sessions.record(ns, session, hits, len(chain))
     return hits
+
+
+def drain(store: BlockStore) -> None:
+    """Give up the keys of sessions that left the table with a long chain (expired
+    or pushed out), a slice per hold of the store lock."""
+    step = store.slice_keys * LOOKUP_SLICES
+    while store.policy.sessions.dropping:
+        with store.lock:
+            store._queue(store.policy.handle(SessionDrain(step)))
+        store._execute()
 
 
 def _advance(store: BlockStore, ns: str, session: str, step: int) -> None:

@@ -24,6 +24,11 @@ any client) sends hints: ``(namespace, session id, state, block hashes, ttl)``.
   (session, block) pairs of an account (hashes beyond it are ignored, counted in
   ``counters.blocks_refused``). One tenant's flood of made-up sessions and hashes
   therefore costs only its own sessions; the table holds at most accounts x bounds.
+- A long chain (over ``move_slice`` keys) changes state, and leaves the table, a
+  slice at a time: the session is in its new state at once, its keys follow by
+  :meth:`SessionTable.advance` / :meth:`SessionTable.drain` (the store calls them
+  with its lock released in between), so no hint or expiry holds the lock for a
+  whole chain.
 
 Every call returns :class:`Change` records saying which blocks changed protection,
 which were orphaned and which belong to a session that just resumed (to prefetch);
@@ -32,7 +37,7 @@ the policy turns them into tier instructions.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -137,6 +142,7 @@ class SessionTable:
         self.sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()  # by last hint
         self.by_sid: dict[int, Session] = {}
         self._free_sids: list[int] = []
+        self.dropping: deque[Session] = deque()  # left the table, keys still moving out
         self._next_sid = 1
         self._sessions_of: dict[str, int] = {}  # per account: sessions in the table
         self._blocks_of: dict[str, int] = {}  # per account: (session, block) pairs
@@ -233,6 +239,20 @@ class SessionTable:
         self._step(s, n, ch)
         return [ch] if ch else []
 
+    def drain(self, n: int) -> list[Change]:
+        """Give up up to ``n`` more keys of sessions that left the table with a long
+        chain (see :meth:`_drop`); [] when none is left."""
+        if not self.dropping:
+            return []
+        s = self.dropping[0]
+        ch = Change(s.ns)
+        self._step(s, n, ch)
+        if s.moving is None:
+            self.dropping.popleft()
+            del self.by_sid[s.sid]
+            self._free_sids.append(s.sid)
+        return [ch] if ch else []
+
     def moving(self, ns: str, name: str) -> bool:
         s = self.sessions.get((ns, name))
         return s is not None and s.moving is not None
@@ -313,13 +333,20 @@ class SessionTable:
         return s
 
     def _drop(self, s: Session) -> list[Change]:
+        """The session leaves the table (expired, or pushed out). A long chain's keys
+        are given up later, a slice at a time (:meth:`drain`); its id stays taken
+        until then."""
         ch = Change(s.ns)
         if s.moving is not None:
             self._step(s, None, ch)
-        self._move(s, "ended", ch, orphan=False)
         del self.sessions[(s.ns, s.name)]
-        del self.by_sid[s.sid]
-        self._free_sids.append(s.sid)
+        if self.move_slice and len(s.keys) > self.move_slice and s.state != "ended":
+            self._begin(s, "ended", orphan=False)
+            self.dropping.append(s)
+        else:
+            self._move(s, "ended", ch, orphan=False)
+            del self.by_sid[s.sid]
+            self._free_sids.append(s.sid)
         left = self._sessions_of.get(s.account, 1) - 1
         if left:
             self._sessions_of[s.account] = left

@@ -744,6 +744,7 @@ class BlockStore:
         """Expire sessions (called every second by the demoter, or by a caller)."""
         self._next_tick = now + 1.0
         self.handle(SessionTick(now))
+        session_ops.drain(self)
 
     def _rebuild(self) -> None:
         """Index what LMDB holds (headers only); drop malformed entries."""

@@ -131,3 +131,32 @@ def test_a_long_chains_state_change_lets_a_lookup_in_between_its_slices(state: s
     finally:
         store.close()
         arena.close()
+
+
+def test_a_long_session_that_expires_leaves_a_slice_at_a_time() -> None:
+    from kvstore.worker.sessions import SessionTable
+
+    arena = Arena(16 << 20)
+    table = SessionTable(move_slice=2048, paused_ttl=60.0)
+    store = BlockStore(arena, 1 << 20, sessions=table, retain_budget=1)
+    try:
+        chain = [os.urandom(16) for _ in range(200_000)]
+        store.session_hint(NS, "long", "active", chain, None)
+        store.session_hint(NS, "long", "paused", [], 60.0)
+        assert table.is_protected(NS, chain[0])
+        t = threading.Thread(target=lambda: store.session_tick(time.monotonic() + 3600))
+        t.start()
+        deadline = time.monotonic() + 30
+        while not table.dropping and time.monotonic() < deadline:
+            time.sleep(0.0002)
+        assert table.dropping, "the expired session never showed as leaving"
+        assert store.exists(NS, chain[:1]) == [False]
+        still = bool(table.dropping)
+        t.join(60)
+        assert still, "the lookup waited for the whole chain to leave"
+        assert table.get(NS, "long") is None and not table.dropping
+        assert not table.refs and not table.paused_refs and not table.owner
+        assert table.blocks == 0 and not table.by_sid and table.paused == 0
+    finally:
+        store.close()
+        arena.close()

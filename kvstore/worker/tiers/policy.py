@@ -353,6 +353,13 @@ class SessionAdvance:
 
 
 @dataclass(frozen=True, slots=True)
+class SessionDrain:
+    """Give up up to ``n`` more keys of sessions that left the table (SessionTable.drain)."""
+
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
 class SessionKeys:
     """A slice of a long hint's hashes, added in the session's current state."""
 
@@ -392,6 +399,7 @@ Event = (
     | SessionHint
     | SessionKeys
     | SessionAdvance
+    | SessionDrain
     | Lookup
     | SessionTick
 )
@@ -610,6 +618,8 @@ class TierPolicy:
             return self._changes(self.sessions.add_keys(ev.ns, ev.session, ev.keys, ev.now))
         elif isinstance(ev, SessionAdvance):
             return self._changes(self.sessions.advance(ev.ns, ev.session, ev.n))
+        elif isinstance(ev, SessionDrain):
+            return self._changes(self.sessions.drain(ev.n))
         elif isinstance(ev, Lookup):
             return self._changes(self.sessions.lookup(ev.ns, ev.keys, ev.now))
         elif isinstance(ev, SessionTick):
