@@ -49,7 +49,9 @@ def make_llm(cfg: dict[str, Any]) -> Any:
         extra.update(cfg.get("extra", {}))
         kw["kv_transfer_config"] = {
             "kv_connector": "KVStoreConnector",
-            "kv_connector_module_path": "kvstore_client.connectors.vllm",
+            "kv_connector_module_path": cfg.get(
+                "connector_module", "kvstore_client.connectors.vllm"
+            ),
             "kv_role": cfg.get("kv_role", "kv_both"),
             "kv_connector_extra_config": extra,
         }

@@ -32,6 +32,7 @@ class Engine:
         warmup_seed: int = 99,
         kv_role: str = "kv_both",
         engine: dict[str, Any] | None = None,
+        fault_file: Path | None = None,
     ) -> None:
         self.name = name
         self.cfg = {
@@ -42,6 +43,10 @@ class Engine:
             "kv_role": kv_role,
             "engine": engine or {},
         }
+        # With a fault file, the engine runs the tests' fault-injecting connector.
+        self.fault_file = fault_file
+        if fault_file is not None:
+            self.cfg["connector_module"] = "tests.e2e.faults"
         self.log_path = log_dir / f"engine-{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.namespace: str | None = None  # the connector's, once ready
@@ -53,6 +58,8 @@ class Engine:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+        if self.fault_file is not None:
+            env["KVSTORE_TEST_FAULT_FILE"] = str(self.fault_file)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.e2e.engine_proc", json.dumps(self.cfg)],

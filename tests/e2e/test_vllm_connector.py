@@ -62,14 +62,24 @@ def engines(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, Engine]]:
     logs = tmp_path_factory.mktemp("engines")
-    extra = {"test_fault_file": str(fault_file)}
     # B moves blocks through the block mover's rows (the path a CUDA cache takes,
     # its loads copied from pinned arena slots), A through host zero copy: every
-    # hit between them crosses the two paths.
-    mover = {**extra, "zero_copy": False}
+    # hit between them crosses the two paths. Both run the tests' fault-injecting
+    # connector (tests/e2e/faults.py), idle until the fault file is written.
+    mover = {"zero_copy": False}
     es = {
-        "A": Engine("A", tiny_model, logs, master=cluster.address, extra=extra, warmup_seed=1),
-        "B": Engine("B", tiny_model, logs, master=cluster.address, extra=mover, warmup_seed=2),
+        "A": Engine(
+            "A", tiny_model, logs, master=cluster.address, warmup_seed=1, fault_file=fault_file
+        ),
+        "B": Engine(
+            "B",
+            tiny_model,
+            logs,
+            master=cluster.address,
+            extra=mover,
+            warmup_seed=2,
+            fault_file=fault_file,
+        ),
         "R": Engine("R", tiny_model, logs, master=None, warmup_seed=3),
     }
     try:

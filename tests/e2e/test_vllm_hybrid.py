@@ -63,11 +63,11 @@ def engines(
     cluster: LocalCluster, lfm2: str, fault_file: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Engine]]:
     logs = tmp_path_factory.mktemp("engines")
-    extra = {"test_fault_file": str(fault_file)}
     eng = {"block_size": None}  # vLLM sizes a hybrid model's blocks itself
+    ff = fault_file  # the tests' fault-injecting connector (tests/e2e/faults.py)
     es = {
-        "A": Engine("A", lfm2, logs, cluster.address, extra, warmup_seed=11, engine=eng),
-        "B": Engine("B", lfm2, logs, cluster.address, extra, warmup_seed=12, engine=eng),
+        "A": Engine("A", lfm2, logs, cluster.address, None, 11, engine=eng, fault_file=ff),
+        "B": Engine("B", lfm2, logs, cluster.address, None, 12, engine=eng, fault_file=ff),
         "R": Engine("R", lfm2, logs, None, warmup_seed=13, engine=eng),
     }
     try:

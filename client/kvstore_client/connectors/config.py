@@ -83,9 +83,6 @@ class ConnectorConfig:
                          the step that schedules the request, and the worker waits
                          for it before the forward); "sync" is refused for models
                          with several KV cache groups (hybrid)
-    test_fault_file      fault injection for tests only: while this file exists and
-                         holds {"remove_from_block": k}, each load first removes its
-                         blocks from k on from the store, so they really miss
     """
 
     master: str
@@ -99,7 +96,6 @@ class ConnectorConfig:
     max_pending_save_mb: int = 1024
     max_pending_load_mb: int = 1024
     staging_mb: int = 256
-    test_fault_file: str | None = None
     load_failure_policy: str = "recompute"
     zero_copy: bool = True
     session_hints: bool = True
@@ -168,7 +164,6 @@ class ConnectorConfig:
             max_pending_save_mb=num("max_pending_save_mb", int, 1024, False),
             max_pending_load_mb=num("max_pending_load_mb", int, 1024, True),
             staging_mb=num("staging_mb", int, 256, True),
-            test_fault_file=d.get("test_fault_file") or None,
             load_failure_policy=policy,
             zero_copy=parse_bool(d.get("zero_copy", True), "zero_copy"),
             session_hints=parse_bool(d.get("session_hints", True), "session_hints"),

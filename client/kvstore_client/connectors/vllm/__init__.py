@@ -95,6 +95,8 @@ def wait_for_saves(timeout: float = 30.0) -> bool:
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """See the module docstring. One instance per role (scheduler, each worker)."""
 
+    worker_side: type[WorkerSide] = WorkerSide  # what a worker process runs
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         kvt = self._kv_transfer_config
@@ -114,7 +116,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             from ..naming import resolve_ranks
 
             ranks = resolve_ranks(_ranks(), s.tp_size, s.pp_size)
-            self._worker = WorkerSide(s, kv_cache_config, self._interval, ranks)
+            self._worker = self.worker_side(s, kv_cache_config, self._interval, ranks)
             self._ns = self._worker.ns
             _LIVE.add(self)
 

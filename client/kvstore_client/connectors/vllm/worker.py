@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
-import json
 import logging
 import threading
 import time
@@ -286,7 +285,7 @@ class WorkerSide:
             if not self._budget.admit(nbytes):
                 return
             self._queued.popleft()
-            state_hash = self._fault(tr)
+            state_hash = self._state_hash(tr)
             pl = _PendingLoad(tr, nbytes, time.perf_counter())
             if not self._zero_copy:
                 pl.job = self._load_pool.submit(self._load_job, tr, state_hash)
@@ -402,29 +401,11 @@ class WorkerSide:
         self._last_load = t
         return t
 
-    def _fault(self, tr: Transfer) -> bytes | None:
-        """Tests only (``test_fault_file``, a JSON object read before each load):
-        ``remove_from_block: k`` removes the load's blocks from k on from the store,
-        so they really miss; ``state_from_index: i`` loads the state stored with the
-        load's i-th hash instead of the right one (a wrong-state control).
-        Returns the state hash to load."""
-        path = self.s.cfg.test_fault_file
-        state_hash = tr.state_hash
-        if not path:
-            return state_hash
-        try:
-            with open(path) as f:
-                fault = json.load(f)
-        except (OSError, ValueError):
-            return state_hash
-        client = self._holder.get()
-        k = fault.get("remove_from_block")
-        if client is not None and isinstance(k, int) and tr.hashes[k:]:
-            client.remove(self.ns, tr.hashes[k:])
-        i = fault.get("state_from_index")
-        if state_hash is not None and isinstance(i, int) and 0 <= i < len(tr.hashes):
-            state_hash = tr.hashes[i]
-        return state_hash
+    def _state_hash(self, tr: Transfer) -> bytes | None:
+        """The hash of the state a hybrid load fills in (its last block's); called
+        once per load as it starts. The tests' fault-injecting worker side
+        (tests/e2e/faults.py) overrides it."""
+        return tr.state_hash
 
     def _result(self, fut: cf.Future[list[bool]] | None, n: int, rid: str) -> list[bool]:
         if fut is None:
