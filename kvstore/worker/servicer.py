@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import grpc
 
-from kvstore_client.keys import HASH_LEN, to_bitmap, unpack_hashes
+from kvstore_client.keys import HASH_LEN, split_hashes, to_bitmap
 from kvstore_client.proto import store_pb2, store_pb2_grpc
 
 from .. import metrics
@@ -61,7 +61,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def _keys(self, tenant: Tenant | None, ns: str, packed: bytes) -> tuple[str, list[bytes]]:
         ns = self.core.admit(tenant, ns)
         self.core.check_batch(len(packed) // HASH_LEN)  # before unpacking anything
-        return ns, unpack_hashes(packed)
+        return ns, split_hashes(packed)
 
     def Exists(
         self, request: store_pb2.ExistsRequest, context: grpc.ServicerContext
