@@ -5,14 +5,12 @@ bookkeeping it carries between its lock and the I/O it runs outside it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .tiers.dram import Block
+from .tiers.dram import Block, DramTier
+from .tiers.policy import TierPolicy
 
 LOOKUP_SLICES = 8  # a lookup (or a session hint) holds the store lock for this many slices
-
-if TYPE_CHECKING:
-    from .store import BlockStore
 
 
 @dataclass(slots=True)
@@ -94,11 +92,15 @@ class _Todo:
     prefetch: list[tuple[str, tuple[bytes, ...]]] = field(default_factory=list)
 
 
-def snapshot(store: BlockStore) -> StoreStats:
-    """The store's counters and tier sizes now (read without the lock: a scrape)."""
-    t = store.tier
+def snapshot(
+    tier: DramTier, policy: TierPolicy, counters: StoreCounters, ssd_size: int | None
+) -> StoreStats:
+    """A store's counters and tier sizes now (read without the lock: a scrape);
+    ``ssd_size`` None: no SSD tier."""
+    t = tier
     c = t.counters
-    pc = store.policy.counters
+    pc = policy.counters
+    ssd_index = policy.ssd
     return StoreStats(
         dram_capacity_bytes=t.capacity,
         dram_used_bytes=t.used_bytes,
@@ -107,19 +109,19 @@ def snapshot(store: BlockStore) -> StoreStats:
         misses=c.misses,
         evictions=c.evictions,
         puts=c.puts,
-        checksum_errors=store.counters.checksum_errors,
-        bad_frames=store.counters.bad_frames,
-        demotions=store.counters.demotions,
-        promotions=store.counters.promotions,
-        ssd_hits=store.counters.ssd_hits,
-        has_ssd=store.ssd is not None,
-        ssd_capacity_bytes=store.ssd.size if store.ssd else 0,
-        ssd_used_bytes=store.ssd_index.used_bytes,
-        ssd_keys=len(store.ssd_index),
-        ssd_evictions=store.ssd_index.evictions,
+        checksum_errors=counters.checksum_errors,
+        bad_frames=counters.bad_frames,
+        demotions=counters.demotions,
+        promotions=counters.promotions,
+        ssd_hits=counters.ssd_hits,
+        has_ssd=ssd_size is not None,
+        ssd_capacity_bytes=ssd_size or 0,
+        ssd_used_bytes=ssd_index.used_bytes,
+        ssd_keys=len(ssd_index),
+        ssd_evictions=ssd_index.evictions,
         ssd_write_errors=pc.ssd_write_errors,
-        sessions=len(store.policy.sessions),
-        retained_bytes=store.policy.retained_bytes,
-        prefetched=store.counters.prefetched,
+        sessions=len(policy.sessions),
+        retained_bytes=policy.retained_bytes,
+        prefetched=counters.prefetched,
         share_declined=pc.share_declined,
     )
