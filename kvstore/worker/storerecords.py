@@ -4,8 +4,10 @@ bookkeeping it carries between its lock and the I/O it runs outside it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+from google.protobuf.message import Message
 
 from .tiers.dram import Block, DramTier
 from .tiers.policy import TierPolicy
@@ -125,3 +127,21 @@ def snapshot(
         prefetched=counters.prefetched,
         share_declined=pc.share_declined,
     )
+
+
+M = TypeVar("M", bound=Message)
+# StoreStats fields whose protobuf field has another name (the protos predate the tiers).
+PB_NAMES = {
+    "dram_capacity_bytes": "capacity_bytes",
+    "dram_used_bytes": "used_bytes",
+    "dram_keys": "keys",
+}
+
+
+def stats_message(stats: StoreStats, cls: type[M], **extra: Any) -> M:
+    """``cls``, a protobuf message (the gRPC ``StatsResponse``, the heartbeat's
+    ``WorkerStats``), filled from one stats record: each of its fields the record has,
+    under the record's name or its :data:`PB_NAMES` name; ``extra`` sets the others."""
+    names = set(cls.DESCRIPTOR.fields_by_name)
+    fields = {PB_NAMES.get(k, k): v for k, v in asdict(stats).items()}
+    return cls(**{k: v for k, v in fields.items() if k in names}, **extra)

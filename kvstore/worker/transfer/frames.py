@@ -50,8 +50,8 @@ from kvstore_client.errors import (
 )
 from kvstore_client.keys import HASH_LEN, split_hashes, to_bitmap
 
-from ...auth import Tenant
-from ..requests import Holder, RequestCore, put_status
+from ...auth import Tenant, Tenants
+from ..requests import Holder, Limits, RequestCore, put_status
 from ..store import BlockStore
 from ..tiers.dram import Block
 
@@ -152,6 +152,17 @@ class Peer:
 
 def ok_answer(h: wire.Header, count: int = 0, tag: int = 0) -> bytes:
     return wire.encode_answer_header(h.op, 0, count, h.req_id, tag)
+
+
+def own_core(store: BlockStore, core: RequestCore | None, tenants: Tenants | None) -> RequestCore:
+    """``core`` (a worker's one request core, which carries its tenants), or for a
+    server built alone a core of ``store``'s defaults with ``tenants``. Tenants given
+    with a core would be ignored: refused (InvalidArgument)."""
+    if core is not None:
+        if tenants is not None:
+            raise InvalidArgument("tenants come with the request core: pass one or the other")
+        return core
+    return RequestCore(Limits.for_arena(store.tier.capacity, store.max_value_size), tenants)
 
 
 class FrameCore:

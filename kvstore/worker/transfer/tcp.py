@@ -26,9 +26,9 @@ from kvstore_client import wire
 from kvstore_client.errors import ProtocolError
 
 from ...auth import Tenants
-from ..requests import Limits, RequestCore
+from ..requests import RequestCore
 from ..store import BlockStore
-from .frames import TCP_OPS, FrameCore, Peer, Refused, observe_frame
+from .frames import TCP_OPS, FrameCore, Peer, Refused, observe_frame, own_core
 from .shm import ShmServer, ShmState
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,6 @@ class TcpTransferServer:
         max_connections: int = 1024,
         idle_timeout: float = 300.0,
         frame_timeout: float = 30.0,
-        max_batch: int = wire.MAX_BATCH,
         max_per_client: int = 256,
         on_bytes: Callable[[str, str, int], None] | None = None,
         on_request: Callable[[str, str, float], None] | None = None,
@@ -129,11 +128,8 @@ class TcpTransferServer:
     ) -> None:
         self.store = store
         # Admission, limits and budgets: the worker passes the one core all its servers
-        # share; a server built alone (tests, benches) makes its own.
-        self.core = core or RequestCore(
-            Limits.for_arena(store.tier.capacity, store.max_value_size, max_batch=max_batch),
-            tenants,
-        )
+        # share (its tenants with it); a server built alone (tests) makes its own.
+        self.core = own_core(store, core, tenants)
         self.tenants = self.core.tenants
         self.frames = FrameCore(store, self.core, TCP_OPS, "tcp")
         self.shm = ShmServer(store, self.core)

@@ -11,9 +11,9 @@ A malformed frame gets an error answer where one can be framed, then that endpoi
 is closed and counted in ``store.counters.bad_frames``; every other endpoint keeps
 being served. Optional: constructing a server raises Unavailable without ucxx.
 
-UCX's listener binds every interface of the host (ucxx takes no bind address), so
-``host`` is informational; restrict the interfaces UCX uses with ``UCX_NET_DEVICES``
-and firewall the port (docs/UCX.md).
+UCX's listener binds every interface of the host (ucxx takes no bind address): a
+``host`` other than a wildcard is logged as a warning saying so; restrict the
+interfaces UCX uses with ``UCX_NET_DEVICES`` and firewall the port (docs/UCX.md).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from kvstore_client.errors import KVStoreError, ProtocolError, Unavailable
 from kvstore_client.transport.ucx import UcxRuntime, abort, recv_all, send_all
 
 from ...auth import Tenants
-from ..requests import Limits, RequestCore
+from ..requests import RequestCore
 from ..store import BlockStore
-from .frames import UCX_OPS, FrameCore, Peer, Refused, observe_frame, slices
+from .frames import UCX_OPS, FrameCore, Peer, Refused, observe_frame, own_core, slices
 
 log = logging.getLogger(__name__)
 
@@ -58,20 +58,15 @@ class UcxTransferServer:
         max_connections: int = 1024,
         idle_timeout: float = 300.0,
         frame_timeout: float = 30.0,
-        max_batch: int = wire.MAX_BATCH,
         on_bytes: Callable[[str, str, int], None] | None = None,
         on_request: Callable[[str, str, float], None] | None = None,
         tenants: Tenants | None = None,
         core: RequestCore | None = None,
     ) -> None:
         self.store = store
-        self.core = core or RequestCore(
-            Limits.for_arena(store.tier.capacity, store.max_value_size, max_batch=max_batch),
-            tenants,
-        )
+        self.core = own_core(store, core, tenants)
         self.tenants = self.core.tenants
         self.frames = FrameCore(store, self.core, UCX_OPS, "ucx")
-        self.host = host
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
         self.frame_timeout = frame_timeout
@@ -97,6 +92,13 @@ class UcxTransferServer:
             self.port: int = self._rt.run(self._listen(port), 30.0)
         except Exception as e:  # port in use, no usable interface, ...
             raise Unavailable(f"cannot listen for ucx:// on port {port}: {e!r}") from e
+        if host not in ("0.0.0.0", "::", ""):
+            log.warning(
+                "ucx:// listens on port %d of every interface, not only %s (ucxx takes no "
+                "bind address): restrict it with UCX_NET_DEVICES and a firewall (docs/UCX.md)",
+                self.port,
+                host,
+            )
 
     # ---- lifetime (called from any thread but the UCX loop) ------------------
 
