@@ -32,7 +32,6 @@ transport closes). Either way the frame is counted in ``bad_frames``.
 from __future__ import annotations
 
 import contextlib
-import struct
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,14 +48,12 @@ from kvstore_client.errors import (
     to_grpc_code,
 )
 from kvstore_client.keys import HASH_LEN, split_hashes, to_bitmap
+from kvstore_client.transport.ucx import ERROR_MAX, read_part_counts, slices, split_sizes
 
 from ...auth import Tenant, Tenants
 from ..requests import Holder, Limits, RequestCore, put_status
 from ..store import BlockStore
 from ..tiers.dram import Block
-
-ERROR_MAX = 4096  # bytes of an error message sent in an answer
-MAX_PART_ENTRIES = 1 << 20  # parts in one FLAG_PARTS frame
 
 # The ops each transport serves, with the request flags each op may carry.
 TCP_OPS: Mapping[int, int] = {
@@ -252,23 +249,16 @@ class FrameCore:
     def part_counts(h: wire.Header, body: memoryview) -> tuple[memoryview, list[int], int]:
         """A FLAG_PARTS body cut into (entries or hashes, part count per block, bytes
         of the part-size table that follows); ProtocolError for a count of 0, over
-        wire.MAX_PARTS, or too many parts in all."""
+        wire.MAX_PARTS, or too many parts in all (the codec of
+        :mod:`kvstore_client.transport.ucx`)."""
         cut = len(body) - wire.PART_COUNT.size * h.count
-        counts = list(struct.unpack(f"<{h.count}I", body[cut:]))
-        if any(c < 1 or c > wire.MAX_PARTS for c in counts) or sum(counts) > MAX_PART_ENTRIES:
-            raise ProtocolError("bad part counts in a FLAG_PARTS frame")
+        counts = read_part_counts(body[cut:])
         return body[:cut], counts, wire.PART_COUNT.size * sum(counts)
 
     @staticmethod
     def part_sizes(counts: Sequence[int], table: bytes | bytearray) -> list[list[int]]:
         """Per block the sizes of its parts, from the part-size table."""
-        sizes = struct.unpack(f"<{len(table) // 4}I", table)
-        out: list[list[int]] = []
-        at = 0
-        for c in counts:
-            out.append(list(sizes[at : at + c]))
-            at += c
-        return out
+        return split_sizes(counts, table)
 
     # ---- answers -------------------------------------------------------------------
 
@@ -468,13 +458,3 @@ class GetAnswer:
 
     def close(self) -> None:
         self._store.done(self._reading)
-
-
-def slices(view: memoryview, sizes: Sequence[int]) -> list[memoryview]:
-    """``view`` cut into consecutive slices of ``sizes`` (which add up to its size)."""
-    out: list[memoryview] = []
-    at = 0
-    for n in sizes:
-        out.append(view[at : at + n])
-        at += n
-    return out

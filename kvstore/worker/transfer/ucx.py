@@ -27,12 +27,12 @@ from typing import Any
 
 from kvstore_client import wire
 from kvstore_client.errors import KVStoreError, ProtocolError, Unavailable
-from kvstore_client.transport.ucx import UcxRuntime, abort, recv_all, send_all
+from kvstore_client.transport.ucx import UcxRuntime, abort, recv_all, send_all, slices
 
 from ...auth import Tenants
 from ..requests import RequestCore
 from ..store import BlockStore
-from .frames import UCX_OPS, FrameCore, Peer, Refused, observe_frame, own_core, slices
+from .frames import UCX_OPS, FrameCore, Peer, Refused, observe_frame, own_core
 
 log = logging.getLogger(__name__)
 
