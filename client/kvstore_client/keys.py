@@ -56,15 +56,6 @@ def pack_hashes(hashes: Sequence[bytes]) -> bytes:
     return b"".join(hashes)
 
 
-def unpack_hashes(packed: bytes) -> list[bytes]:
-    """Split a packed hash field; InvalidArgument if its length is not a multiple of 16."""
-    if len(packed) % HASH_LEN:
-        raise InvalidArgument(
-            f"packed hashes must be a multiple of {HASH_LEN} bytes, got {len(packed)}"
-        )
-    return [packed[i : i + HASH_LEN] for i in range(0, len(packed), HASH_LEN)]
-
-
 _SPLIT_MAX = 1024
 
 
@@ -74,9 +65,10 @@ def _splitter(n: int) -> struct.Struct:
 
 
 def split_hashes(packed: bytes | bytearray | memoryview) -> list[bytes]:
-    """Split a packed hash field into 16-byte bytes objects (a few C calls: runs of
-    power-of-two lengths up to 1,024); InvalidArgument if its length is not a multiple
-    of 16."""
+    """Split a packed hash field (16*N bytes: gRPC requests, transfer frames, index
+    dumps) into 16-byte bytes objects: the one splitter of client and worker. A few C
+    calls (runs of power-of-two lengths up to 1,024); InvalidArgument if its length is
+    not a multiple of 16."""
     n, rest = divmod(len(packed), HASH_LEN)
     if rest:
         raise InvalidArgument(

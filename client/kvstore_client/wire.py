@@ -43,6 +43,14 @@ token length, body = the token); the answer is OK or UNAUTHENTICATED (then close
 A frame for a namespace the tenant does not own is answered PERMISSION_DENIED
 and the connection is closed. With TLS, the connection is wrapped before any frame.
 
+Every worker transport checks a request in one order (kvstore/worker/transfer/frames.py):
+magic and op; AUTH (with tenants the first frame, else allowed only first); namespace
+length 1..255; the op is served by this transport (ucx:// serves PUT, GET, EXISTS and
+REMOVE); the flags are known for the op; count <= the worker's max batch; then the
+namespace's syntax and ownership; then the body. A bad magic, op, namespace length or
+misplaced AUTH closes the connection unanswered; every other refusal is answered
+(INVALID_ARGUMENT, UNAUTHENTICATED, PERMISSION_DENIED) and then closes it.
+
 Payload bytes are never pickled or copied into the frame: senders pass them as
 separate buffers to ``sendmsg`` and receivers ``recv_into`` their destination.
 """

@@ -562,7 +562,7 @@ def _add_servicer(servicer: MasterServicer, server: grpc.aio.Server) -> None:
 
 def _advertised(cfg: MasterConfig, port: int) -> str:
     """The address other masters and workers reach this one at."""
-    host = str(getattr(cfg, "advertise_host", "") or os.environ.get("POD_IP", "") or cfg.host)
+    host = cfg.advertise_host or os.environ.get("POD_IP", "") or cfg.host
     if host in ("0.0.0.0", "::", ""):
         try:
             host = socket.gethostbyname(socket.gethostname())
@@ -607,7 +607,7 @@ async def serve(cfg: MasterConfig) -> int:
     ha: HaCoordinator | None = None
     if cfg.etcd:
         from .etcd import EtcdClient, EtcdTls
-        from .ha import DEFAULT_LEASE_TTL, HaCoordinator
+        from .ha import HaCoordinator
 
         etcd_tls = None
         if cfg.etcd_ca or cfg.etcd_cert or cfg.etcd_key:
@@ -617,7 +617,7 @@ async def serve(cfg: MasterConfig) -> int:
             Layout(cfg.cluster_id),
             servicer.address,
             servicer,
-            lease_ttl=float(getattr(cfg, "lease_ttl", DEFAULT_LEASE_TTL)),
+            lease_ttl=cfg.lease_ttl,
         )
         servicer.ha = ha
         try:

@@ -57,7 +57,6 @@ class Limits:
     entries_per_client: int = 1 << 18
     entries_per_worker: int = 1 << 20
     max_open_requests: int = 64  # unreleased shm requests per connection
-    slice_keys: int = 256  # keys handled per hold of the store lock
 
     @staticmethod
     def for_arena(arena_bytes: int, max_value_size: int, **kw: int) -> Limits:

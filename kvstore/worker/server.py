@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ from .requests import Limits, RequestCore
 from .servicer import StoreServicer
 from .sessions import SessionTable
 from .store import BlockStore
-from .storerecords import StoreStats
+from .storerecords import StoreStats, stats_message
 from .tiers.policy import Promoter, QuotaBook, Watermarks, parse_pins
 from .tiers.ssd import SsdStore
 from .transfer.shm import ArenaShare
@@ -80,9 +81,11 @@ class Worker:
             max(unit, cfg.dram_size - cfg.dram_size % unit), cfg.shm_dir, huge_page=cfg.huge_pages
         )
         # Anything failing from here on (a port in use, a bad certificate) must not leave
-        # listeners or the hand-over socket behind.
+        # listeners or the hand-over socket behind: each is undone as it was made.
+        undo = contextlib.ExitStack()
         try:
             self.share = ArenaShare(self.arena, cfg.shm_dir)
+            undo.callback(_quietly, self.share.close)
             self.store = BlockStore(
                 self.arena,
                 cfg.max_value_size,
@@ -119,6 +122,7 @@ class Worker:
                     replay_peers=cfg.kv_events_replay_peers,
                 )
                 self.store.events = self.events.sink
+                undo.callback(_quietly, self.events.close)
             n = cfg.shm_entries_per_connection
             self.core = RequestCore(
                 Limits.for_arena(
@@ -146,7 +150,6 @@ class Worker:
                 max_connections=cfg.max_connections,
                 idle_timeout=cfg.idle_timeout,
                 frame_timeout=cfg.frame_timeout,
-                max_batch=cfg.max_batch,
                 max_per_client=cfg.max_connections_per_client,
                 on_bytes=lambda t, d, n: metrics.TRANSFER_BYTES.labels(t, d).inc(n),
                 on_request=metrics.observe_request,
@@ -155,6 +158,7 @@ class Worker:
                     self.tls.server_context(cfg.tls_client_auth) if self.tls.enabled else None
                 ),
             )
+            undo.callback(_quietly, self.tcp.stop, 0)
             # ucx:// (extra kvstore-cache[ucx]), made before anything else in this process uses UCX
             # so that UCX runs in its listener-safe progress mode (docs/UCX.md).
             self.ucx: UcxTransferServer | None = None
@@ -170,11 +174,11 @@ class Worker:
                     max_connections=cfg.max_connections,
                     idle_timeout=cfg.idle_timeout,
                     frame_timeout=cfg.frame_timeout,
-                    max_batch=cfg.max_batch,
                     on_bytes=lambda t, d, n: metrics.TRANSFER_BYTES.labels(t, d).inc(n),
                     on_request=metrics.observe_request,
                     core=self.core,
                 )
+                undo.callback(_quietly, self.ucx.stop, 0)
             self.grpc_server = grpc.server(
                 futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc"),
                 interceptors=[RejectUndecodable()],
@@ -184,6 +188,7 @@ class Worker:
                     ("grpc.so_reuseport", 0),
                 ],
             )
+            undo.callback(_quietly, self.grpc_server.stop, 0)
             bind = f"{cfg.host}:{cfg.grpc_port}"
             if self.tls.enabled:
                 creds = self.tls.server_credentials(cfg.tls_client_auth)
@@ -211,28 +216,14 @@ class Worker:
             )
             metrics.register_collector(self.stats)
         except BaseException:
-            self._abort()
+            undo.close()  # listeners, then the hand-over socket
+            self.arena.close()
             raise
+        self._undo = undo.pop_all()
 
     def _abort(self) -> None:
-        """Undo a partial start: close listeners, the hand-over socket and the arena."""
-        for name in ("tcp", "ucx"):
-            server = getattr(self, name, None)
-            if server is not None:
-                with contextlib.suppress(Exception):
-                    server.stop(0)
-        grpc_server = getattr(self, "grpc_server", None)
-        if grpc_server is not None:
-            with contextlib.suppress(Exception):
-                grpc_server.stop(0)
-        events = getattr(self, "events", None)
-        if events is not None:
-            with contextlib.suppress(Exception):
-                events.close()
-        share = getattr(self, "share", None)
-        if share is not None:
-            with contextlib.suppress(Exception):
-                share.close()
+        """Undo a start that failed: close listeners, the hand-over socket and the arena."""
+        self._undo.close()
         self.arena.close()
 
     @property
@@ -296,23 +287,7 @@ class Worker:
         self.failed.set()
 
     def _pb_stats(self) -> master_pb2.WorkerStats:
-        s = self.stats()
-        return master_pb2.WorkerStats(
-            used_bytes=s.dram_used_bytes,
-            keys=s.dram_keys,
-            hits=s.hits,
-            misses=s.misses,
-            evictions=s.evictions,
-            puts=s.puts,
-            checksum_errors=s.checksum_errors,
-            ssd_capacity_bytes=s.ssd_capacity_bytes,
-            ssd_used_bytes=s.ssd_used_bytes,
-            ssd_keys=s.ssd_keys,
-            demotions=s.demotions,
-            promotions=s.promotions,
-            ssd_evictions=s.ssd_evictions,
-            draining=self.servicer.draining,
-        )
+        return stats_message(self.stats(), master_pb2.WorkerStats, draining=self.servicer.draining)
 
     # ---- shutdown ------------------------------------------------------------
 
@@ -380,3 +355,9 @@ def run(cfg: WorkerConfig) -> int:
     if w.fatal:
         raise IdInUse(w.fatal)
     return 0
+
+
+def _quietly(close: Callable[..., object], *args: object) -> None:
+    """Undo one piece of a partial start; a failure there must not hide the first one."""
+    with contextlib.suppress(Exception):
+        close(*args)

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import grpc
 
-from kvstore_client.keys import HASH_LEN, to_bitmap, unpack_hashes
+from kvstore_client.keys import HASH_LEN, split_hashes, to_bitmap
 from kvstore_client.proto import store_pb2, store_pb2_grpc
 
 from .. import metrics
@@ -21,7 +21,7 @@ from ..errors import InvalidArgument, Unavailable, abort, to_grpc_code
 from . import removal
 from .requests import RequestCore
 from .store import BlockStore
-from .storerecords import StoreStats
+from .storerecords import StoreStats, stats_message
 
 R = TypeVar("R")
 
@@ -61,7 +61,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def _keys(self, tenant: Tenant | None, ns: str, packed: bytes) -> tuple[str, list[bytes]]:
         ns = self.core.admit(tenant, ns)
         self.core.check_batch(len(packed) // HASH_LEN)  # before unpacking anything
-        return ns, unpack_hashes(packed)
+        return ns, split_hashes(packed)
 
     def Exists(
         self, request: store_pb2.ExistsRequest, context: grpc.ServicerContext
@@ -150,26 +150,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         self, request: store_pb2.StatsRequest, context: grpc.ServicerContext
     ) -> store_pb2.StatsResponse:
         def go(tenant: Tenant | None) -> store_pb2.StatsResponse:
-            s = self._stats()
-            return store_pb2.StatsResponse(
-                worker_id=self.worker_id,
-                capacity_bytes=s.dram_capacity_bytes,
-                used_bytes=s.dram_used_bytes,
-                keys=s.dram_keys,
-                hits=s.hits,
-                misses=s.misses,
-                evictions=s.evictions,
-                puts=s.puts,
-                checksum_errors=s.checksum_errors,
-                bad_frames=s.bad_frames,
-                ssd_capacity_bytes=s.ssd_capacity_bytes,
-                ssd_used_bytes=s.ssd_used_bytes,
-                ssd_keys=s.ssd_keys,
-                demotions=s.demotions,
-                promotions=s.promotions,
-                ssd_evictions=s.ssd_evictions,
-                ssd_hits=s.ssd_hits,
-            )
+            return stats_message(self._stats(), store_pb2.StatsResponse, worker_id=self.worker_id)
 
         return self._run("stats", context, go)
 

@@ -3,27 +3,61 @@
 The decisions live in the pure state machines (:mod:`kvstore.worker.sessions`, the
 tier policy); these two functions only feed them events under the store's lock and
 do the I/O they ask for outside it, like the rest of
-:class:`~kvstore.worker.store.BlockStore`.
+:class:`~kvstore.worker.store.BlockStore`. They see the store through
+:class:`SessionHost`, which BlockStore is structurally, so this module does not import
+the store (the store imports it: no import circle).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import xxhash
 
+from .fairlock import FairLock
 from .sessions import check_hint
-from .storerecords import LOOKUP_SLICES
-from .tiers.policy import SessionAdvance, SessionDrain, SessionHint, SessionKeys
+from .storerecords import LOOKUP_SLICES, Held, StoreCounters, _Todo
+from .tiers.dram import DramTier
+from .tiers.policy import (
+    Instruction,
+    SessionAdvance,
+    SessionDrain,
+    SessionHint,
+    SessionKeys,
+    TierPolicy,
+)
+from .tiers.ssd import SsdStore
 
-if TYPE_CHECKING:
-    from .store import BlockStore
+
+class SessionHost(Protocol):
+    """What a hint and a prefetch need of a BlockStore: its lock, its state machines
+    and tiers, and the two halves of its instruction loop (queue under the lock,
+    execute outside it)."""
+
+    lock: FairLock
+    policy: TierPolicy
+    tier: DramTier
+    ssd: SsdStore | None
+    slice_keys: int
+    counters: StoreCounters
+    _todo: _Todo
+    _stop: threading.Event
+    _demoter: threading.Thread | None
+    _next_tick: float
+
+    def match_prefix(self, ns: str, keys: Sequence[bytes], state_ns: str = "") -> int: ...
+    def session_tick(self, now: float) -> None: ...
+    def _queue(self, instructions: Sequence[Instruction]) -> None: ...
+    def _execute(self) -> None: ...
+    def _bad_ssd(self, ns: str, key: bytes) -> None: ...
+    def _promote(self, ns: str, key: bytes, h: Held) -> bool: ...
 
 
 def hint(
-    store: BlockStore, ns: str, session: str, state: str, keys: Sequence[bytes], ttl: float | None
+    store: SessionHost, ns: str, session: str, state: str, keys: Sequence[bytes], ttl: float | None
 ) -> int:
     """Apply a session hint (see :mod:`kvstore.worker.sessions`). For ``active``,
     returns how many leading blocks of the session's whole chain here (every key it
@@ -74,7 +108,7 @@ def hint(
     return hits
 
 
-def drain(store: BlockStore) -> None:
+def drain(store: SessionHost) -> None:
     """Give up the keys of sessions that left the table with a long chain (expired
     or pushed out), a slice per hold of the store lock."""
     step = store.slice_keys * LOOKUP_SLICES
@@ -84,7 +118,7 @@ def drain(store: BlockStore) -> None:
         store._execute()
 
 
-def _advance(store: BlockStore, ns: str, session: str, step: int) -> None:
+def _advance(store: SessionHost, ns: str, session: str, step: int) -> None:
     """Move a pending state change of the session to its end, ``step`` keys per hold
     of the store lock."""
     while True:
@@ -96,7 +130,7 @@ def _advance(store: BlockStore, ns: str, session: str, step: int) -> None:
 
 
 def _measure_room(
-    store: BlockStore, ns: str, session: str, chain: Sequence[bytes], step: int
+    store: SessionHost, ns: str, session: str, chain: Sequence[bytes], step: int
 ) -> None:
     """What the session may still add within its share: its chain's bytes counted
     slice by slice, in order, up to the share (TierPolicy.session_admits)."""
@@ -115,13 +149,11 @@ def _measure_room(
             s.room = max(0, share - held)
 
 
-def prefetch(store: BlockStore) -> None:
+def prefetch(store: SessionHost) -> None:
     """Copy the SSD-only blocks of resumed sessions into DRAM (the demoter thread):
     each verified against its checksum, committed only if still on SSD, and only
     while DRAM is below its low watermark (a prefetch never evicts: when the cache is
     full, promoting one session's blocks would push out another's)."""
-    from .storerecords import Held
-
     with store.lock:
         todo, store._todo.prefetch = store._todo.prefetch, []
     if not todo or store.ssd is None:

@@ -770,7 +770,7 @@ class BlockStore:
     # ---- stats and shutdown ----------------------------------------------------
 
     def stats(self) -> StoreStats:
-        return snapshot(self)
+        return snapshot(self.tier, self.policy, self.counters, self.ssd.size if self.ssd else None)
 
     def close(self, demote_timeout: float = 30.0) -> None:
         """Stop the demoter; with an SSD, demote every DRAM block (bounded), then fsync."""

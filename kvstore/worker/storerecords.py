@@ -4,15 +4,15 @@ bookkeeping it carries between its lock and the I/O it runs outside it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
 
-from .tiers.dram import Block
+from google.protobuf.message import Message
+
+from .tiers.dram import Block, DramTier
+from .tiers.policy import TierPolicy
 
 LOOKUP_SLICES = 8  # a lookup (or a session hint) holds the store lock for this many slices
-
-if TYPE_CHECKING:
-    from .store import BlockStore
 
 
 @dataclass(slots=True)
@@ -94,11 +94,15 @@ class _Todo:
     prefetch: list[tuple[str, tuple[bytes, ...]]] = field(default_factory=list)
 
 
-def snapshot(store: BlockStore) -> StoreStats:
-    """The store's counters and tier sizes now (read without the lock: a scrape)."""
-    t = store.tier
+def snapshot(
+    tier: DramTier, policy: TierPolicy, counters: StoreCounters, ssd_size: int | None
+) -> StoreStats:
+    """A store's counters and tier sizes now (read without the lock: a scrape);
+    ``ssd_size`` None: no SSD tier."""
+    t = tier
     c = t.counters
-    pc = store.policy.counters
+    pc = policy.counters
+    ssd_index = policy.ssd
     return StoreStats(
         dram_capacity_bytes=t.capacity,
         dram_used_bytes=t.used_bytes,
@@ -107,19 +111,37 @@ def snapshot(store: BlockStore) -> StoreStats:
         misses=c.misses,
         evictions=c.evictions,
         puts=c.puts,
-        checksum_errors=store.counters.checksum_errors,
-        bad_frames=store.counters.bad_frames,
-        demotions=store.counters.demotions,
-        promotions=store.counters.promotions,
-        ssd_hits=store.counters.ssd_hits,
-        has_ssd=store.ssd is not None,
-        ssd_capacity_bytes=store.ssd.size if store.ssd else 0,
-        ssd_used_bytes=store.ssd_index.used_bytes,
-        ssd_keys=len(store.ssd_index),
-        ssd_evictions=store.ssd_index.evictions,
+        checksum_errors=counters.checksum_errors,
+        bad_frames=counters.bad_frames,
+        demotions=counters.demotions,
+        promotions=counters.promotions,
+        ssd_hits=counters.ssd_hits,
+        has_ssd=ssd_size is not None,
+        ssd_capacity_bytes=ssd_size or 0,
+        ssd_used_bytes=ssd_index.used_bytes,
+        ssd_keys=len(ssd_index),
+        ssd_evictions=ssd_index.evictions,
         ssd_write_errors=pc.ssd_write_errors,
-        sessions=len(store.policy.sessions),
-        retained_bytes=store.policy.retained_bytes,
-        prefetched=store.counters.prefetched,
+        sessions=len(policy.sessions),
+        retained_bytes=policy.retained_bytes,
+        prefetched=counters.prefetched,
         share_declined=pc.share_declined,
     )
+
+
+M = TypeVar("M", bound=Message)
+# StoreStats fields whose protobuf field has another name (the protos predate the tiers).
+PB_NAMES = {
+    "dram_capacity_bytes": "capacity_bytes",
+    "dram_used_bytes": "used_bytes",
+    "dram_keys": "keys",
+}
+
+
+def stats_message(stats: StoreStats, cls: type[M], **extra: Any) -> M:
+    """``cls``, a protobuf message (the gRPC ``StatsResponse``, the heartbeat's
+    ``WorkerStats``), filled from one stats record: each of its fields the record has,
+    under the record's name or its :data:`PB_NAMES` name; ``extra`` sets the others."""
+    names = set(cls.DESCRIPTOR.fields_by_name)
+    fields = {PB_NAMES.get(k, k): v for k, v in asdict(stats).items()}
+    return cls(**{k: v for k, v in fields.items() if k in names}, **extra)

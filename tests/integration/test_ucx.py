@@ -256,6 +256,88 @@ def test_garbage_closes_only_that_endpoint(pool: ucx.UcxPool, server: Server) ->
     assert [bytes(v) if v is not None else None for v in got.values] == vals
 
 
+def _hdr(op: int, count: int, flags: int = 0, ns: bytes = NS, req: int = 3) -> bytes:
+    return wire.HEADER.pack(wire.REQ_MAGIC, op, flags, len(ns), count, req)
+
+
+# Hostile frames as UCX messages (a header, then the namespace and body as one); tcp://
+# gets the same bytes as one stream. Both transports run one frame core.
+HOSTILE = {
+    "unknown EXISTS flags": [_hdr(wire.OP_EXISTS, 1, 0x82)],
+    "GET with a LATE_SUM flag": [_hdr(wire.OP_GET, 1, wire.FLAG_LATE_SUM)],
+    "REMOVE with PREFIX": [_hdr(wire.OP_REMOVE, 1, wire.FLAG_PREFIX)],
+    "batch over the limit": [_hdr(wire.OP_GET, wire.MAX_BATCH + 1)],
+    "bad namespace": [_hdr(wire.OP_GET, 1, ns=b"../../etc"), b"../../etc" + b"k" * HASH_LEN],
+    "value over the limit": [
+        _hdr(wire.OP_PUT, 1),
+        NS + wire.PUT_ENTRY.pack(b"k" * HASH_LEN, MIB + 1, 0),
+    ],
+    "namespace length 0": [_hdr(wire.OP_GET, 1, ns=b"")],
+}
+
+
+def _tcp_outcome(port: int, parts: list[bytes]) -> tuple[int | None, bool]:
+    """(error code answered or None, closed by the server) for a frame sent over tcp://."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=T) as s:
+        s.sendall(b"".join(parts))
+        data = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            data += chunk
+    code = (
+        wire.decode_header(data[: wire.HEADER_LEN], wire.ANS_MAGIC).flags_or_code if data else None
+    )
+    return code, True
+
+
+def _ucx_outcome(port: int, parts: list[bytes]) -> tuple[int | None, bool]:
+    conn = _raw(port)
+    try:
+        _send(conn, parts)
+        try:
+            h = wire.decode_header(_recv(conn, wire.HEADER_LEN, timeout=8.0), wire.ANS_MAGIC)
+        except Exception:
+            return None, True  # closed without an answer
+        _recv(conn, h.count)
+        return h.flags_or_code, _closed_by_server(conn)
+    finally:
+        conn.abort()
+
+
+def test_tcp_and_ucx_answer_hostile_frames_alike(server: Server) -> None:
+    """The same hostile frame gets the same answer (code, or none) and the same close
+    over tcp:// and ucx://, and each is counted as a bad frame."""
+    for name, parts in HOSTILE.items():
+        bad = server.stats()["bad_frames"]
+        over_tcp = _tcp_outcome(server.tcp_port, parts)
+        over_ucx = _ucx_outcome(server.port, parts)
+        assert over_tcp == over_ucx, f"{name}: tcp {over_tcp}, ucx {over_ucx}"
+        want = None if name == "namespace length 0" else InvalidArgument.code
+        assert over_tcp == (want, True), name
+        assert server.stats()["bad_frames"] == bad + 2, name
+    assert server.alive()
+
+
+def test_ucx_answers_a_prefix_exists_like_tcp(pool: ucx.UcxPool, server: Server) -> None:
+    keys = [key(i, "prefix") for i in range(4)]
+    vals = [value_for(k, 100) for k in keys[:2]]
+    pool.put(T, NS, keys[:2], vals, _sums(vals))
+    conn = _raw(server.port)
+    try:
+        _send(conn, [_hdr(wire.OP_EXISTS, 4, wire.FLAG_PREFIX), NS + b"".join(keys)])
+        h = wire.decode_header(_recv(conn, wire.HEADER_LEN), wire.ANS_MAGIC)
+        assert (h.flags_or_code, h.ns_len, h.count) == (0, wire.TAG_RUN, 2)
+    finally:
+        conn.abort()
+
+
 def test_client_vanishing_mid_put_leaves_nothing_reserved(
     pool: ucx.UcxPool, server: Server
 ) -> None:

@@ -17,8 +17,8 @@ from kvstore_client.keys import (
     check_namespace,
     from_bitmap,
     leading_run,
+    split_hashes,
     to_bitmap,
-    unpack_hashes,
 )
 from kvstore_client.prefix import block_hashes
 
@@ -41,8 +41,8 @@ def test_hash_checks_and_packing() -> None:
     with pytest.raises(errors.InvalidArgument):
         check_hashes(b"x" * 16)  # type: ignore[arg-type]
     with pytest.raises(errors.InvalidArgument):
-        unpack_hashes(b"x" * 17)
-    assert unpack_hashes(b"a" * 16 + b"b" * 16) == [b"a" * 16, b"b" * 16]
+        split_hashes(b"x" * 17)
+    assert split_hashes(b"a" * 16 + b"b" * 16) == [b"a" * 16, b"b" * 16]
 
 
 def test_key_of_makes_a_key_from_any_bytes() -> None:

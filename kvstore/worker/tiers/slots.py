@@ -27,6 +27,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from kvstore_client.keys import split_hashes
+
 # Slot states. A zero-filled array reads as UNUSED.
 UNUSED = 0  # id not in any slab
 FREE = 1  # in a slab's free list
@@ -295,5 +297,4 @@ class SlotIndex:
         return np.flatnonzero(mask)
 
     def keys_at(self, ids: I64) -> list[bytes]:
-        raw = np.frombuffer(self.kb, dtype=np.uint8).reshape(-1, 16)[ids].tobytes()
-        return [raw[i : i + 16] for i in range(0, len(raw), 16)]
+        return split_hashes(np.frombuffer(self.kb, dtype=np.uint8).reshape(-1, 16)[ids].tobytes())

@@ -30,7 +30,7 @@ from kvstore_client.errors import (
     ProtocolError,
     ResourceExhausted,
 )
-from kvstore_client.keys import HASH_LEN
+from kvstore_client.keys import split_hashes
 
 from ...procs import pid_alive
 from ..arena import SHM_PREFIX, Arena
@@ -38,6 +38,9 @@ from ..requests import Holder, RequestCore, put_status
 from ..store import BlockStore
 from ..storerecords import Reading
 from ..tiers.dram import Block
+from .frames import Buffers, Refused, ok_answer, refusing
+
+Bytes = bytes | bytearray | memoryview
 
 log = logging.getLogger(__name__)
 
@@ -156,176 +159,177 @@ class ShmState:
     holder: Holder
     open: dict[int, _Open] = field(default_factory=dict)
 
-    def close(self, store: BlockStore) -> None:
-        """The connection is gone: release its pins, abort its reservations."""
-        for req in list(self.open):
-            _release(store, self, req)
+
+class LocAnswer:
+    """A GET_LOC answer: :attr:`buffers` to send; :attr:`inline` payload bytes among
+    them. :meth:`sent` once they are out (or the send failed): it ends the SSD read
+    transaction of the inline blocks early; the DRAM pins stay until RELEASE."""
+
+    def __init__(self, store: BlockStore, reading: Reading, buffers: Buffers, inline: int) -> None:
+        self._store = store
+        self._reading = reading
+        self.buffers = buffers
+        self.inline = inline
+
+    def sent(self) -> None:
+        if self.inline:
+            self._store.end_txn(self._reading)
 
 
-def _release(store: BlockStore, st: ShmState, req: int) -> bool:
-    o = st.open.pop(req, None)
-    if o is None:
-        return False
-    if o.reading is not None:
-        store.done(o.reading)
-    blocks = [b for b in o.slots if isinstance(b, Block)]
-    if blocks:
-        store.finish_many(blocks, [False] * len(blocks))
-    st.holder.give(o.nbytes, o.entries)
-    return True
+class ShmServer:
+    """The server half of shm:// over a connection's frames: answers where blocks
+    live (pinned until RELEASE), reserves slots for same-host writers and commits them.
 
-
-def _hashes(conn: socket.socket, count: int) -> list[bytes]:
-    raw = bytes(wire.recv_exact(conn, count * HASH_LEN))
-    return [raw[i : i + HASH_LEN] for i in range(0, len(raw), HASH_LEN)]
-
-
-def _check_open(core: RequestCore, st: ShmState) -> None:
-    if len(st.open) >= core.limits.max_open_requests:
-        raise ProtocolError("too many unreleased shm requests on one connection")
-
-
-def _check_new_id(st: ShmState, req_id: int) -> None:
-    """A request id names one open request of a connection: a LOC request that reuses
-    the id of one still open is refused (INVALID_ARGUMENT, then the connection closes
-    and gives back everything it holds), so no pin or reservation is ever orphaned
-    by an overwritten entry."""
-    if req_id in st.open:
-        raise InvalidArgument(
-            f"request id {req_id} is already open on this connection: release it first"
-        )
-
-
-def get_loc(
-    store: BlockStore,
-    core: RequestCore,
-    st: ShmState,
-    conn: socket.socket,
-    h: wire.Header,
-    ns: str,
-) -> int:
-    """Answer locations (pinned) or inline bytes; returns inline payload bytes sent.
-
-    Entries a connection may hold pinned are bounded (worker.requests.Budget): over
-    the budget, the request is answered RESOURCE_EXHAUSTED and nothing is pinned.
+    Pure bookkeeping over the frame core: the tcp:// server reads each frame's body,
+    calls the op here and sends what it returns. Every LOC answer carries the arena's
+    16-bit tag in its header. INVALID_ARGUMENT and RESOURCE_EXHAUSTED are answered
+    (:class:`~kvstore.worker.transfer.frames.Refused`); a frame that breaks the
+    protocol (an unknown commit, too many open requests) raises ProtocolError.
     """
-    _check_open(core, st)
-    keys = _hashes(conn, h.count)
-    _check_new_id(st, h.req_id)
-    reading = store.read(ns, keys, verify_dram=False)
-    # One pass: the answer's entries, and the bytes of distinct pinned slots (a hash
-    # repeated pins one slot, not more memory).
-    size = wire.LOC_ENTRY.size
-    pack = wire.LOC_ENTRY.pack_into
-    meta = bytearray(h.count * size)
-    inline: list[memoryview] = []
-    slots: dict[int, int] = {}
-    for i, held in enumerate(reading.held):
-        if held is None:
-            continue  # zeroed: GET_MISS
-        b = held.block
-        if b is not None:
-            pack(meta, i * size, wire.LOC_ARENA, b.size, b.checksum, b.offset)
-            slots[b.offset] = b.size
+
+    def __init__(self, store: BlockStore, core: RequestCore) -> None:
+        self.store = store
+        self.core = core
+
+    def state(self, holder: Holder) -> ShmState:
+        """What a new connection holds: nothing, within ``holder``'s budget."""
+        return ShmState(holder)
+
+    def close(self, st: ShmState) -> None:
+        """The connection is gone: release its pins, abort its reservations."""
+        for req in list(st.open):
+            self._release(st, req)
+
+    def release(self, st: ShmState, h: wire.Header) -> None:
+        """RELEASE (one-way): give back the request ``h.req_id`` of this connection, if open."""
+        self._release(st, h.req_id)
+
+    def _release(self, st: ShmState, req: int) -> bool:
+        o = st.open.pop(req, None)
+        if o is None:
+            return False
+        if o.reading is not None:
+            self.store.done(o.reading)
+        blocks = [b for b in o.slots if isinstance(b, Block)]
+        if blocks:
+            self.store.finish_many(blocks, [False] * len(blocks))
+        st.holder.give(o.nbytes, o.entries)
+        return True
+
+    def _check_new(self, st: ShmState, h: wire.Header) -> None:
+        """At most max_open_requests per connection (ProtocolError); and a request id
+        names one open request: a LOC request that reuses the id of one still open is
+        refused (INVALID_ARGUMENT, then the connection closes and gives back everything
+        it holds), so no pin or reservation is ever orphaned by an overwritten entry."""
+        if len(st.open) >= self.core.limits.max_open_requests:
+            raise ProtocolError("too many unreleased shm requests on one connection")
+        if h.req_id in st.open:
+            raise Refused(
+                h,
+                InvalidArgument(
+                    f"request id {h.req_id} is already open on this connection: release it first"
+                ),
+            )
+
+    def get_loc(self, st: ShmState, h: wire.Header, ns: str, body: Bytes) -> LocAnswer:
+        """GET_LOC: locations (pinned) or inline bytes.
+
+        Entries a connection may hold pinned are bounded (worker.requests.Budget): over
+        the budget, the request is answered RESOURCE_EXHAUSTED and nothing is pinned.
+        """
+        self._check_new(st, h)
+        store = self.store
+        reading = store.read(ns, split_hashes(body), verify_dram=False)
+        # One pass: the answer's entries, and the bytes of distinct pinned slots (a hash
+        # repeated pins one slot, not more memory).
+        size = wire.LOC_ENTRY.size
+        pack = wire.LOC_ENTRY.pack_into
+        meta = bytearray(h.count * size)
+        inline: list[memoryview] = []
+        slots: dict[int, int] = {}
+        for i, held in enumerate(reading.held):
+            if held is None:
+                continue  # zeroed: GET_MISS
+            b = held.block
+            if b is not None:
+                pack(meta, i * size, wire.LOC_ARENA, b.size, b.checksum, b.offset)
+                slots[b.offset] = b.size
+            else:
+                pack(meta, i * size, wire.LOC_INLINE, len(held.view), held.checksum, 0)
+                inline.append(held.view)
+        pinned = sum(slots.values())
+        # Entries and pinned bytes are taken from the budget together, after the pins (a
+        # refused request unpins at once: nothing stays pinned).
+        if not st.holder.take(pinned, h.count, whole=True):
+            store.done(reading)
+            raise Refused(
+                h, ResourceExhausted("too many shm entries or bytes held open: release some first")
+            )
+        st.open[h.req_id] = _Open(reading, [], pinned, h.count)
+        head = ok_answer(h, h.count, store.arena.tag)
+        return LocAnswer(store, reading, [head, meta, *inline], sum(len(v) for v in inline))
+
+    def put_loc(self, st: ShmState, h: wire.Header, ns: str, body: Bytes) -> Buffers:
+        """PUT_LOC: reserve slots for a same-host writer, within the connection's budget:
+        entries over it are answered full (the client writes them over tcp:// or not at all)."""
+        self._check_new(st, h)
+        entries = list(wire.PUT_ENTRY.iter_unpack(body))
+        with refusing(h):
+            self.core.check_sizes([e[1] for e in entries])
+        nbytes = sum(e[1] for e in entries)
+        slots: list[Block | ResourceExhausted | None]
+        if st.holder.take(nbytes, h.count, wait=0.5):
+            slots = self.store.reserve_many(
+                ns,
+                [e[0] for e in entries],
+                [e[1] for e in entries],
+                [e[2] for e in entries],
+                hinted=bool(h.flags_or_code & wire.FLAG_SESSION),
+            )
         else:
-            pack(meta, i * size, wire.LOC_INLINE, len(held.view), held.checksum, 0)
-            inline.append(held.view)
-    pinned = sum(slots.values())
-    # Entries and pinned bytes are taken from the budget together, after the pins (a
-    # refused request unpins at once: nothing stays pinned).
-    if not st.holder.take(pinned, h.count, whole=True):
-        store.done(reading)
-        raise ResourceExhausted("too many shm entries or bytes held open: release some first")
-    st.open[h.req_id] = _Open(reading, [], pinned, h.count)
-    try:
-        head = wire.encode_answer_header(h.op, 0, h.count, h.req_id, store.arena.tag)
-        wire.send_buffers(conn, [head, meta, *inline])
-    finally:
-        if inline:
-            # SSD views went out inline; keep DRAM pins, end the LMDB transaction early.
-            store.end_txn(reading)
-    return sum(len(v) for v in inline)
+            nbytes = 0
+            slots = [ResourceExhausted("shm reservation budget exhausted")] * h.count
+            st.holder.take(0, h.count)
+        answer = bytearray(h.count * wire.PUT_LOC_ENTRY.size)
+        for i, s in enumerate(slots):
+            off = i * wire.PUT_LOC_ENTRY.size
+            if isinstance(s, Block):
+                wire.PUT_LOC_ENTRY.pack_into(answer, off, wire.PUT_LOC_SLOT, s.offset)
+            else:
+                wire.PUT_LOC_ENTRY.pack_into(answer, off, put_status(s), 0)
+        late = bool(h.flags_or_code & wire.FLAG_LATE_SUM)
+        st.open[h.req_id] = _Open(None, slots, nbytes, h.count, late)
+        return [ok_answer(h, h.count, self.store.arena.tag), answer]
 
-
-def release(store: BlockStore, st: ShmState, h: wire.Header) -> None:
-    _release(store, st, h.req_id)
-
-
-def put_loc(
-    store: BlockStore,
-    core: RequestCore,
-    st: ShmState,
-    conn: socket.socket,
-    h: wire.Header,
-    ns: str,
-) -> None:
-    """Reserve slots for a same-host writer, within the connection's budget: entries
-    over it are answered full (the client writes them over tcp:// or not at all)."""
-    _check_open(core, st)
-    raw = wire.recv_exact(conn, h.count * wire.PUT_ENTRY.size)
-    entries = list(wire.PUT_ENTRY.iter_unpack(raw))
-    _check_new_id(st, h.req_id)
-    core.check_sizes([e[1] for e in entries])
-    nbytes = sum(e[1] for e in entries)
-    slots: list[Block | ResourceExhausted | None]
-    if st.holder.take(nbytes, h.count, wait=0.5):
-        slots = store.reserve_many(
-            ns,
-            [e[0] for e in entries],
-            [e[1] for e in entries],
-            [e[2] for e in entries],
-            hinted=bool(h.flags_or_code & wire.FLAG_SESSION),
-        )
-    else:
-        nbytes = 0
-        slots = [ResourceExhausted("shm reservation budget exhausted")] * h.count
-        st.holder.take(0, h.count)
-    answer = bytearray(h.count * wire.PUT_LOC_ENTRY.size)
-    for i, s in enumerate(slots):
-        off = i * wire.PUT_LOC_ENTRY.size
-        if isinstance(s, Block):
-            wire.PUT_LOC_ENTRY.pack_into(answer, off, wire.PUT_LOC_SLOT, s.offset)
-        else:
-            wire.PUT_LOC_ENTRY.pack_into(answer, off, put_status(s), 0)
-    late = bool(h.flags_or_code & wire.FLAG_LATE_SUM)
-    st.open[h.req_id] = _Open(None, slots, nbytes, h.count, late)
-    head = wire.encode_answer_header(h.op, 0, h.count, h.req_id, store.arena.tag)
-    wire.send_buffers(conn, [head, answer])
-
-
-def put_commit(
-    store: BlockStore, st: ShmState, conn: socket.socket, h: wire.Header, ns: str
-) -> int:
-    """Commit the slots the client wrote; returns payload bytes committed. With
-    FLAG_LATE_SUM (as on its PUT_LOC) the checksums follow the flags."""
-    # Read the flags first: until they are in, the reservation stays with the
-    # connection, so a peer that vanishes here has it aborted by ShmState.close.
-    flags = bytes(wire.recv_exact(conn, h.count))
-    o = st.open.get(h.req_id)
-    late = bool(h.flags_or_code & wire.FLAG_LATE_SUM)
-    if o is None or o.reading is not None or len(o.slots) != h.count or o.late != late:
-        raise ProtocolError(f"PUT_COMMIT for unknown or mismatched request {h.req_id}")
-    sums: list[int] | None = None
-    if late:
-        raw = wire.recv_exact(conn, h.count * wire.SUMS.size)
-        sums = [c for (c,) in wire.SUMS.iter_unpack(raw)]
-    del st.open[h.req_id]
-    blocks: list[Block] = []
-    ok: list[bool] = []
-    at: list[int] = []
-    status = bytearray(h.count)
-    for i, (s, f) in enumerate(zip(o.slots, flags, strict=True)):
-        if isinstance(s, Block):
-            blocks.append(s)
-            ok.append(bool(f))
-            at.append(i)
-        else:
-            status[i] = put_status(s)
-    late_sums = None if sums is None else [sums[i] for i in at]
-    ok = store.finish_many(blocks, ok, late_sums)
-    for i, good in zip(at, ok, strict=True):
-        status[i] = wire.PUT_STORED if good else wire.PUT_CORRUPT
-    st.holder.give(o.nbytes, o.entries)
-    head = wire.encode_answer_header(h.op, 0, h.count, h.req_id, store.arena.tag)
-    wire.send_buffers(conn, [head, status])
-    return sum(b.size for b, good in zip(blocks, ok, strict=True) if good)
+    def put_commit(self, st: ShmState, h: wire.Header, body: Bytes) -> tuple[Buffers, int]:
+        """PUT_COMMIT: commit the slots the client wrote; (the answer, payload bytes
+        committed). ``body``: an ok byte per slot, then with FLAG_LATE_SUM (as on its
+        PUT_LOC) the checksums. Until the body is in, the reservation stays with the
+        connection, so a peer that vanishes before has it aborted by :meth:`close`."""
+        o = st.open.get(h.req_id)
+        late = bool(h.flags_or_code & wire.FLAG_LATE_SUM)
+        if o is None or o.reading is not None or len(o.slots) != h.count or o.late != late:
+            raise ProtocolError(f"PUT_COMMIT for unknown or mismatched request {h.req_id}")
+        flags = bytes(body[: h.count])
+        sums: list[int] | None = None
+        if late:
+            sums = [c for (c,) in wire.SUMS.iter_unpack(body[h.count :])]
+        del st.open[h.req_id]
+        blocks: list[Block] = []
+        ok: list[bool] = []
+        at: list[int] = []
+        status = bytearray(h.count)
+        for i, (s, f) in enumerate(zip(o.slots, flags, strict=True)):
+            if isinstance(s, Block):
+                blocks.append(s)
+                ok.append(bool(f))
+                at.append(i)
+            else:
+                status[i] = put_status(s)
+        late_sums = None if sums is None else [sums[i] for i in at]
+        ok = self.store.finish_many(blocks, ok, late_sums)
+        for i, good in zip(at, ok, strict=True):
+            status[i] = wire.PUT_STORED if good else wire.PUT_CORRUPT
+        st.holder.give(o.nbytes, o.entries)
+        head = ok_answer(h, h.count, self.store.arena.tag)
+        return [head, status], sum(b.size for b, good in zip(blocks, ok, strict=True) if good)

@@ -22,24 +22,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import xxhash
-
 from kvstore_client import wire
-from kvstore_client.errors import (
-    InvalidArgument,
-    KVStoreError,
-    ProtocolError,
-    ResourceExhausted,
-    Unauthenticated,
-)
-from kvstore_client.keys import HASH_LEN, split_hashes, to_bitmap
+from kvstore_client.errors import ProtocolError
 
-from ...auth import Tenant, Tenants
-from ..requests import Holder, Limits, RequestCore, put_status
+from ...auth import Tenants
+from ..requests import RequestCore
 from ..store import BlockStore
-from ..tiers.dram import Block
-from . import shm
-from .observe import observe_frame
+from .frames import TCP_OPS, FrameCore, Peer, Refused, observe_frame, own_core
+from .shm import ShmServer, ShmState
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +39,12 @@ SCRATCH = 1 << 20
 
 @dataclass(slots=True)
 class _Conn:
-    """One served connection: its socket, tenant, shm holdings and budget."""
+    """One served connection: its socket, the core's view of it, its shm holdings."""
 
     conn: socket.socket
     scratch: list[memoryview]  # allocated by the first PUT that must skip bytes
-    shm: shm.ShmState
-    tenant: Tenant | None
-    holder: Holder
+    peer: Peer
+    shm: ShmState
 
 
 def tune_socket(sock: socket.socket) -> None:
@@ -117,7 +106,9 @@ def _drain(sock: socket.socket, seconds: float, limit: int = DRAIN_BYTES) -> Non
 
 
 class TcpTransferServer:
-    """Serves PUT/GET/EXISTS/REMOVE frames against a BlockStore."""
+    """Serves PUT/GET/EXISTS/REMOVE frames and the shm:// control frames against a
+    BlockStore: every check and decision is the frame core's (:mod:`.frames`); this
+    class reads and sends bytes."""
 
     def __init__(
         self,
@@ -128,7 +119,6 @@ class TcpTransferServer:
         max_connections: int = 1024,
         idle_timeout: float = 300.0,
         frame_timeout: float = 30.0,
-        max_batch: int = wire.MAX_BATCH,
         max_per_client: int = 256,
         on_bytes: Callable[[str, str, int], None] | None = None,
         on_request: Callable[[str, str, float], None] | None = None,
@@ -138,12 +128,11 @@ class TcpTransferServer:
     ) -> None:
         self.store = store
         # Admission, limits and budgets: the worker passes the one core all its servers
-        # share; a server built alone (tests, benches) makes its own.
-        self.core = core or RequestCore(
-            Limits.for_arena(store.tier.capacity, store.max_value_size, max_batch=max_batch),
-            tenants,
-        )
+        # share (its tenants with it); a server built alone (tests) makes its own.
+        self.core = own_core(store, core, tenants)
         self.tenants = self.core.tenants
+        self.frames = FrameCore(store, self.core, TCP_OPS, "tcp")
+        self.shm = ShmServer(store, self.core)
         self.ssl_context = ssl_context
         self.max_per_client = max_per_client
         self._per_client: dict[str, int] = {}
@@ -244,17 +233,17 @@ class TcpTransferServer:
                 self._per_client.pop(peer, None)
 
     def _serve(self, raw: socket.socket, peer: str) -> None:
-        scratch: list[memoryview] = []  # allocated by the first PUT that must skip bytes
-        holder = self.core.budget.holder(peer)
-        shm_state = shm.ShmState(holder)
+        p = self.frames.peer(peer)
+        st = _Conn(raw, [], p, self.shm.state(p.holder))
         conn = raw
         try:
             tune_socket(raw)
             if self.ssl_context is not None:
                 raw.settimeout(self.frame_timeout)
-                conn = self.ssl_context.wrap_socket(raw, server_side=True)
-            tenant = self._authenticate(conn) if self.tenants is not None else None
-            st = _Conn(conn, scratch, shm_state, tenant, holder)
+                conn = st.conn = self.ssl_context.wrap_socket(raw, server_side=True)
+            if self.tenants is not None:  # AUTH within frame_timeout (the reaper's clock)
+                conn.settimeout(self.frame_timeout)
+                self._frame(st, wire.recv_exact(conn, wire.HEADER_LEN))
             while not self._stopping.is_set():
                 self._mark(raw, busy=False)
                 conn.settimeout(self.idle_timeout)
@@ -270,6 +259,9 @@ class TcpTransferServer:
         except ProtocolError as e:
             self.store.counters.bad_frames += 1
             log.info("closing connection after a bad frame: %s", e)
+            if isinstance(e, Refused):
+                with contextlib.suppress(OSError):
+                    wire.send_buffers(conn, e.answer())
             if conn is raw:
                 _drain(raw, min(2.0, self.frame_timeout))
         except (TimeoutError, ConnectionError, OSError):
@@ -277,8 +269,8 @@ class TcpTransferServer:
         except Exception:  # never let one connection take the daemon down
             log.exception("transfer connection failed")
         finally:
-            shm_state.close(self.store)
-            holder.close()
+            self.shm.close(st.shm)
+            p.holder.close()
             self._forget(raw, peer)
             with contextlib.suppress(OSError):
                 conn.close()
@@ -315,198 +307,89 @@ class TcpTransferServer:
                 with contextlib.suppress(OSError):
                     c.shutdown(socket.SHUT_RDWR)
 
-    def _authenticate(self, conn: socket.socket) -> Tenant:
-        """The first frame must be AUTH with a known token."""
-        assert self.tenants is not None
-        conn.settimeout(self.frame_timeout)
-        h = wire.decode_header(wire.recv_exact(conn, wire.HEADER_LEN), wire.REQ_MAGIC)
-        if h.op != wire.OP_AUTH or h.count > wire.MAX_TOKEN:
-            err: KVStoreError = Unauthenticated("the first frame must be AUTH with a token")
-            self._fail(conn, h, err)
-            raise ProtocolError(str(err))
-        token = wire.recv_exact(conn, h.count).decode(errors="replace")
-        try:
-            tenant = self.tenants.authenticate(token)
-        except Unauthenticated as e:
-            self._fail(conn, h, e)
-            raise ProtocolError(str(e)) from e
-        conn.sendall(wire.encode_answer_header(h.op, 0, 0, h.req_id))
-        return tenant
-
-    def _frame(self, st: _Conn, head: bytearray) -> None:
+    def _frame(self, st: _Conn, head: bytearray | bytes) -> None:
+        """Serve one frame whose header was read (checks in the frame core's order)."""
         conn = st.conn
-        h = wire.decode_header(head, wire.REQ_MAGIC)
+        h = self.frames.header(st.peer, head)
         if h.op == wire.OP_AUTH:
-            if st.tenant is not None or h.count > wire.MAX_TOKEN:
-                raise ProtocolError("AUTH is only valid as the first frame")
-            wire.recv_exact(conn, h.count)  # no tenants configured: any token will do
-            conn.sendall(wire.encode_answer_header(h.op, 0, 0, h.req_id))
+            token = wire.recv_exact(conn, h.count)
+            conn.sendall(self.frames.authenticate(st.peer, h, token))
             return
-        if h.ns_len == 0 or h.ns_len > 255:
-            raise ProtocolError(f"namespace length {h.ns_len} out of range")
         ns_raw = wire.recv_exact(conn, h.ns_len)
         if h.op == wire.OP_RELEASE:
             # One-way, and it only ever gives back what this connection holds (by its
             # request id): no namespace to admit, nothing to answer. It sits between a
             # client's reads, so it is kept off the per-frame accounting.
-            shm.release(self.store, st.shm, h)
+            self.shm.release(st.shm, h)
             return
-        try:
-            ns = self.core.admit(st.tenant, ns_raw)
-            self.core.check_batch(h.count)
-        except KVStoreError as e:
-            self._fail(conn, h, e)
-            raise ProtocolError(str(e)) from e
+        ns = self.frames.admit(st.peer, h, ns_raw)
         with observe_frame(self.on_request, h.op):
-            self._dispatch(st, h, ns)
-
-    def _dispatch(self, st: _Conn, h: wire.Header, ns: str) -> None:
-        conn = st.conn
-        if h.op == wire.OP_PUT:
-            self._put(st, h, ns)
-        elif h.op == wire.OP_GET:
-            self._get(conn, h, ns)
-        elif h.op >= wire.OP_GET_LOC:
-            self._shm(conn, h, ns, st.shm)
-        elif h.op == wire.OP_EXISTS:
-            self._exists(conn, h, ns)
-        else:  # OP_REMOVE
-            n = self.store.remove(ns, self._hashes(conn, h.count))
-            conn.sendall(wire.encode_answer_header(h.op, 0, n, h.req_id))
-
-    def _exists(self, conn: socket.socket, h: wire.Header, ns: str) -> None:
-        """EXISTS: a bitmap of the keys present; with FLAG_PREFIX only the length of
-        their leading run (the lookup stops at the first miss), answered in the header
-        (count) and marked with TAG_RUN so the client can tell it from a bitmap."""
-        if h.flags_or_code & ~wire.FLAG_PREFIX:
-            err = InvalidArgument(f"unknown EXISTS flags {h.flags_or_code:#x}")
-            self._fail(conn, h, err)
-            raise ProtocolError(str(err))
-        keys = split_hashes(wire.recv_exact(conn, h.count * HASH_LEN))
-        if h.flags_or_code & wire.FLAG_PREFIX:
-            run = self.store.match_prefix(ns, keys)
-            conn.sendall(wire.encode_answer_header(h.op, 0, run, h.req_id, wire.TAG_RUN))
-            return
-        bitmap = to_bitmap(self.store.exists(ns, keys))
-        wire.send_buffers(conn, [wire.encode_answer_header(h.op, 0, h.count, h.req_id), bitmap])
-
-    def _shm(self, conn: socket.socket, h: wire.Header, ns: str, st: shm.ShmState) -> None:
-        try:
-            if h.op == wire.OP_GET_LOC:
-                n = shm.get_loc(self.store, self.core, st, conn, h, ns)
-                direction = "tx"
-            elif h.op == wire.OP_PUT_LOC:
-                shm.put_loc(self.store, self.core, st, conn, h, ns)
+            if h.op == wire.OP_PUT:
+                self._put(st, h, ns)
                 return
-            else:
-                n = shm.put_commit(self.store, st, conn, h, ns)
-                direction = "rx"
-        except (InvalidArgument, ResourceExhausted) as e:
-            self._fail(conn, h, e)
-            raise ProtocolError(str(e)) from e
+            body = wire.recv_exact(conn, self.frames.body_len(h))
+            if h.op == wire.OP_GET:
+                self._get(conn, h, ns, body)
+            elif h.op == wire.OP_EXISTS:
+                wire.send_buffers(conn, self.frames.exists(h, ns, body))
+            elif h.op == wire.OP_REMOVE:
+                wire.send_buffers(conn, self.frames.remove(h, ns, body))
+            elif h.op == wire.OP_GET_LOC:
+                loc = self.shm.get_loc(st.shm, h, ns, body)
+                try:
+                    wire.send_buffers(conn, loc.buffers)
+                finally:
+                    loc.sent()
+                self._count("shm", "tx", loc.inline)
+            elif h.op == wire.OP_PUT_LOC:
+                wire.send_buffers(conn, self.shm.put_loc(st.shm, h, ns, body))
+            else:  # OP_PUT_COMMIT
+                answer, n = self.shm.put_commit(st.shm, h, body)
+                wire.send_buffers(conn, answer)
+                self._count("shm", "rx", n)
+
+    def _count(self, transport: str, direction: str, n: int) -> None:
         if self.on_bytes is not None and n:
-            self.on_bytes("shm", direction, n)
-
-    def _fail(self, conn: socket.socket, h: wire.Header, err: KVStoreError) -> None:
-        msg = str(err).encode()[:4096]
-        with contextlib.suppress(OSError):
-            conn.sendall(wire.encode_answer_header(h.op, int(err.code), len(msg), h.req_id) + msg)
-
-    @staticmethod
-    def _hashes(conn: socket.socket, count: int) -> list[bytes]:
-        raw = bytes(wire.recv_exact(conn, count * HASH_LEN))
-        return [raw[i : i + HASH_LEN] for i in range(0, len(raw), HASH_LEN)]
+            self.on_bytes(transport, direction, n)
 
     def _put(self, st: _Conn, h: wire.Header, ns: str) -> None:
         conn = st.conn
-        raw = wire.recv_exact(conn, h.count * wire.PUT_ENTRY.size)
-        entries = list(wire.PUT_ENTRY.iter_unpack(raw))
-        try:
-            self.core.check_sizes([e[1] for e in entries])
-        except InvalidArgument as e:
-            self._fail(conn, h, e)
-            raise ProtocolError(str(e)) from e
-        status = bytearray(h.count)
-        total = 0
-        reserved: list[Block] = []  # reserved and not yet finished
-        held = 0  # budget held for the part being received
+        plan = self.frames.put_plan(st.peer, h, ns, wire.recv_exact(conn, self.frames.body_len(h)))
         ahead_limit = self.core.limits.reserve_ahead
-        start = 0
+        wait = max(0.0, min(1.0, self.frame_timeout / 4))
         try:
-            while start < len(entries):
+            while not plan.done:
                 # Reserve only for bytes that are coming: wait for the next block's
                 # first FIRST_BYTES, then take the blocks that the bytes already here
                 # plus FIRST_BYTES cover (at least one, at most reserve_ahead), within
                 # the connection's, the client address's and the worker's budget. A
                 # sender that declares blocks and sends nothing (or trickles) holds and
                 # evicts nothing; one that stalls later holds about what it sent.
-                in_hand = _arrived(conn, entries[start][1], self.frame_timeout)
-                limit = min(ahead_limit, max(entries[start][1], in_hand + FIRST_BYTES))
-                end, ahead = start + 1, entries[start][1]
-                while end < len(entries) and ahead + entries[end][1] <= limit:
-                    ahead += entries[end][1]
-                    end += 1
-                part = entries[start:end]
-                wait = max(0.0, min(1.0, self.frame_timeout / 4))
-                if st.holder.take(ahead, wait=wait):
-                    held = ahead
-                    slots = self.store.reserve_many(
-                        ns,
-                        [e[0] for e in part],
-                        [e[1] for e in part],
-                        [e[2] for e in part],
-                        hinted=bool(h.flags_or_code & wire.FLAG_SESSION),
-                    )
-                else:  # over budget: refuse this part as full, read and drop its bytes
-                    slots = [ResourceExhausted("transfer budget exhausted")] * len(part)
-                reserved = [s for s in slots if isinstance(s, Block)]
-                ok: list[bool] = []
-                for i, ((_, size, checksum), slot) in enumerate(zip(part, slots, strict=True)):
-                    total += size
-                    if isinstance(slot, Block):
-                        view = self.store.view(slot)
-                        wire.recv_into_exact(conn, view)
-                        good = xxhash.xxh3_64_intdigest(view) == checksum
-                        ok.append(good)
-                        status[start + i] = wire.PUT_STORED if good else wire.PUT_CORRUPT
-                        if not good:
-                            self.store.counters.checksum_errors += 1
-                    else:
+                size = plan.sizes[plan.next]
+                in_hand = _arrived(conn, size, self.frame_timeout)
+                end = plan.cut(min(ahead_limit, max(size, in_hand + FIRST_BYTES)))
+                start = plan.next
+                for i, dest in enumerate(plan.reserve(end, wait=wait)):
+                    if dest is None:
                         if not st.scratch:
                             st.scratch.append(memoryview(bytearray(SCRATCH)))
-                        wire.discard(conn, size, st.scratch[0])
-                        status[start + i] = put_status(slot)
-                # Every block of this part is in: each becomes visible on its own.
-                self.store.finish_many(reserved, ok)
-                reserved = []
-                st.holder.give(held)
-                held = 0
-                start = end
+                        wire.discard(conn, plan.sizes[start + i], st.scratch[0])
+                    else:
+                        wire.recv_into_exact(conn, dest)
+                        plan.landed(i, dest)
+                # Every block of this run is in: each becomes visible on its own.
+                plan.finish()
         except BaseException:
             # The sender vanished mid-frame: blocks whose bytes did not all arrive are dropped.
-            self.store.finish_many(reserved, [False] * len(reserved))
-            st.holder.give(held)
+            plan.abort()
             raise
-        if self.on_bytes is not None:
-            self.on_bytes("tcp", "rx", total)
-        wire.send_buffers(conn, [wire.encode_answer_header(h.op, 0, h.count, h.req_id), status])
+        self._count("tcp", "rx", plan.total)
+        wire.send_buffers(conn, plan.answer())
 
-    def _get(self, conn: socket.socket, h: wire.Header, ns: str) -> None:
-        keys = self._hashes(conn, h.count)
-        reading = self.store.read(ns, keys, verify_dram=False)
-        total = 0
+    def _get(self, conn: socket.socket, h: wire.Header, ns: str, body: bytearray) -> None:
+        answer = self.frames.get_answer(h, ns, body)
         try:
-            try:
-                self.core.check_answer(reading.payload_bytes, inline=False)
-            except InvalidArgument as e:
-                self._fail(conn, h, e)
-                raise ProtocolError(str(e)) from e
-            meta, views, total = wire.encode_get_entries(
-                [(x.view, x.checksum) if x is not None else None for x in reading.held]
-            )
-            head = wire.encode_answer_header(h.op, 0, h.count, h.req_id)
-            wire.send_buffers(conn, [head, meta, *views])
+            wire.send_buffers(conn, answer.buffers)
         finally:
-            self.store.done(reading)
-        if self.on_bytes is not None:
-            self.on_bytes("tcp", "tx", total)
+            answer.close()
+        self._count("tcp", "tx", answer.nbytes)
