@@ -69,7 +69,12 @@ ABLATIONS: dict[str, tuple[dict[str, Any] | None, str]] = {
 
 
 class NotRunnable(RuntimeError):
-    """This configuration cannot run here; the message says why."""
+    """This configuration cannot run here; the message says why. ``min_bytes``: the
+    smallest store memory it accepts, when that is the reason (else 0)."""
+
+    def __init__(self, why: str, min_bytes: int = 0) -> None:
+        super().__init__(why)
+        self.min_bytes = min_bytes
 
 
 @dataclass(slots=True)
@@ -82,6 +87,8 @@ class Context:
     memory_bytes: int
     block_size: int
     extra: dict[str, Any] = field(default_factory=dict)
+    block_bytes: int = 0  # bytes of one KV block in a store (0: unknown)
+    session_hints: bool = True  # the kvstore connector sends the requests' session hints
 
     @property
     def bin_dir(self) -> Path:
@@ -116,13 +123,47 @@ def _prefix(ctx: Context) -> Backing:
     return Backing("prefix")
 
 
+KVSTORE_WORKERS = 2
+MIN_SLAB = 256 << 10
+MAX_SLAB = 16 << 20
+
+
+def kvstore_slab(block_bytes: int) -> int:
+    """The slab (= largest value) a worker gets: the smallest power of two that holds a
+    block, at least 256 KiB (16 MiB, the default, when the block size is unknown)."""
+    if block_bytes <= 0:
+        return MAX_SLAB
+    slab = MIN_SLAB
+    while slab < block_bytes:
+        slab *= 2
+    return slab
+
+
+def kvstore_min_bytes(block_bytes: int, workers: int = KVSTORE_WORKERS) -> int:
+    """The least total DRAM the kvstore configuration runs with: one slab per worker."""
+    return workers * kvstore_slab(block_bytes)
+
+
 def _kvstore(ctx: Context, extra: dict[str, Any] | None = None, name: str = "kvstore") -> Backing:
-    workers = 2
-    per_worker = max(16, ctx.memory_bytes // workers >> 20)
+    workers = KVSTORE_WORKERS
+    slab = kvstore_slab(ctx.block_bytes)
+    per_worker = ctx.memory_bytes // workers
+    if per_worker < slab:
+        least = kvstore_min_bytes(ctx.block_bytes, workers)
+        raise NotRunnable(
+            f"{workers} workers need at least one {slab >> 10} KiB slab each "
+            f"({least:,} bytes in all)",
+            least,
+        )
     cluster = LocalCluster(
-        workers=workers, dram_size=f"{per_worker}MiB", log_dir=str(ctx.work_dir)
+        workers=workers,
+        dram_size=str(per_worker),
+        max_value_size=str(slab),
+        log_dir=str(ctx.work_dir),
     ).start()
     cfg: dict[str, Any] = {"master": cluster.address, "lookup_timeout_s": 1.0}
+    if not ctx.session_hints:
+        cfg["session_hints"] = False
     cfg.update(extra or {})
     return Backing(
         name,
@@ -133,7 +174,7 @@ def _kvstore(ctx: Context, extra: dict[str, Any] | None = None, name: str = "kvs
             "kv_connector_extra_config": cfg,
         },
         cluster=cluster,
-        note=f"{workers} workers x {per_worker} MiB DRAM",
+        note=f"{workers} workers x {per_worker:,} B DRAM (slab {slab >> 10} KiB)",
     )
 
 
@@ -248,7 +289,7 @@ def _mooncake(ctx: Context) -> Backing:
             "kv_connector": "MooncakeStoreConnector",
             "kv_role": "kv_both",
         }
-        b.note = f"mooncake_client holds {ctx.memory_bytes >> 20} MiB"
+        b.note = f"mooncake_client holds {ctx.memory_bytes:,} B"
         return b
     except BaseException:
         b.stop()
@@ -267,7 +308,7 @@ def _lmcache(ctx: Context) -> Backing:
     _need(ctx, "lmcache", LMCACHE_INSTALL)
     exe = _program(ctx, "lmcache", LMCACHE_INSTALL)
     port = free_port()
-    gib = max(ctx.memory_bytes / (1 << 30), 0.01)
+    gib = ctx.memory_bytes / (1 << 30)
     b = Backing("lmcache")
     try:
         with ctx.log("lmcache-server") as log:
@@ -283,7 +324,7 @@ def _lmcache(ctx: Context) -> Backing:
                         "--chunk-size",
                         str(ctx.block_size),
                         "--l1-size-gb",
-                        f"{gib:.3f}",
+                        f"{gib:.6f}",
                         "--eviction-policy",
                         "LRU",
                         "--supported-transfer-mode",
@@ -305,7 +346,7 @@ def _lmcache(ctx: Context) -> Backing:
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"lmcache.mp.host": HOST, "lmcache.mp.port": port},
         }
-        b.note = f"lmcache server, {gib:.2f} GiB L1, chunk {ctx.block_size}"
+        b.note = f"lmcache server, {ctx.memory_bytes:,} B L1, chunk {ctx.block_size}"
         return b
     except BaseException:
         b.stop()

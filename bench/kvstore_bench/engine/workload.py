@@ -16,6 +16,7 @@ request. Ids avoid 0..2 (pad, bos, eos of the tiny model).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from array import array
 from collections.abc import Iterable, Sequence
@@ -61,7 +62,9 @@ class WorkloadShape:
 class Turn:
     """One request: ``index`` is the turn number within its script (0-based), ``engine``
     the engine it is sent to, ``pause_s`` the (scaled) pause after the previous turn of
-    the script finished."""
+    the script finished. ``session_state`` is the session's state once this turn is
+    done: ``paused`` (the agent runs a tool, another turn follows) or ``ended`` (its
+    last turn); it becomes a session hint where the configuration takes them."""
 
     script: str
     index: int
@@ -69,6 +72,7 @@ class Turn:
     max_tokens: int
     pause_s: float
     engine: int
+    session_state: str = "paused"
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +161,7 @@ def _build(
         )
     if not turns:
         return
+    turns[-1] = dataclasses.replace(turns[-1], session_state="ended")
     out.append(
         Script(
             id=s.id,
