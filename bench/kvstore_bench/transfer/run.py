@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import socket
 import subprocess
 import threading
 import time
@@ -49,7 +50,13 @@ from kvstore.config import format_size, parse_size
 from kvstore_client import Client
 from kvstore_client.errors import KVStoreError, ResourceExhausted
 
-from ..peers import MooncakeServer, MooncakeStoreAdapter, PeerUnavailable, cpu_seconds
+from ..peers import (
+    MooncakeServer,
+    MooncakeStoreAdapter,
+    PeerUnavailable,
+    cpu_seconds,
+    unavailable_reason,
+)
 from ..report import transfer_plot, transfer_tables
 from . import ceilings
 
@@ -113,10 +120,13 @@ class KvTarget:
 
     system = store = "kvstore"
 
-    def __init__(self, client: Client, cluster: LocalCluster, transport: str) -> None:
+    def __init__(self, client: Client, cluster: LocalCluster | None, transport: str) -> None:
         self.client, self.cluster, self.transport = client, cluster, transport
 
     def pids(self) -> list[int]:
+        """The local cluster's processes (none for a running cluster: --master)."""
+        if self.cluster is None:
+            return []
         master = [self.cluster.master] if self.cluster.master else []
         return [d.pid for d in [*master, *self.cluster.worker_procs]]
 
@@ -508,19 +518,23 @@ class Runner:
 @contextlib.contextmanager
 def systems(
     plan: Plan, transports: list[str], vs: list[str], dram: str, log_dir: str | None,
-    notes: list[str],
+    notes: list[str], master: str | None = None,
 ) -> Iterator[tuple[list[Target], Callable[[], None]]]:  # fmt: skip
-    """Start the cluster (and peers); yield the targets and a function that grows
-    every system to ``plan.aggregate_workers`` servers. Everything stops on exit."""
+    """Start the cluster (and peers), or use the running one at ``master``; yield the
+    targets and a function that grows every system to ``plan.aggregate_workers``
+    servers (not for a running cluster). Everything started stops on exit."""
     with contextlib.ExitStack() as stack:
         quiet = subprocess.DEVNULL if log_dir is None else None
-        cluster = stack.enter_context(
-            LocalCluster(workers=1, dram_size=dram, log_dir=log_dir, stderr=quiet)
-        )
+        cluster: LocalCluster | None = None
+        if master is None:
+            cluster = stack.enter_context(
+                LocalCluster(workers=1, dram_size=dram, log_dir=log_dir, stderr=quiet)
+            )
+        address = master or (cluster.address if cluster else "")
         targets: list[Target] = []
         for tr in transports:
             try:
-                client = stack.enter_context(Client(cluster.address, timeout=120.0, transport=tr))
+                client = stack.enter_context(Client(address, timeout=120.0, transport=tr))
             except (KVStoreError, ValueError) as e:
                 notes.append(f"kvstore transport {tr!r} skipped: {e}")
                 continue
@@ -537,6 +551,8 @@ def systems(
 
         def grow() -> None:
             n = plan.aggregate_workers
+            if cluster is None:
+                return
             for _ in range(n - len(cluster.worker_procs)):
                 cluster.add_worker()
             cluster.wait_for_workers(n)
@@ -614,6 +630,21 @@ def _socket_runs(quick: bool, n: int = 3, streams: int = 1) -> list[float]:
 # ---- command -------------------------------------------------------------------------
 
 
+def _ceiling_note(master: str) -> str:
+    """What the ceilings mean against a running cluster: they are measured on this host
+    (a memcpy, and socket streams over loopback), which bounds a worker on this host;
+    for workers on other hosts, the network between is not measured here."""
+    local = {"127.0.0.1", "localhost", "::1", socket.gethostname()}
+    with contextlib.suppress(OSError):
+        local.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    host = master.rsplit(":", 1)[0].strip("[]")
+    where = "this host" if host in local else f"this host, not the network to {host}"
+    return (
+        f"running cluster at {master}: the ceilings are measured on {where} "
+        "(memcpy on the client; socket streams over loopback)"
+    )
+
+
 def _list(text: str, conv: Callable[[str], int]) -> list[int]:
     try:
         out = [conv(x.strip()) for x in text.split(",") if x.strip()]
@@ -674,14 +705,27 @@ def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:
 @click.option("--log-dir", default=None, help="Keep the daemons' logs here.")
 @click.option("--parts", default=None, help="Only the multi-part points: part counts, e.g. 1,8,80.")
 @click.option("--match-prefix", is_flag=True, help="Only match_prefix latency (1,000 blocks).")
+@click.option(
+    "--master",
+    default=None,
+    help="Measure the running cluster at this master (HOST:PORT) instead of starting one.",
+)
 def transfer_cmd(
     transports: str, peers: str, quick: bool, total_bytes: str | None, max_seconds: float | None,
     block_sizes: str | None, batch_sizes: str | None, concurrency: str | None, repeat: int,
     dram_size: str | None, aggregate_workers: int, out_dir: str, log_dir: str | None,
-    parts: str | None, match_prefix: bool,
+    parts: str | None, match_prefix: bool, master: str | None,
 ) -> None:  # fmt: skip
     """Remote put/get bandwidth per block size, batch and concurrency, against the
     ceilings (bare socket, memcpy) and optionally Mooncake Store over TCP."""
+    if "mooncake" in _names(peers, PEERS, "peer"):
+        why = unavailable_reason("mooncake")
+        if why:  # at once, not after the sweep
+            raise click.ClickException(f"--vs mooncake: {why}; scripts/install_peers.sh does both")
+    if master and (parts or match_prefix):
+        raise click.UsageError(
+            "--master measures the grid; --parts and --match-prefix start their own cluster"
+        )
     if parts or match_prefix:
         blk = _list(block_sizes, parse_size)[0] if block_sizes else 1 << 20
         bat = _list(batch_sizes, int)[0] if batch_sizes else 32
@@ -711,6 +755,14 @@ def transfer_cmd(
         console.width = max(console.width, 150)
     started = time.strftime("%Y%m%d-%H%M%S")
     notes: list[str] = []
+    if master:
+        if plan.aggregate_workers > 1:
+            notes.append(
+                f"running cluster at {master}: no aggregate point (the bench adds servers "
+                "only to a cluster it started); worker CPU is not counted"
+            )
+        plan.aggregate_workers = 1
+        notes.append(_ceiling_note(master))
     console.print("measuring the ceilings (bare socket, 1 and N streams; memcpy) ...")
     first = ceilings.measure(quick).to_json()
     socket_runs = _socket_runs(quick)
@@ -722,7 +774,7 @@ def transfer_cmd(
     with progress:
         task = progress.add_task("starting the cluster", total=None)
         runner = Runner(plan, progress, task)
-        with systems(plan, kv_transports, vs, dram, log_dir, notes) as (targets, grow):
+        with systems(plan, kv_transports, vs, dram, log_dir, notes, master) as (targets, grow):
             progress.update(task, total=Runner.count(plan, len(targets)))
             runner.sweep(targets)
             if plan.aggregate_workers > 1:
@@ -754,7 +806,8 @@ def transfer_cmd(
         "benchmark": "transfer", "version": 1, "started": started,
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(),
                  "python": platform.python_version(), "load": os.getloadavg()},
-        "config": {"quick": quick, "transports": kv_transports, "vs": vs, "blocks": plan.blocks,
+        "config": {"quick": quick, "master": master, "transports": kv_transports, "vs": vs,
+                   "blocks": plan.blocks,
                    "batches": plan.batches, "concurrency": plan.concurrency,
                    "total_bytes": plan.total_bytes, "max_seconds": plan.max_seconds,
                    "dram_bytes": plan.capacity, "aggregate_workers": plan.aggregate_workers,
