@@ -49,3 +49,47 @@ def test_kvstore_beats_prefix_only_and_outputs_match(tiny_model: str, tmp_path: 
     assert k.token_hit_rate > p.token_hit_rate
     assert k.first_logprob_within_tol == 1.0
     assert k.equal_outputs == 1.0
+
+
+def test_quick_memory_sweep_kvstore_keeps_more_at_the_smallest_point(tmp_path: Path) -> None:
+    """`--quick --memory-sweep`: every store gets the same memory at each point; at the
+    smallest, kvstore's token hit rate is above Mooncake's and LMCache's (a peer that
+    cannot run with that memory must say why and the least it accepts)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kvstore_bench.engine.cli import engine_cmd
+
+    out = tmp_path / "sweep.json"
+    args = [
+        "--quick", "--memory-sweep", "0.25,1.0", "--configs", "kvstore,mooncake,lmcache",
+        "--engine-python", sys.executable, "--json", str(out), "--out", str(tmp_path),
+        "--work-dir", str(tmp_path / "work"), "--no-progress",
+    ]  # fmt: skip
+    r = CliRunner().invoke(engine_cmd, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output[-3000:]
+    doc = json.loads(out.read_text())
+    sweep = doc["sweep"]
+    assert [p["fraction"] for p in sweep] == [0.25, 1.0]
+    ws = doc["meta"]["working_set_bytes"]
+    for p in sweep:
+        assert p["memory_bytes"] == int(p["fraction"] * ws)
+        assert set(p["configs"]) == {"kvstore", "mooncake", "lmcache"}
+    small = sweep[0]["configs"]
+    kv = small["kvstore"]
+    assert kv["ran"], kv["why_not"]
+    assert kv["ref_lru_hit_rate"] is not None and kv["ref_opt_hit_rate"] is not None
+    line = [f"bench engine --quick sweep at 0.25 ({sweep[0]['memory_bytes']:,} B):"]
+    line.append(f"kvstore {100 * kv['token_hit_rate']:.1f}%")
+    for peer in ("mooncake", "lmcache"):
+        c = small[peer]
+        if c["ran"]:
+            line.append(f"{peer} {100 * c['token_hit_rate']:.1f}%")
+            assert kv["token_hit_rate"] > c["token_hit_rate"], (peer, kv, c)
+        else:  # below its floor: the reason and the least it accepts
+            line.append(f"{peer} not run ({c['why_not'][:60]})")
+            assert c["why_not"] and c["min_bytes"] > sweep[0]["memory_bytes"], c
+    REPORT.append(" ".join(line))
+    full = sweep[-1]["configs"]["kvstore"]
+    assert full["ran"] and full["token_hit_rate"] >= kv["token_hit_rate"]

@@ -134,7 +134,9 @@ def _prefill_speed(run: ConfigRun) -> float | None:
     default=None,
     help="Each engine's own KV cache [256MiB; with --memory-sweep: two of the longest turn].",
 )
-@click.option("--quick", is_flag=True, help="2 sessions x 4 turns, small prompts.")
+@click.option(
+    "--quick", is_flag=True, help="2 sessions (6 with --memory-sweep) x 4 turns, small prompts."
+)
 @click.option("--json", "json_path", default=None, help="Write the numbers here.")
 @click.option("--out", default="bench/results", show_default=True, help="Plots go here.")
 @click.option("--work-dir", default=None, help="Logs of every process [a temp dir].")
@@ -175,6 +177,9 @@ def engine_cmd(
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--memory-sweep") from e
     py = _engine_python(engine_python)
+    if quick and fractions:  # enough sessions that the engines' own caches cannot hold all
+        max_sessions = max_sessions or 6
+        n_synth = n_synth if n_synth is not None or traces else 6
     if quick:
         max_sessions = max_sessions or 2
         max_turns = min(max_turns or 4, 4)

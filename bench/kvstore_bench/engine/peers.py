@@ -217,10 +217,21 @@ MOONCAKE_INSTALL = (
 )
 
 
+# mooncake_client 0.3.13 cannot allocate a segment under 16 MiB ("Failed to allocate
+# segment memory", then a failed check): 15.99 MiB fails, 16 MiB runs (probed here).
+MOONCAKE_MIN_SEGMENT = 16 << 20
+
+
 def _mooncake(ctx: Context) -> Backing:
     """Mooncake Store over TCP: ``mooncake_master`` with its HTTP metadata server, one
     ``mooncake_client`` process holding the whole segment, engines in standalone-store
     mode (they mount no memory of their own)."""
+    if ctx.memory_bytes < MOONCAKE_MIN_SEGMENT:
+        raise NotRunnable(
+            f"mooncake_client cannot allocate a segment of {ctx.memory_bytes:,} bytes "
+            f"(its least is {MOONCAKE_MIN_SEGMENT >> 20} MiB)",
+            MOONCAKE_MIN_SEGMENT,
+        )
     _need(ctx, "mooncake.store", MOONCAKE_INSTALL)
     master_bin = _program(ctx, "mooncake_master", MOONCAKE_INSTALL)
     client_bin = _program(ctx, "mooncake_client", MOONCAKE_INSTALL)

@@ -16,7 +16,7 @@ before and after the sweep, the better of the two),
 batch latency p50/p99, and CPU seconds per GiB moved: this process plus the
 servers' processes (``getrusage`` and /proc/PID/stat), counted only while the
 point's clock runs. Results go to ``bench/results/transfer-<time>.json`` and
-``.png``; the issue's targets are checked at the end.
+``.png``; the targets (goals per transport) are checked at the end.
 
 Method: puts write fresh random keys; after at most half a worker's DRAM of
 puts the clock stops and the keys are removed, so no system measures its
@@ -584,7 +584,7 @@ def evaluate_targets(
     socket_gib_s: float,
     socket_range: tuple[float, float] | None = None,
 ) -> list[dict[str, Any]]:
-    """The issue's goals (concurrency 1, one worker) for each kvstore transport.
+    """The goals (concurrency 1, one worker) for each kvstore transport.
 
     ``socket_gib_s`` is the median of the bare-socket runs and ``socket_range`` their
     (min, max): a goal against the socket is "yes" only if met even against the fastest
