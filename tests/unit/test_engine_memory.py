@@ -79,14 +79,14 @@ def test_sweep_rows_and_json_report_every_point_and_the_reason_a_config_did_not_
     ran.ttft_ms = {"p50": 10.0, "p95": 20.0, "p99": 30.0}
     ran.ttft_breakdown = {
         "hit": {"count": 2, "ttft_p50_ms": 9.0, "wait_p50_ms": 4.0, "step_p50_ms": 5.0,
-                "steps_mean": 2.0},
+                "steps_p50": 2.0, "steps_mean": 2.5},
         "miss": {"count": 1},
     }  # fmt: skip
     skipped = Summary("mooncake", False, why_not="segment too small", min_bytes=4 << 20)
     points = [Point(0.25, 1 << 20, [ran, skipped])]
     rows = sweep_rows(points)
     assert rows[0][:5] == ["0.25 (1.00 MiB)", "kvstore", "40.0%", "20.0%", "50.0%"]
-    assert rows[0][-1] == "9 (4+5, 2.0)"
+    assert rows[0][-1] == "9 (4+5, 2)"
     assert "segment too small" in rows[1][2] and "4.00 MiB" in rows[1][2]
     doc = json.loads(json.dumps(sweep_json(points)))
     assert doc[0]["fraction"] == 0.25 and doc[0]["memory_bytes"] == 1 << 20

@@ -374,7 +374,7 @@ def _print_sweep(console: Console, points: list[Point]) -> None:
         "  hit rate: prompt tokens the engines took from a cache (their own or the store); "
         "LRU / OPT ref: an offline shared cache of that memory (LRU, Belady), in the order "
         "the requests ran; ideal (inf): unlimited memory; hit TTFT: p50 of requests with "
-        "cached tokens, as wait before their first-token step + that step, and mean steps"
+        "cached tokens, as wait before their first-token step + that step, and p50 steps"
     )
 
 

@@ -58,7 +58,7 @@ class Summary:
     # TTFT broken down, for requests with cached tokens ("hit") and without ("miss"):
     # count, p50 of TTFT, of the wait before the step that produced the first token
     # (lookup, waiting for remote KV, steps that did not schedule it) and of that step,
-    # and the mean number of engine steps to the first token
+    # and the p50 and mean number of engine steps to the first token
     ttft_breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
     # memory sweeps: the store memory of this point, the offline references of a shared
     # cache of that size (LRU and Belady's optimum, in the order this run's requests ran)
@@ -165,6 +165,7 @@ def _breakdown(rs: Sequence[Result]) -> dict[str, float]:
         "ttft_p50_ms": p50([r.ttft_s * 1e3 for r in rs]),
         "wait_p50_ms": p50([r.wait_s * 1e3 for r in rs]),
         "step_p50_ms": p50([r.step_s * 1e3 for r in rs]),
+        "steps_p50": p50([float(r.steps) for r in rs]),
         "steps_mean": sum(r.steps for r in rs) / len(rs),
     }
 

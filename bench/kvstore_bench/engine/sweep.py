@@ -65,7 +65,7 @@ def _hit_cell(s: Summary) -> str:
         return "-"
     return (
         f"{h['ttft_p50_ms']:.0f} ({h['wait_p50_ms']:.0f}+{h['step_p50_ms']:.0f}, "
-        f"{h['steps_mean']:.1f})"
+        f"{h.get('steps_p50', h['steps_mean']):.0f})"
     )
 
 
