@@ -233,14 +233,15 @@ def engine_cmd(
         f"working set: {ws_blocks:,} blocks of {block_bytes:,} B = {ws_bytes / (1 << 20):.1f} MiB"
     )
     engine_len = MAX_LEN
+    if fractions:
+        # The engines' own caches must not hold the working set themselves (a GPU's
+        # memory is smaller than the agents' working set): context = the longest turn,
+        # KV cache = two such turns unless --engine-kv says otherwise.
+        longest = max(len(t.prompt) + t.max_tokens for sc in scripts for t in sc.turns)
+        engine_len = min(MAX_LEN, -(-longest // block) * block + block)
     if engine_kv:
         kv_cache = parse_size(engine_kv)
     elif fractions:
-        # The engines' own caches must not hold the working set themselves (a GPU's
-        # memory is smaller than the agents' working set): context = the longest turn,
-        # KV cache = two such turns.
-        longest = max(len(t.prompt) + t.max_tokens for sc in scripts for t in sc.turns)
-        engine_len = min(MAX_LEN, -(-longest // block) * block + block)
         kv_cache = 2 * engine_len * block_bytes // block
     else:
         kv_cache = 256 << 20

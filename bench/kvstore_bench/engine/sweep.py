@@ -171,7 +171,8 @@ def sweep_plots(points: Sequence[Point], out_dir: Path, stem: str) -> list[Path]
     ax.set_xlabel("store memory (MiB)")
     ax.set_ylabel("token hit rate (%)")
     ax.set_title("Hit rate against memory")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     png = out_dir / f"{stem}-sweep-hit-rate.png"
     fig.tight_layout()
     fig.savefig(png, dpi=120)
@@ -187,7 +188,8 @@ def sweep_plots(points: Sequence[Point], out_dir: Path, stem: str) -> list[Path]
     ax.set_xlabel("store memory (MiB)")
     ax.set_ylabel("TTFT p50 (ms)")
     ax.set_title("TTFT p50 against memory")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     png = out_dir / f"{stem}-sweep-ttft.png"
     fig.tight_layout()
     fig.savefig(png, dpi=120)
