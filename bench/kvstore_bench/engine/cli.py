@@ -113,6 +113,13 @@ def _prefill_speed(run: ConfigRun) -> float | None:
 @click.option("--ablate", is_flag=True, help="Add kvstore ablation variants.")
 @click.option("--token-scale", type=float, default=0.05, show_default=True)
 @click.option("--time-scale", type=float, default=50.0, show_default=True)
+@click.option(
+    "--max-pause",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Cap on a scaled pause between turns, seconds; 0 = none.",
+)
 @click.option("--max-turns", type=int, default=8, show_default=True, help="0 = all")
 @click.option("--max-sessions", type=int, default=0, help="First N sessions (0 = all).")
 @click.option("--max-output", type=int, default=32, show_default=True)
@@ -153,6 +160,7 @@ def engine_cmd(
     ablate: bool,
     token_scale: float,
     time_scale: float,
+    max_pause: float,
     max_turns: int,
     max_sessions: int,
     max_output: int,
@@ -211,6 +219,7 @@ def engine_cmd(
     shape = WorkloadShape(
         token_scale=token_scale,
         time_scale=time_scale,
+        max_pause_s=max_pause,
         max_turns=max_turns,
         max_output=max_output,
         max_len=MAX_LEN,
@@ -270,6 +279,7 @@ def engine_cmd(
         "turns": n_turns,
         "token_scale": token_scale,
         "time_scale": time_scale,
+        "max_pause_s": max_pause,
         "max_turns": max_turns,
         "max_output": max_output,
         "memory_bytes": ctx.memory_bytes,
