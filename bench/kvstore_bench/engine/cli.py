@@ -137,6 +137,12 @@ def _prefill_speed(run: ConfigRun) -> float | None:
     help="kvstore configs: send session hints (paused between turns, ended at the last).",
 )
 @click.option(
+    "--ssd",
+    is_flag=True,
+    help="kvstore: half of each store's memory as DRAM, half as an SSD tier (peers: all "
+    "in their memory tier).",
+)
+@click.option(
     "--engine-kv",
     default=None,
     help="Each engine's own KV cache [256MiB; with --memory-sweep: two of the longest turn].",
@@ -168,6 +174,7 @@ def engine_cmd(
     memory_sweep: str | None,
     sessions_aware: str,
     engine_kv: str | None,
+    ssd: bool,
     quick: bool,
     json_path: str | None,
     out: str,
@@ -270,6 +277,7 @@ def engine_cmd(
         block,
         block_bytes=block_bytes,
         session_hints=sessions_aware == "on",
+        ssd=ssd,
     )
     stem = f"engine-{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     meta: dict[str, Any] = {
@@ -290,6 +298,7 @@ def engine_cmd(
         "engine_kv_cache_bytes": kv_cache,
         "engine_max_len": engine_len,
         "sessions_aware": sessions_aware,
+        "kvstore_ssd": ssd,
         "traces": [str(p) for p in paths],
         "work_dir": str(wdir),
     }

@@ -89,6 +89,7 @@ class Context:
     extra: dict[str, Any] = field(default_factory=dict)
     block_bytes: int = 0  # bytes of one KV block in a store (0: unknown)
     session_hints: bool = True  # the kvstore connector sends the requests' session hints
+    ssd: bool = False  # kvstore: half of memory_bytes as DRAM, half as an SSD tier
 
     @property
     def bin_dir(self) -> Path:
@@ -147,20 +148,35 @@ def kvstore_min_bytes(block_bytes: int, workers: int = KVSTORE_WORKERS) -> int:
 def _kvstore(ctx: Context, extra: dict[str, Any] | None = None, name: str = "kvstore") -> Backing:
     workers = KVSTORE_WORKERS
     slab = kvstore_slab(ctx.block_bytes)
-    per_worker = ctx.memory_bytes // workers
+    dram = ctx.memory_bytes // 2 if ctx.ssd else ctx.memory_bytes
+    per_worker = dram // workers
     if per_worker < slab:
-        least = kvstore_min_bytes(ctx.block_bytes, workers)
+        least = kvstore_min_bytes(ctx.block_bytes, workers) * (2 if ctx.ssd else 1)
         raise NotRunnable(
             f"{workers} workers need at least one {slab >> 10} KiB slab each "
-            f"({least:,} bytes in all)",
+            f"({least:,} bytes in all{' with half as SSD' if ctx.ssd else ''})",
             least,
         )
     cluster = LocalCluster(
-        workers=workers,
+        workers=0,
         dram_size=str(per_worker),
         max_value_size=str(slab),
         log_dir=str(ctx.work_dir),
     ).start()
+    ssd_note = ""
+    try:
+        for i in range(workers):
+            args: list[str] = []
+            if ctx.ssd:  # LMDB pages: the tier's size is what its values may occupy
+                ssd_each = (ctx.memory_bytes - dram) // workers
+                path = ctx.work_dir / f"ssd{i}"
+                args = ["--ssd-path", str(path), "--ssd-size", str(ssd_each)]
+                ssd_note = f" + {ssd_each:,} B SSD"
+            cluster.add_worker(*args)
+        cluster.wait_for_workers(workers)
+    except BaseException:
+        cluster.stop()
+        raise
     cfg: dict[str, Any] = {"master": cluster.address, "lookup_timeout_s": 1.0}
     if not ctx.session_hints:
         cfg["session_hints"] = False
@@ -174,7 +190,7 @@ def _kvstore(ctx: Context, extra: dict[str, Any] | None = None, name: str = "kvs
             "kv_connector_extra_config": cfg,
         },
         cluster=cluster,
-        note=f"{workers} workers x {per_worker:,} B DRAM (slab {slab >> 10} KiB)",
+        note=f"{workers} workers x {per_worker:,} B DRAM{ssd_note} (slab {slab >> 10} KiB)",
     )
 
 
