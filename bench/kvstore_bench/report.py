@@ -230,7 +230,7 @@ def transfer_tables(
     console.print(e)
     if result["targets"]:
         g = Table(
-            title="targets of the issue (concurrency 1, one worker); against the bare socket: "
+            title="targets (concurrency 1, one worker); against the bare socket: "
             "median ceiling, range over its runs"
         )
         for c in ("transport", "target", "value", "range", "goal", "met"):

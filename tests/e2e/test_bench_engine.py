@@ -8,8 +8,10 @@ more of the prompts than the engines' own caches, and the outputs must be the sa
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,3 +51,72 @@ def test_kvstore_beats_prefix_only_and_outputs_match(tiny_model: str, tmp_path: 
     assert k.token_hit_rate > p.token_hit_rate
     assert k.first_logprob_within_tol == 1.0
     assert k.equal_outputs == 1.0
+
+
+@pytest.fixture(scope="module")
+def quick_sweep(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """`kvstore bench engine --quick --memory-sweep 0.25,1.0` with the three stores."""
+    from click.testing import CliRunner
+
+    from kvstore_bench.engine.cli import engine_cmd
+
+    tmp = tmp_path_factory.mktemp("sweep")
+    out = tmp / "sweep.json"
+    args = [
+        "--quick", "--memory-sweep", "0.25,1.0", "--configs", "kvstore,mooncake,lmcache",
+        "--engine-python", sys.executable, "--json", str(out), "--out", str(tmp),
+        "--work-dir", str(tmp / "work"), "--no-progress",
+    ]  # fmt: skip
+    r = CliRunner().invoke(engine_cmd, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output[-3000:]
+    doc: dict[str, Any] = json.loads(out.read_text())
+    small = doc["sweep"][0]
+    REPORT.append(
+        f"bench engine --quick sweep at 0.25 ({small['memory_bytes']:,} B): "
+        + ", ".join(
+            f"{n} {100 * c['token_hit_rate']:.1f}%" if c["ran"] else f"{n} not run"
+            for n, c in small["configs"].items()
+        )
+    )
+    return doc
+
+
+def test_quick_memory_sweep_gives_every_store_the_same_memory(quick_sweep: dict[str, Any]) -> None:
+    """Each point: every store got the point's bytes; a peer that cannot run with them
+    says why and the least it accepts; kvstore runs at every point with the references."""
+    sweep = quick_sweep["sweep"]
+    assert [p["fraction"] for p in sweep] == [0.25, 1.0]
+    ws = quick_sweep["meta"]["working_set_bytes"]
+    assert ws == quick_sweep["meta"]["working_set_blocks"] * quick_sweep["meta"]["block_bytes"]
+    for p in sweep:
+        assert p["memory_bytes"] == int(p["fraction"] * ws)
+        assert set(p["configs"]) == {"kvstore", "mooncake", "lmcache"}
+        for name, c in p["configs"].items():
+            if c["ran"]:
+                assert c["memory_bytes"] == p["memory_bytes"], name
+                assert c["ref_lru_hit_rate"] is not None and c["ref_opt_hit_rate"] is not None
+            else:
+                assert c["why_not"] and c["min_bytes"] > p["memory_bytes"], (name, c)
+        assert p["configs"]["kvstore"]["ran"], p["configs"]["kvstore"]["why_not"]
+    small, full = (p["configs"]["kvstore"] for p in sweep)
+    assert full["token_hit_rate"] >= small["token_hit_rate"]
+    assert full["ref_lru_hit_rate"] == pytest.approx(full["ideal_hit_rate"])
+
+
+@pytest.mark.xfail(
+    reason="goal not met yet: at a quarter of this quick workload's working set the "
+    "engines' own prefix caches serve what is reused; kvstore tied LMCache in one run "
+    "(76.6% each) and trailed it in another (76.6% against 77.1%); docs/BENCHMARKS.md",
+    strict=False,
+)
+def test_quick_memory_sweep_kvstore_keeps_more_at_the_smallest_point(
+    quick_sweep: dict[str, Any],
+) -> None:
+    """At the smallest point kvstore's token hit rate is above Mooncake's and LMCache's
+    (a peer that could not run there is reported by the test above)."""
+    small = quick_sweep["sweep"][0]["configs"]
+    kv = small["kvstore"]
+    for peer in ("mooncake", "lmcache"):
+        c = small[peer]
+        if c["ran"]:
+            assert kv["token_hit_rate"] > c["token_hit_rate"], (peer, kv, c)

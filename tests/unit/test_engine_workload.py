@@ -156,3 +156,17 @@ def test_outputs_that_differ_from_prefix_are_listed_with_their_cache_hits() -> N
     (m,) = s.mismatches
     assert (m["turn"], m["cached_tokens"], m["prefix_cached_tokens"]) == (1, 256, 0)
     assert m["first_differing_token"] == 1 and abs(m["first_logprob_diff"] - 0.2) < 1e-9
+
+
+def test_pauses_are_scaled_then_capped_and_the_last_turn_ends_the_session() -> None:
+    import dataclasses
+
+    s = _session("s", [([1, 2], 0), ([1, 2, 3], 5), ([1, 2, 3, 4], 5)])
+    reqs = list(s.requests)
+    reqs[2] = dataclasses.replace(reqs[2], think_time=77_589.0)  # an overnight gap
+    s = dataclasses.replace(s, requests=tuple(reqs))
+    [plain] = build_scripts([s], SHAPE)
+    assert [t.pause_s for t in plain.turns] == [0.0, 0.5, 7758.9]
+    [capped] = build_scripts([s], dataclasses.replace(SHAPE, max_pause_s=10.0))
+    assert [t.pause_s for t in capped.turns] == [0.0, 0.5, 10.0]
+    assert [t.session_state for t in capped.turns] == ["paused", "paused", "ended"]

@@ -35,10 +35,27 @@ from kvstore.config import parse_size
 
 from .. import synth
 from ..traces import load_agentic
-from .models import MAX_LEN, VOCAB, block_size, engine_block_size, preset_unavailable
+from .memory import kv_bytes_per_block, reference_hit_rates, working_set_blocks
+from .models import (
+    MAX_LEN,
+    VOCAB,
+    block_size,
+    engine_block_size,
+    model_config,
+    preset_unavailable,
+)
 from .peers import ABLATIONS, CONFIGS, Context
-from .report import TABLE_COLUMNS, Summary, plot, summarize, table_rows, to_json
+from .report import (
+    TABLE_COLUMNS,
+    Summary,
+    plot,
+    summarize,
+    table_rows,
+    timed_requests,
+    to_json,
+)
 from .run import ConfigRun, EngineSpec, Result, run_config
+from .sweep import SWEEP_COLUMNS, Point, parse_fractions, sweep_json, sweep_plots, sweep_rows
 from .workload import Script, WorkloadShape, build_scripts
 
 __all__ = ["engine_cmd"]
@@ -96,11 +113,43 @@ def _prefill_speed(run: ConfigRun) -> float | None:
 @click.option("--ablate", is_flag=True, help="Add kvstore ablation variants.")
 @click.option("--token-scale", type=float, default=0.05, show_default=True)
 @click.option("--time-scale", type=float, default=50.0, show_default=True)
+@click.option(
+    "--max-pause",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Cap on a scaled pause between turns, seconds; 0 = none.",
+)
 @click.option("--max-turns", type=int, default=8, show_default=True, help="0 = all")
 @click.option("--max-sessions", type=int, default=0, help="First N sessions (0 = all).")
 @click.option("--max-output", type=int, default=32, show_default=True)
 @click.option("--memory", default="512MiB", show_default=True, help="Store memory per config")
-@click.option("--quick", is_flag=True, help="2 sessions x 4 turns, small prompts.")
+@click.option(
+    "--memory-sweep",
+    default=None,
+    help="Fractions of the working set, e.g. 0.125,0.25,0.5,1.0: every config at each.",
+)
+@click.option(
+    "--sessions-aware",
+    type=click.Choice(["on", "off"]),
+    default="on",
+    show_default=True,
+    help="kvstore configs: send session hints (paused between turns, ended at the last).",
+)
+@click.option(
+    "--ssd",
+    is_flag=True,
+    help="kvstore: half of each store's memory as DRAM, half as an SSD tier (peers: all "
+    "in their memory tier).",
+)
+@click.option(
+    "--engine-kv",
+    default=None,
+    help="Each engine's own KV cache [256MiB; with --memory-sweep: two of the longest turn].",
+)
+@click.option(
+    "--quick", is_flag=True, help="2 sessions (6 with --memory-sweep) x 4 turns, small prompts."
+)
 @click.option("--json", "json_path", default=None, help="Write the numbers here.")
 @click.option("--out", default="bench/results", show_default=True, help="Plots go here.")
 @click.option("--work-dir", default=None, help="Logs of every process [a temp dir].")
@@ -117,10 +166,15 @@ def engine_cmd(
     ablate: bool,
     token_scale: float,
     time_scale: float,
+    max_pause: float,
     max_turns: int,
     max_sessions: int,
     max_output: int,
     memory: str,
+    memory_sweep: str | None,
+    sessions_aware: str,
+    engine_kv: str | None,
+    ssd: bool,
     quick: bool,
     json_path: str | None,
     out: str,
@@ -133,7 +187,14 @@ def engine_cmd(
     if why:
         raise click.BadParameter(why, param_hint="--model")
     block = block_size(preset)  # the engine's tokens per KV block: the ideal's unit
+    try:
+        fractions = parse_fractions(memory_sweep) if memory_sweep else []
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--memory-sweep") from e
     py = _engine_python(engine_python)
+    if quick and fractions:  # enough sessions that the engines' own caches cannot hold all
+        max_sessions = max_sessions or 6
+        n_synth = n_synth if n_synth is not None or traces else 6
     if quick:
         max_sessions = max_sessions or 2
         max_turns = min(max_turns or 4, 4)
@@ -165,6 +226,7 @@ def engine_cmd(
     shape = WorkloadShape(
         token_scale=token_scale,
         time_scale=time_scale,
+        max_pause_s=max_pause,
         max_turns=max_turns,
         max_output=max_output,
         max_len=MAX_LEN,
@@ -180,42 +242,160 @@ def engine_cmd(
         f"{sum(len(t.prompt) for s in scripts for t in s.turns):,} prompt tokens, "
         f"{engines} engines, model {preset}, configs {', '.join(names)}; logs in {wdir}"
     )
+    block_bytes = kv_bytes_per_block(model_config(preset), block)
+    ws_blocks = working_set_blocks(scripts, block)
+    ws_bytes = ws_blocks * block_bytes
+    console.print(
+        f"working set: {ws_blocks:,} blocks of {block_bytes:,} B = {ws_bytes / (1 << 20):.1f} MiB"
+    )
+    engine_len = MAX_LEN
+    if fractions:
+        # The engines' own caches must not hold the working set themselves (a GPU's
+        # memory is smaller than the agents' working set): context = the longest turn,
+        # KV cache = two such turns unless --engine-kv says otherwise.
+        longest = max(len(t.prompt) + t.max_tokens for sc in scripts for t in sc.turns)
+        engine_len = min(MAX_LEN, -(-longest // block) * block + block)
+    if engine_kv:
+        kv_cache = parse_size(engine_kv)
+    elif fractions:
+        kv_cache = 2 * engine_len * block_bytes // block
+    else:
+        kv_cache = 256 << 20
     console.print("writing the model ...")
     spec = EngineSpec(
         python=py,
         model=_model(py, preset, cache),
         block_size=engine_block_size(preset),
         expect_block_size=block,
+        max_len=engine_len,
+        kv_cache_bytes=kv_cache,
     )
-    ctx = Context(py, wdir, parse_size(memory), block)
+    ctx = Context(
+        py,
+        wdir,
+        parse_size(memory),
+        block,
+        block_bytes=block_bytes,
+        session_hints=sessions_aware == "on",
+        ssd=ssd,
+    )
+    stem = f"engine-{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    meta: dict[str, Any] = {
+        "model": preset,
+        "engines": engines,
+        "scripts": len(scripts),
+        "turns": n_turns,
+        "token_scale": token_scale,
+        "time_scale": time_scale,
+        "max_pause_s": max_pause,
+        "max_turns": max_turns,
+        "max_output": max_output,
+        "memory_bytes": ctx.memory_bytes,
+        "block_size": block,
+        "block_bytes": block_bytes,
+        "working_set_blocks": ws_blocks,
+        "working_set_bytes": ws_bytes,
+        "engine_kv_cache_bytes": kv_cache,
+        "engine_max_len": engine_len,
+        "sessions_aware": sessions_aware,
+        "kvstore_ssd": ssd,
+        "traces": [str(p) for p in paths],
+        "work_dir": str(wdir),
+    }
+    if fractions:
+        points = _sweep(names, fractions, ws_bytes, ctx, spec, scripts, engines, console, progress)
+        _print_sweep(console, points)
+        try:
+            for p in sweep_plots(points, Path(out), stem):
+                console.print(f"plot: {p}")
+        except ImportError as e:
+            console.print(f"[yellow]no plots ({e}); pip install matplotlib[/]")
+        if json_path:
+            doc: dict[str, Any] = (
+                to_json(points[-1].summaries, meta) if points else {"meta": meta, "configs": {}}
+            )
+            doc["sweep"] = sweep_json(points)
+            Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
+            console.print(f"json: {json_path}")
+        return
 
     runs = _run_all(names, ctx, spec, scripts, engines, n_turns, console, progress)
     ref = runs[0] if runs and runs[0].name == "prefix" else None
-    summaries = [summarize(r, scripts, block, ref) for r in runs]
+    summaries = [_summary(r, scripts, block, ref, ctx) for r in runs]
     _print_table(console, summaries)
-    stem = f"engine-{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         for p in plot(summaries, Path(out), stem):
             console.print(f"plot: {p}")
     except ImportError as e:
         console.print(f"[yellow]no plots ({e}); pip install matplotlib[/]")
     if json_path:
-        meta: dict[str, Any] = {
-            "model": preset,
-            "engines": engines,
-            "scripts": len(scripts),
-            "turns": n_turns,
-            "token_scale": token_scale,
-            "time_scale": time_scale,
-            "max_turns": max_turns,
-            "max_output": max_output,
-            "memory_bytes": ctx.memory_bytes,
-            "block_size": block,
-            "traces": [str(p) for p in paths],
-            "work_dir": str(wdir),
-        }
         Path(json_path).write_text(json.dumps(to_json(summaries, meta), indent=2) + "\n")
         console.print(f"json: {json_path}")
+
+
+def _summary(
+    run: ConfigRun, scripts: list[Script], block: int, ref: ConfigRun | None, ctx: Context
+) -> Summary:
+    """:func:`summarize` plus the memory and the offline references at that memory."""
+    s = summarize(run, scripts, block, ref)
+    s.memory_bytes = 0 if run.name == "prefix" else ctx.memory_bytes
+    if run.ran and run.name != "prefix" and ctx.block_bytes:
+        refs = reference_hit_rates(
+            timed_requests(run, scripts), block, ctx.memory_bytes // ctx.block_bytes
+        )
+        s.ref_lru_hit_rate, s.ref_opt_hit_rate = refs.lru, refs.opt
+    return s
+
+
+def _sweep(
+    names: list[str],
+    fractions: list[float],
+    ws_bytes: int,
+    ctx: Context,
+    spec: EngineSpec,
+    scripts: list[Script],
+    engines: int,
+    console: Console,
+    show: bool,
+) -> list[Point]:
+    """Every configuration at each fraction of the working set (prefix once)."""
+    n_turns = sum(len(s.turns) for s in scripts)
+    prefix: ConfigRun | None = None
+    if "prefix" in names:
+        [prefix] = _run_all(["prefix"], ctx, spec, scripts, engines, n_turns, console, show)
+    stores = [n for n in names if n != "prefix"]
+    points: list[Point] = []
+    for f in fractions:
+        ctx.memory_bytes = max(1, int(f * ws_bytes))
+        console.print(
+            f"[bold]memory {f:g} x working set = {ctx.memory_bytes / (1 << 20):.2f} MiB[/]"
+        )
+        runs = _run_all(stores, ctx, spec, scripts, engines, n_turns, console, show)
+        if prefix is not None:
+            runs.insert(0, prefix)
+        points.append(
+            Point(
+                f,
+                ctx.memory_bytes,
+                [_summary(r, scripts, ctx.block_size, prefix, ctx) for r in runs],
+            )
+        )
+    return points
+
+
+def _print_sweep(console: Console, points: list[Point]) -> None:
+    t = Table(title="engine bench: memory sweep")
+    for c in SWEEP_COLUMNS:
+        t.add_column(c, overflow="fold")
+    for row in sweep_rows(points):
+        t.add_row(*row)
+    Console(width=max(Console().width, 200)).print(t)
+    console.print(
+        "  hit rate: prompt tokens the engines took from a cache (their own or the store); "
+        "LRU / OPT ref: an offline shared cache of that memory (LRU, Belady), in the order "
+        "the requests ran; ideal (inf): unlimited memory; hit TTFT: p50 of requests with "
+        "cached tokens, as wait before their first-token step + that step, and p50 steps"
+    )
 
 
 def _run_all(

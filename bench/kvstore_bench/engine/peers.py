@@ -69,7 +69,12 @@ ABLATIONS: dict[str, tuple[dict[str, Any] | None, str]] = {
 
 
 class NotRunnable(RuntimeError):
-    """This configuration cannot run here; the message says why."""
+    """This configuration cannot run here; the message says why. ``min_bytes``: the
+    smallest store memory it accepts, when that is the reason (else 0)."""
+
+    def __init__(self, why: str, min_bytes: int = 0) -> None:
+        super().__init__(why)
+        self.min_bytes = min_bytes
 
 
 @dataclass(slots=True)
@@ -82,6 +87,9 @@ class Context:
     memory_bytes: int
     block_size: int
     extra: dict[str, Any] = field(default_factory=dict)
+    block_bytes: int = 0  # bytes of one KV block in a store (0: unknown)
+    session_hints: bool = True  # the kvstore connector sends the requests' session hints
+    ssd: bool = False  # kvstore: half of memory_bytes as DRAM, half as an SSD tier
 
     @property
     def bin_dir(self) -> Path:
@@ -116,13 +124,62 @@ def _prefix(ctx: Context) -> Backing:
     return Backing("prefix")
 
 
+KVSTORE_WORKERS = 2
+MIN_SLAB = 256 << 10
+MAX_SLAB = 16 << 20
+
+
+def kvstore_slab(block_bytes: int) -> int:
+    """The slab (= largest value) a worker gets: the smallest power of two that holds a
+    block, at least 256 KiB (16 MiB, the default, when the block size is unknown)."""
+    if block_bytes <= 0:
+        return MAX_SLAB
+    slab = MIN_SLAB
+    while slab < block_bytes:
+        slab *= 2
+    return slab
+
+
+def kvstore_min_bytes(block_bytes: int, workers: int = KVSTORE_WORKERS) -> int:
+    """The least total DRAM the kvstore configuration runs with: one slab per worker."""
+    return workers * kvstore_slab(block_bytes)
+
+
 def _kvstore(ctx: Context, extra: dict[str, Any] | None = None, name: str = "kvstore") -> Backing:
-    workers = 2
-    per_worker = max(16, ctx.memory_bytes // workers >> 20)
+    workers = KVSTORE_WORKERS
+    slab = kvstore_slab(ctx.block_bytes)
+    dram = ctx.memory_bytes // 2 if ctx.ssd else ctx.memory_bytes
+    per_worker = dram // workers
+    if per_worker < slab:
+        least = kvstore_min_bytes(ctx.block_bytes, workers) * (2 if ctx.ssd else 1)
+        raise NotRunnable(
+            f"{workers} workers need at least one {slab >> 10} KiB slab each "
+            f"({least:,} bytes in all{' with half as SSD' if ctx.ssd else ''})",
+            least,
+        )
     cluster = LocalCluster(
-        workers=workers, dram_size=f"{per_worker}MiB", log_dir=str(ctx.work_dir)
+        workers=0,
+        dram_size=str(per_worker),
+        max_value_size=str(slab),
+        log_dir=str(ctx.work_dir),
     ).start()
+    ssd_note = ""
+    try:
+        for i in range(workers):
+            args: list[str] = []
+            if ctx.ssd:  # LMDB pages: the tier's size is what its values may occupy
+                ssd_each = (ctx.memory_bytes - dram) // workers
+                path = ctx.work_dir / f"ssd{i}"
+                args = ["--ssd-path", str(path), "--ssd-size", str(ssd_each)]
+                ssd_note = f" + {ssd_each:,} B SSD"
+            cluster.add_worker(*args)
+        cluster.wait_for_workers(workers)
+    except BaseException:
+        cluster.stop()
+        raise
     cfg: dict[str, Any] = {"master": cluster.address, "lookup_timeout_s": 1.0}
+    if not ctx.session_hints:
+        cfg["session_hints"] = False
     cfg.update(extra or {})
     return Backing(
         name,
@@ -133,7 +190,7 @@ def _kvstore(ctx: Context, extra: dict[str, Any] | None = None, name: str = "kvs
             "kv_connector_extra_config": cfg,
         },
         cluster=cluster,
-        note=f"{workers} workers x {per_worker} MiB DRAM",
+        note=f"{workers} workers x {per_worker:,} B DRAM{ssd_note} (slab {slab >> 10} KiB)",
     )
 
 
@@ -176,10 +233,21 @@ MOONCAKE_INSTALL = (
 )
 
 
+# mooncake_client 0.3.13 cannot allocate a segment under 16 MiB ("Failed to allocate
+# segment memory", then a failed check): 15.99 MiB fails, 16 MiB runs (probed here).
+MOONCAKE_MIN_SEGMENT = 16 << 20
+
+
 def _mooncake(ctx: Context) -> Backing:
     """Mooncake Store over TCP: ``mooncake_master`` with its HTTP metadata server, one
     ``mooncake_client`` process holding the whole segment, engines in standalone-store
     mode (they mount no memory of their own)."""
+    if ctx.memory_bytes < MOONCAKE_MIN_SEGMENT:
+        raise NotRunnable(
+            f"mooncake_client cannot allocate a segment of {ctx.memory_bytes:,} bytes "
+            f"(its least is {MOONCAKE_MIN_SEGMENT >> 20} MiB)",
+            MOONCAKE_MIN_SEGMENT,
+        )
     _need(ctx, "mooncake.store", MOONCAKE_INSTALL)
     master_bin = _program(ctx, "mooncake_master", MOONCAKE_INSTALL)
     client_bin = _program(ctx, "mooncake_client", MOONCAKE_INSTALL)
@@ -248,7 +316,7 @@ def _mooncake(ctx: Context) -> Backing:
             "kv_connector": "MooncakeStoreConnector",
             "kv_role": "kv_both",
         }
-        b.note = f"mooncake_client holds {ctx.memory_bytes >> 20} MiB"
+        b.note = f"mooncake_client holds {ctx.memory_bytes:,} B"
         return b
     except BaseException:
         b.stop()
@@ -267,7 +335,7 @@ def _lmcache(ctx: Context) -> Backing:
     _need(ctx, "lmcache", LMCACHE_INSTALL)
     exe = _program(ctx, "lmcache", LMCACHE_INSTALL)
     port = free_port()
-    gib = max(ctx.memory_bytes / (1 << 30), 0.01)
+    gib = ctx.memory_bytes / (1 << 30)
     b = Backing("lmcache")
     try:
         with ctx.log("lmcache-server") as log:
@@ -283,7 +351,7 @@ def _lmcache(ctx: Context) -> Backing:
                         "--chunk-size",
                         str(ctx.block_size),
                         "--l1-size-gb",
-                        f"{gib:.3f}",
+                        f"{gib:.6f}",
                         "--eviction-policy",
                         "LRU",
                         "--supported-transfer-mode",
@@ -305,7 +373,7 @@ def _lmcache(ctx: Context) -> Backing:
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"lmcache.mp.host": HOST, "lmcache.mp.port": port},
         }
-        b.note = f"lmcache server, {gib:.2f} GiB L1, chunk {ctx.block_size}"
+        b.note = f"lmcache server, {ctx.memory_bytes:,} B L1, chunk {ctx.block_size}"
         return b
     except BaseException:
         b.stop()

@@ -7,12 +7,17 @@ stdin on a thread and steps the engine in its main loop, so several requests bat
 together as they would behind a server. stdout carries only protocol lines (library
 output goes to stderr):
 
-- in: ``{"op": "add", "id": str, "prompt": [ids], "max_tokens": n}`` (greedy, EOS ignored)
+- in: ``{"op": "add", "id": str, "prompt": [ids], "max_tokens": n, "params": {...}}``
+  (greedy, EOS ignored; ``params``, optional: the request's ``kv_transfer_params``, e.g.
+  session hints)
 - in: ``{"op": "exit"}``: stop at once (unfinished requests are dropped)
 - out, once: ``{"event": "ready", "block_size": n}`` (the resolved tokens per KV block)
 - out: ``{"event": "done", "id", "tokens", "logprobs", "num_cached_tokens", "ttft_s",
-  "e2e_s"}`` where ``ttft_s`` runs from the request's arrival in this process to the
-  step that produced its first token, ``e2e_s`` to its last
+  "e2e_s", "steps", "wait_s", "step_s"}`` where ``ttft_s`` runs from the request's
+  arrival in this process to the end of the step that produced its first token, ``e2e_s``
+  to its last; ``steps`` counts the engine steps from its arrival to that one (inclusive),
+  ``step_s`` is that step's duration and ``wait_s = ttft_s - step_s`` (lookup, waiting
+  for remote KV, steps that did not schedule it)
 - out: ``{"event": "error", "id", "error"}`` for a request the engine refused
 
 CONFIG_JSON: ``model``, ``block_size`` (null: vLLM picks it), ``max_len``,
@@ -70,10 +75,15 @@ def make_llm(cfg: dict[str, Any]) -> Any:
     return vllm.LLM(**kw)
 
 
-def sampling(max_tokens: int) -> Any:
+def sampling(max_tokens: int, params: dict[str, Any] | None = None) -> Any:
     vllm = importlib.import_module("vllm")
     return vllm.SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, logprobs=0, detokenize=False, ignore_eos=True
+        max_tokens=max_tokens,
+        temperature=0.0,
+        logprobs=0,
+        detokenize=False,
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": params} if params else None,
     )
 
 
@@ -90,7 +100,8 @@ class Server:
         self.out = out
         self.inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.arrived: dict[str, float] = {}
-        self.first: dict[str, float] = {}
+        self.first: dict[str, tuple[float, int, float]] = {}  # end, steps, step duration
+        self.steps: dict[str, int] = {}
 
     def emit(self, msg: dict[str, Any]) -> None:
         self.out.write(json.dumps(msg) + "\n")
@@ -111,12 +122,15 @@ class Server:
         rid = str(msg["id"])
         try:
             self.engine.add_request(
-                rid, token_prompt(list(msg["prompt"])), sampling(int(msg["max_tokens"]))
+                rid,
+                token_prompt(list(msg["prompt"])),
+                sampling(int(msg["max_tokens"]), msg.get("params")),
             )
         except Exception as e:  # report, keep serving
             self.emit({"event": "error", "id": rid, "error": f"{type(e).__name__}: {e}"})
             return
         self.arrived[rid] = time.perf_counter()
+        self.steps[rid] = 0
 
     def serve(self) -> None:
         threading.Thread(target=self.read_stdin, daemon=True).start()
@@ -133,22 +147,26 @@ class Server:
                 pass
             if not self.arrived:
                 continue
+            for rid in self.arrived:
+                self.steps[rid] += 1
+            t_step = time.perf_counter()
             outputs = self.engine.step()
             now = time.perf_counter()
             for o in outputs:
-                self.handle(o, now)
+                self.handle(o, now, now - t_step)
 
-    def handle(self, o: Any, now: float) -> None:
+    def handle(self, o: Any, now: float, step_s: float) -> None:
         rid = str(o.request_id)
         if rid not in self.arrived:
             return
         comp = o.outputs[0] if o.outputs else None
         if comp is not None and comp.token_ids and rid not in self.first:
-            self.first[rid] = now
+            self.first[rid] = (now, self.steps.get(rid, 0), step_s)
         if not o.finished:
             return
         t0 = self.arrived.pop(rid)
-        first = self.first.pop(rid, now)
+        self.steps.pop(rid, None)
+        first, steps, first_step = self.first.pop(rid, (now, 0, step_s))
         tokens = list(comp.token_ids) if comp is not None else []
         lps = comp.logprobs if comp is not None and comp.logprobs else []
         logprobs = [float(lp[t].logprob) for t, lp in zip(tokens, lps, strict=False) if t in lp]
@@ -161,6 +179,9 @@ class Server:
                 "num_cached_tokens": int(o.num_cached_tokens or 0),
                 "ttft_s": first - t0,
                 "e2e_s": now - t0,
+                "steps": steps,
+                "wait_s": max(0.0, first - t0 - first_step),
+                "step_s": first_step,
             }
         )
 

@@ -55,6 +55,18 @@ class Summary:
     # each run, the first token's logprob difference, the first differing output position
     mismatches: list[dict[str, Any]] = field(default_factory=list)
     ttfts_ms: list[float] = field(default_factory=list)
+    # TTFT broken down, for requests with cached tokens ("hit") and without ("miss"):
+    # count, p50 of TTFT, of the wait before the step that produced the first token
+    # (lookup, waiting for remote KV, steps that did not schedule it) and of that step,
+    # and the p50 and mean number of engine steps to the first token
+    ttft_breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
+    # memory sweeps: the store memory of this point, the offline references of a shared
+    # cache of that size (LRU and Belady's optimum, in the order this run's requests ran)
+    # and, for a configuration that could not run with it, the least memory it accepts
+    memory_bytes: int = 0
+    ref_lru_hit_rate: float | None = None
+    ref_opt_hit_rate: float | None = None
+    min_bytes: int = 0
 
 
 def percentiles(xs: Sequence[float]) -> dict[str, float]:
@@ -80,7 +92,7 @@ def summarize(
     reference: ConfigRun | None = None,
 ) -> Summary:
     """Numbers of one configuration; ``reference`` is the ``prefix`` run (if it ran)."""
-    s = Summary(run.name, run.ran, run.why_not, run.note)
+    s = Summary(run.name, run.ran, run.why_not, run.note, min_bytes=run.min_bytes)
     if not run.ran:
         return s
     prompts = {(sc.id, t.index): t.prompt for sc in scripts for t in sc.turns}
@@ -100,6 +112,10 @@ def summarize(
     s.prefill_tokens_computed = s.prompt_tokens - s.cached_tokens
     s.ttfts_ms = [r.ttft_s * 1e3 for r in ok]
     s.ttft_ms = percentiles(s.ttfts_ms)
+    s.ttft_breakdown = {
+        k: _breakdown([r for r in ok if (r.cached_tokens > 0) == (k == "hit")])
+        for k in ("hit", "miss")
+    }
     s.e2e_ms = percentiles([r.e2e_s * 1e3 for r in ok])
     if run.wall_s > 0:
         s.requests_per_s = len(ok) / run.wall_s
@@ -129,6 +145,29 @@ def summarize(
             s.equal_outputs = sum(1 for r, p in pairs if r.tokens == p.tokens) / len(pairs)
             s.mismatches = [_mismatch(r, p) for r, p in pairs if not _same(r, p)]
     return s
+
+
+def timed_requests(run: ConfigRun, scripts: Sequence[Script]) -> list[Timed]:
+    """The requests of ``run`` that succeeded, as they ran (for the references)."""
+    prompts = {(sc.id, t.index): t.prompt for sc in scripts for t in sc.turns}
+    return [Timed(prompts[_key(r)], r.engine, r.start, r.end) for r in run.results if not r.error]
+
+
+def _breakdown(rs: Sequence[Result]) -> dict[str, float]:
+    if not rs:
+        return {"count": 0}
+
+    def p50(xs: list[float]) -> float:
+        return percentiles(xs).get("p50", float("nan"))
+
+    return {
+        "count": len(rs),
+        "ttft_p50_ms": p50([r.ttft_s * 1e3 for r in rs]),
+        "wait_p50_ms": p50([r.wait_s * 1e3 for r in rs]),
+        "step_p50_ms": p50([r.step_s * 1e3 for r in rs]),
+        "steps_p50": p50([float(r.steps) for r in rs]),
+        "steps_mean": sum(r.steps for r in rs) / len(rs),
+    }
 
 
 def _same(r: Result, p: Result) -> bool:

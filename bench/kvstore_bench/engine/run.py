@@ -11,6 +11,7 @@ before it returns, also on failure.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import selectors
@@ -66,6 +67,9 @@ class Result:
     tokens: list[int]
     logprobs: list[float]
     error: str = ""
+    steps: int = 0  # engine steps from arrival to the first token (inclusive)
+    wait_s: float = 0.0  # TTFT before the step that produced the first token
+    step_s: float = 0.0  # that step's duration
 
 
 @dataclass(slots=True)
@@ -78,6 +82,7 @@ class ConfigRun:
     note: str = ""
     wall_s: float = 0.0
     results: list[Result] = field(default_factory=list)
+    min_bytes: int = 0  # when it did not run for want of memory: the least it accepts
 
 
 class EngineProc:
@@ -178,8 +183,15 @@ class EngineProc:
                 ev.set()
             self._waiting.clear()
 
-    def submit(self, rid: str, prompt: Sequence[int], max_tokens: int) -> dict[str, Any]:
-        """Send one request and wait for its answer (a "done" or "error" message)."""
+    def submit(
+        self,
+        rid: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        params: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Send one request and wait for its answer (a "done" or "error" message);
+        ``params``: its ``kv_transfer_params``."""
         assert self.proc.stdin is not None
         ev = threading.Event()
         box: list[dict[str, Any]] = []
@@ -187,7 +199,14 @@ class EngineProc:
             if self._dead:
                 raise EngineError(self._dead)
             self._waiting[rid] = (ev, box)
-            line = {"op": "add", "id": rid, "prompt": list(prompt), "max_tokens": max_tokens}
+            line: dict[str, Any] = {
+                "op": "add",
+                "id": rid,
+                "prompt": list(prompt),
+                "max_tokens": max_tokens,
+            }
+            if params:
+                line["params"] = params
             self.proc.stdin.write((json.dumps(line) + "\n").encode())
             self.proc.stdin.flush()
         if not ev.wait(self.spec.request_timeout_s) or not box:
@@ -210,6 +229,7 @@ def _play(
     engines: Sequence[EngineProc],
     t0: float,
     on_done: Callable[[Result], None],
+    hints: bool = False,
 ) -> list[Result]:
     results: list[Result] = []
     lock = threading.Lock()
@@ -218,8 +238,9 @@ def _play(
 
     def run_turn(t: Turn) -> Result:
         start = time.perf_counter() - t0
+        params = {"session_id": t.script, "session_state": t.session_state} if hints else None
         try:
-            ans = engines[t.engine].submit(f"{t.script}#{t.index}", t.prompt, t.max_tokens)
+            ans = engines[t.engine].submit(f"{t.script}#{t.index}", t.prompt, t.max_tokens, params)
         except EngineError as e:
             ans = {"event": "error", "error": str(e)}
         end = time.perf_counter() - t0
@@ -237,6 +258,9 @@ def _play(
             tokens=list(ans.get("tokens", [])),
             logprobs=[float(x) for x in ans.get("logprobs", [])],
             error="" if ok else str(ans.get("error", "?")),
+            steps=int(ans.get("steps", 0)) if ok else 0,
+            wait_s=float(ans.get("wait_s", 0.0)) if ok else 0.0,
+            step_s=float(ans.get("step_s", 0.0)) if ok else 0.0,
         )
 
     def play(s: Script) -> None:
@@ -286,7 +310,7 @@ def run_config(
     """
     cdir = ctx.work_dir / name
     cdir.mkdir(parents=True, exist_ok=True)
-    cctx = Context(ctx.engine_python, cdir, ctx.memory_bytes, ctx.block_size, ctx.extra)
+    cctx = dataclasses.replace(ctx, work_dir=cdir)
     procs: list[EngineProc] = []
     backing: Backing | None = None
     try:
@@ -294,7 +318,7 @@ def run_config(
         try:
             backing = make_backing(name, cctx)
         except NotRunnable as e:
-            return ConfigRun(name, False, why_not=str(e))
+            return ConfigRun(name, False, why_not=str(e), min_bytes=e.min_bytes)
         except Exception as e:
             return ConfigRun(name, False, why_not=f"backing did not start: {e}")
         on_event(f"{name}: starting {engines} engines")
@@ -307,7 +331,8 @@ def run_config(
         on_event(f"{name}: running")
         t0 = time.perf_counter()
         try:
-            results = _play(scripts, procs, t0, on_done)
+            hints = ctx.session_hints and name.startswith("kvstore")
+            results = _play(scripts, procs, t0, on_done, hints)
         except Exception as e:  # a bench bug or a lost engine: report, run the others
             return ConfigRun(name, False, why_not=f"run failed: {type(e).__name__}: {e}")
         wall = time.perf_counter() - t0

@@ -16,6 +16,7 @@ request. Ids avoid 0..2 (pad, bos, eos of the tiny model).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from array import array
 from collections.abc import Iterable, Sequence
@@ -42,7 +43,10 @@ class WorkloadShape:
     """How traces are scaled to fit a small engine.
 
     ``token_scale`` multiplies every token count (trace blocks, tails, outputs);
-    ``time_scale`` divides every pause; ``max_turns`` keeps the first turns of each
+    ``time_scale`` divides every pause between turns, and ``max_pause_s`` caps it after
+    that (a trace's overnight gap would otherwise stop the run for minutes; 0 = no cap);
+    ``max_turns``
+    keeps the first turns of each
     session (0 = all); ``max_output`` caps output tokens; ``max_len`` is the engine's
     context: a session stops at its first turn whose prompt plus output would not fit.
     ``engines`` is the number of engines turns are routed over; ``vocab`` the model's.
@@ -50,6 +54,7 @@ class WorkloadShape:
 
     token_scale: float = 0.05
     time_scale: float = 50.0
+    max_pause_s: float = 0.0
     max_turns: int = 0
     max_output: int = 32
     max_len: int = 4096
@@ -61,7 +66,9 @@ class WorkloadShape:
 class Turn:
     """One request: ``index`` is the turn number within its script (0-based), ``engine``
     the engine it is sent to, ``pause_s`` the (scaled) pause after the previous turn of
-    the script finished."""
+    the script finished. ``session_state`` is the session's state once this turn is
+    done: ``paused`` (the agent runs a tool, another turn follows) or ``ended`` (its
+    last turn); it becomes a session hint where the configuration takes them."""
 
     script: str
     index: int
@@ -69,6 +76,7 @@ class Turn:
     max_tokens: int
     pause_s: float
     engine: int
+    session_state: str = "paused"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +103,10 @@ def block_tokens_of(block_id: int, n: int, vocab: int) -> list[int]:
 def _tail_tokens(key: str, n: int, vocab: int) -> list[int]:
     rng = random.Random(key)
     return [rng.randrange(FIRST_ID, vocab) for _ in range(n)]
+
+
+def _capped(seconds: float, cap: float) -> float:
+    return min(seconds, cap) if cap > 0 else seconds
 
 
 def _scaled(n: float, scale: float, minimum: int) -> int:
@@ -151,12 +163,13 @@ def _build(
                 index=k,
                 prompt=tuple(prompt),
                 max_tokens=max_tokens,
-                pause_s=pause / shape.time_scale,
+                pause_s=_capped(pause / shape.time_scale, shape.max_pause_s),
                 engine=(rotation + k) % shape.engines,
             )
         )
     if not turns:
         return
+    turns[-1] = dataclasses.replace(turns[-1], session_state="ended")
     out.append(
         Script(
             id=s.id,

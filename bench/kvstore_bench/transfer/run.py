@@ -16,7 +16,7 @@ before and after the sweep, the better of the two),
 batch latency p50/p99, and CPU seconds per GiB moved: this process plus the
 servers' processes (``getrusage`` and /proc/PID/stat), counted only while the
 point's clock runs. Results go to ``bench/results/transfer-<time>.json`` and
-``.png``; the issue's targets are checked at the end.
+``.png``; the targets (goals per transport) are checked at the end.
 
 Method: puts write fresh random keys; after at most half a worker's DRAM of
 puts the clock stops and the keys are removed, so no system measures its
@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import socket
 import subprocess
 import threading
 import time
@@ -49,9 +50,16 @@ from kvstore.config import format_size, parse_size
 from kvstore_client import Client
 from kvstore_client.errors import KVStoreError, ResourceExhausted
 
-from ..peers import MooncakeServer, MooncakeStoreAdapter, PeerUnavailable, cpu_seconds
+from ..peers import (
+    MooncakeServer,
+    MooncakeStoreAdapter,
+    PeerUnavailable,
+    cpu_seconds,
+    unavailable_reason,
+)
 from ..report import transfer_plot, transfer_tables
 from . import ceilings
+from .targets import evaluate_targets
 
 GIB = float(1 << 30)
 NS = "bench/transfer/b0/tp0of1"
@@ -113,10 +121,13 @@ class KvTarget:
 
     system = store = "kvstore"
 
-    def __init__(self, client: Client, cluster: LocalCluster, transport: str) -> None:
+    def __init__(self, client: Client, cluster: LocalCluster | None, transport: str) -> None:
         self.client, self.cluster, self.transport = client, cluster, transport
 
     def pids(self) -> list[int]:
+        """The local cluster's processes (none for a running cluster: --master)."""
+        if self.cluster is None:
+            return []
         master = [self.cluster.master] if self.cluster.master else []
         return [d.pid for d in [*master, *self.cluster.worker_procs]]
 
@@ -508,19 +519,23 @@ class Runner:
 @contextlib.contextmanager
 def systems(
     plan: Plan, transports: list[str], vs: list[str], dram: str, log_dir: str | None,
-    notes: list[str],
+    notes: list[str], master: str | None = None,
 ) -> Iterator[tuple[list[Target], Callable[[], None]]]:  # fmt: skip
-    """Start the cluster (and peers); yield the targets and a function that grows
-    every system to ``plan.aggregate_workers`` servers. Everything stops on exit."""
+    """Start the cluster (and peers), or use the running one at ``master``; yield the
+    targets and a function that grows every system to ``plan.aggregate_workers``
+    servers (not for a running cluster). Everything started stops on exit."""
     with contextlib.ExitStack() as stack:
         quiet = subprocess.DEVNULL if log_dir is None else None
-        cluster = stack.enter_context(
-            LocalCluster(workers=1, dram_size=dram, log_dir=log_dir, stderr=quiet)
-        )
+        cluster: LocalCluster | None = None
+        if master is None:
+            cluster = stack.enter_context(
+                LocalCluster(workers=1, dram_size=dram, log_dir=log_dir, stderr=quiet)
+            )
+        address = master or (cluster.address if cluster else "")
         targets: list[Target] = []
         for tr in transports:
             try:
-                client = stack.enter_context(Client(cluster.address, timeout=120.0, transport=tr))
+                client = stack.enter_context(Client(address, timeout=120.0, transport=tr))
             except (KVStoreError, ValueError) as e:
                 notes.append(f"kvstore transport {tr!r} skipped: {e}")
                 continue
@@ -537,6 +552,8 @@ def systems(
 
         def grow() -> None:
             n = plan.aggregate_workers
+            if cluster is None:
+                return
             for _ in range(n - len(cluster.worker_procs)):
                 cluster.add_worker()
             cluster.wait_for_workers(n)
@@ -552,58 +569,6 @@ def systems(
         yield targets, grow
 
 
-# ---- report ----------------------------------------------------------------------------
-
-TARGETS = [  # name, op, block, batch, goal vs Mooncake, goal vs the bare socket
-    ("get 1 MiB x32", "get", 1 << 20, 32, 2.0, 0.75),
-    ("put 1 MiB x32", "put", 1 << 20, 32, 4.0, 0.65),
-    ("get 64 KiB x32", "get", 64 << 10, 32, 2.0, None),
-    ("put 64 KiB x32", "put", 64 << 10, 32, 2.0, None),
-]
-
-
-def evaluate_targets(
-    points: list[Point],
-    exists: list[dict[str, Any]],
-    socket_gib_s: float,
-    socket_range: tuple[float, float] | None = None,
-) -> list[dict[str, Any]]:
-    """The issue's goals (concurrency 1, one worker) for each kvstore transport.
-
-    ``socket_gib_s`` is the median of the bare-socket runs and ``socket_range`` their
-    (min, max): a goal against the socket is "yes" only if met even against the fastest
-    run, "no" only if missed even against the slowest, else "within noise" (so one noisy
-    run cannot flip the verdict between runs). ``met`` is the verdict at the median.
-    """
-    by = {(p.system, p.transport, p.key): p for p in points}
-    ex = {(e["system"], e["transport"], e["workers"]): e for e in exists}
-    out: list[dict[str, Any]] = []
-
-    def add(
-        tr: str, name: str, value: float, goal: float, span: tuple[float, float] | None = None
-    ) -> None:
-        lo, hi = span or (value, value)
-        verdict = "yes" if lo >= goal else "no" if hi < goal else "within noise"
-        out.append({"transport": tr, "name": name, "value": value, "goal": goal,
-                    "met": value >= goal, "range": [lo, hi], "verdict": verdict})  # fmt: skip
-
-    for tr in sorted({p.transport for p in points if p.system == "kvstore"}):
-        for name, op, block, batch, vs_mc, vs_sock in TARGETS:
-            kv = by.get(("kvstore", tr, (op, block, batch, 1, 1)))
-            mc = by.get(("mooncake", "tcp", (op, block, batch, 1, 1)))
-            if kv is not None and mc is not None and mc.gib_s > 0:
-                add(tr, f"{name} vs Mooncake", kv.gib_s / mc.gib_s, vs_mc)
-            if kv is not None and vs_sock is not None and socket_gib_s > 0:
-                lo_s, hi_s = socket_range or (socket_gib_s, socket_gib_s)
-                span = (kv.gib_s / hi_s, kv.gib_s / lo_s) if lo_s > 0 else None
-                add(tr, f"{name} vs bare socket", kv.gib_s / socket_gib_s, vs_sock, span)
-        kv_ex, mc_ex = ex.get(("kvstore", tr, 1)), ex.get(("mooncake", "tcp", 1))
-        if kv_ex and mc_ex:
-            r = kv_ex["keys_per_s"] / mc_ex["keys_per_s"]
-            add(tr, "batch_exists x1024 vs batch_is_exist", r, 1.0)
-    return out
-
-
 def _socket_runs(quick: bool, n: int = 3, streams: int = 1) -> list[float]:
     """``n`` separate bare-socket runs (GiB/s) of ``streams`` streams at once, to report
     a median and a spread."""
@@ -612,6 +577,21 @@ def _socket_runs(quick: bool, n: int = 3, streams: int = 1) -> list[float]:
 
 
 # ---- command -------------------------------------------------------------------------
+
+
+def _ceiling_note(master: str) -> str:
+    """What the ceilings mean against a running cluster: they are measured on this host
+    (a memcpy, and socket streams over loopback), which bounds a worker on this host;
+    for workers on other hosts, the network between is not measured here."""
+    local = {"127.0.0.1", "localhost", "::1", socket.gethostname()}
+    with contextlib.suppress(OSError):
+        local.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    host = master.rsplit(":", 1)[0].strip("[]")
+    where = "this host" if host in local else f"this host, not the network to {host}"
+    return (
+        f"running cluster at {master}: the ceilings are measured on {where} "
+        "(memcpy on the client; socket streams over loopback)"
+    )
 
 
 def _list(text: str, conv: Callable[[str], int]) -> list[int]:
@@ -674,14 +654,27 @@ def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:
 @click.option("--log-dir", default=None, help="Keep the daemons' logs here.")
 @click.option("--parts", default=None, help="Only the multi-part points: part counts, e.g. 1,8,80.")
 @click.option("--match-prefix", is_flag=True, help="Only match_prefix latency (1,000 blocks).")
+@click.option(
+    "--master",
+    default=None,
+    help="Measure the running cluster at this master (HOST:PORT) instead of starting one.",
+)
 def transfer_cmd(
     transports: str, peers: str, quick: bool, total_bytes: str | None, max_seconds: float | None,
     block_sizes: str | None, batch_sizes: str | None, concurrency: str | None, repeat: int,
     dram_size: str | None, aggregate_workers: int, out_dir: str, log_dir: str | None,
-    parts: str | None, match_prefix: bool,
+    parts: str | None, match_prefix: bool, master: str | None,
 ) -> None:  # fmt: skip
     """Remote put/get bandwidth per block size, batch and concurrency, against the
     ceilings (bare socket, memcpy) and optionally Mooncake Store over TCP."""
+    if "mooncake" in _names(peers, PEERS, "peer"):
+        why = unavailable_reason("mooncake")
+        if why:  # at once, not after the sweep
+            raise click.ClickException(f"--vs mooncake: {why}; scripts/install_peers.sh does both")
+    if master and (parts or match_prefix):
+        raise click.UsageError(
+            "--master measures the grid; --parts and --match-prefix start their own cluster"
+        )
     if parts or match_prefix:
         blk = _list(block_sizes, parse_size)[0] if block_sizes else 1 << 20
         bat = _list(batch_sizes, int)[0] if batch_sizes else 32
@@ -711,6 +704,14 @@ def transfer_cmd(
         console.width = max(console.width, 150)
     started = time.strftime("%Y%m%d-%H%M%S")
     notes: list[str] = []
+    if master:
+        if plan.aggregate_workers > 1:
+            notes.append(
+                f"running cluster at {master}: no aggregate point (the bench adds servers "
+                "only to a cluster it started); worker CPU is not counted"
+            )
+        plan.aggregate_workers = 1
+        notes.append(_ceiling_note(master))
     console.print("measuring the ceilings (bare socket, 1 and N streams; memcpy) ...")
     first = ceilings.measure(quick).to_json()
     socket_runs = _socket_runs(quick)
@@ -722,7 +723,7 @@ def transfer_cmd(
     with progress:
         task = progress.add_task("starting the cluster", total=None)
         runner = Runner(plan, progress, task)
-        with systems(plan, kv_transports, vs, dram, log_dir, notes) as (targets, grow):
+        with systems(plan, kv_transports, vs, dram, log_dir, notes, master) as (targets, grow):
             progress.update(task, total=Runner.count(plan, len(targets)))
             runner.sweep(targets)
             if plan.aggregate_workers > 1:
@@ -754,7 +755,8 @@ def transfer_cmd(
         "benchmark": "transfer", "version": 1, "started": started,
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(),
                  "python": platform.python_version(), "load": os.getloadavg()},
-        "config": {"quick": quick, "transports": kv_transports, "vs": vs, "blocks": plan.blocks,
+        "config": {"quick": quick, "master": master, "transports": kv_transports, "vs": vs,
+                   "blocks": plan.blocks,
                    "batches": plan.batches, "concurrency": plan.concurrency,
                    "total_bytes": plan.total_bytes, "max_seconds": plan.max_seconds,
                    "dram_bytes": plan.capacity, "aggregate_workers": plan.aggregate_workers,

@@ -141,6 +141,12 @@ def _ints(text: str) -> list[int]:
 )
 @click.option("--ssd-dir", default=None, help="Tier mode: directory on the disk to test [tmp].")
 @click.option("--tier-size", default=None, help="Tier mode: bytes to write [2GiB; quick 512MiB].")
+@click.option(
+    "--master",
+    default=None,
+    help="kvstore: measure the running cluster at this master (HOST:PORT) instead of one "
+    "the bench starts; the peers still start their own servers.",
+)
 def store_cmd(
     backend: str,
     block_sizes: str | None,
@@ -154,6 +160,7 @@ def store_cmd(
     tier: str | None,
     ssd_dir: str | None,
     tier_size: str | None,
+    master: str | None,
 ) -> None:
     """Put / get / exists throughput and p50/p99 latency of kvstore, Mooncake and Redis,
     by block size and batch size, on the same memory; JSON and a PNG go to --out.
@@ -161,6 +168,8 @@ def store_cmd(
     from kvstore.config import parse_size
 
     console = Console()
+    if tier == "ssd" and master:
+        raise click.UsageError("--tier ssd measures a worker it starts; drop --master")
     if tier == "ssd":
         from .tier import run_tier
 
@@ -180,6 +189,7 @@ def store_cmd(
         dram_bytes=dram,
         max_value_bytes=max(1 << 20, 2 * max(blocks)),
         transport=transport,
+        master=master,
     )
     cells: list[Cell] = []
     descriptions: dict[str, str] = {}
