@@ -259,9 +259,11 @@ def main(dev: str, layers: int, blocks: int, iters: int, staging_mb: int, out_di
         t.add_column(col)
     for path in ("arena", "staging"):
         p = res[path]
+        xs = [
+            f"{p[k]:.2f}" if k in p else "-" for k in ("save_vs_pinned_d2h", "load_vs_pinned_h2d")
+        ]
         t.add_row(path, f"{p['save_GBps']:.2f}", f"{p['load_GBps']:.2f}",
-                  f"{p['save_hook_ms_p50']:.2f}", f"{p.get('save_vs_pinned_d2h', 0):.2f}",
-                  f"{p.get('load_vs_pinned_h2d', 0):.2f}", str(p["arena_loaded_blocks"]),
+                  f"{p['save_hook_ms_p50']:.2f}", *xs, str(p["arena_loaded_blocks"]),
                   str(len(p["errors"])))  # fmt: skip
     console.print(t)
     if "ceilings" in res:

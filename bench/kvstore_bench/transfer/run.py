@@ -659,11 +659,18 @@ def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:
     default=None,
     help="Measure the running cluster at this master (HOST:PORT) instead of starting one.",
 )
+@click.option(
+    "--device",
+    type=click.Choice(["cuda", "cpu"]),
+    default=None,
+    help="Only the engine's data path: the vLLM connector's saves and loads of a "
+    "FlashAttention cache on this device (cpu: the same path, host mover).",
+)
 def transfer_cmd(
     transports: str, peers: str, quick: bool, total_bytes: str | None, max_seconds: float | None,
     block_sizes: str | None, batch_sizes: str | None, concurrency: str | None, repeat: int,
     dram_size: str | None, aggregate_workers: int, out_dir: str, log_dir: str | None,
-    parts: str | None, match_prefix: bool, master: str | None,
+    parts: str | None, match_prefix: bool, master: str | None, device: str | None,
 ) -> None:  # fmt: skip
     """Remote put/get bandwidth per block size, batch and concurrency, against the
     ceilings (bare socket, memcpy) and optionally Mooncake Store over TCP."""
@@ -675,6 +682,12 @@ def transfer_cmd(
         raise click.UsageError(
             "--master measures the grid; --parts and --match-prefix start their own cluster"
         )
+    if device:
+        from .device import main as device_main
+
+        blocks = _list(batch_sizes, int)[0] if batch_sizes else (8 if quick else 64)
+        layers = 4 if quick else 32
+        return device_main(device, layers, blocks, 1 if quick else 5, 256, out_dir, master)
     if parts or match_prefix:
         blk = _list(block_sizes, parse_size)[0] if block_sizes else 1 << 20
         bat = _list(batch_sizes, int)[0] if batch_sizes else 32
