@@ -263,3 +263,39 @@ def test_a_device_cache_is_never_viewed_as_host_memory() -> None:
             layer.views(0)
     with pytest.raises(ValueError, match="no block mover"):
         bc.mover_for("meta")
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_a_step_loads_its_sync_hits_before_returning_and_queues_the_rest(
+    make_cluster: Any, zero_copy: bool
+) -> None:
+    """load_mode auto gives one step both kinds: the load the scheduler planned inside
+    the step is in the cache when start_load_kv returns and is never reported as
+    finished receiving; the asynchronous one is reported by done_loads as usual."""
+    c = make_cluster(workers=2, dram_size="64MiB")
+    w, wc = _worker(c.address)
+    cfg = ConnectorConfig(master=c.address, zero_copy=zero_copy, staging_mb=1, load_mode="auto")
+    setup = Setup(cfg, ModelIdentity("test/mover", None, None), "float32", "l2-test", 32,
+                  [0], [], True, True, True, 1, 1)  # fmt: skip
+    kcc = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+    r = WorkerSide(setup, kcc, Counters(), (0, 1, 0, 1))
+    rc = [torch.randn(SHAPE), torch.randn(SHAPE)]
+    r.register_kv_caches({"l0": rc[0], "l1": rc[1]})
+    assert r._holder.get(wait=10) is not None and r._zero_copy is zero_copy
+    hs = block_hashes(list(range(4 * 32)), 32, extra=bytes([zero_copy]) + b"auto")
+    try:
+        _save(w, "a", [1, 2, 3, 4], hs)
+        assert w.drain_saves(10)
+        now = Transfer("now", [[9, 10]], hs[:2], [0, 1], sync=True)
+        later = Transfer("later", [[11, 12]], hs[2:], [2, 3])
+        r.start_load_kv(KVStoreConnectorMetadata(loads=[now, later]))
+        assert _block(rc, 9) == _block(wc, 1) and _block(rc, 10) == _block(wc, 2)
+        assert _wait_loaded(r, "later") == set()
+        assert _block(rc, 11) == _block(wc, 3) and _block(rc, 12) == _block(wc, 4)
+        assert "now" not in r.done_loads()[0]
+        assert r._interval.peek()["sync_loaded_blocks"] == 2
+    finally:
+        w.shutdown()
+        r.shutdown()

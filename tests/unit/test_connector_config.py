@@ -67,7 +67,11 @@ def test_ablation_settings() -> None:
     for key, bad, msg in [
         ("save_policy", "everything", r'save_policy must be "new" or "all", not \'everything\''),
         ("lookup", "batched", r'lookup must be "batch" or "per_block" or "prefix"'),
-        ("load_mode", "blocking", r'load_mode must be "async" or "sync", not \'blocking\''),
+        (
+            "load_mode",
+            "blocking",
+            r'load_mode must be "async" or "sync" or "auto", not \'blocking\'',
+        ),
         ("load_mode", "", "load_mode must be"),
     ]:
         with pytest.raises(ValueError, match=msg):

@@ -15,9 +15,11 @@ from kvstore_client.connectors.planning import (
     Lookups,
     RequestTracker,
     StagingBudget,
+    StepClock,
     all_ranks,
     classify_groups,
     hybrid_hit_blocks,
+    load_in_step,
     pool_hit,
     role_flags,
 )
@@ -259,3 +261,27 @@ def test_save_policy_all_sends_blocks_the_store_had() -> None:
     assert every.saved_upto == 3
     out, _ = every.blocks_to_save(22, toks)
     assert [r.index for r in out] == [3, 4]  # failed saves are retried, as for "new"
+
+
+def test_step_clock_follows_steps_and_skips_idle_gaps() -> None:
+    c = StepClock(alpha=0.5, max_gap=1.0)
+    assert c.step_s is None
+    c.tick(10.0)
+    c.tick(10.2)
+    assert c.step_s == pytest.approx(0.2)
+    c.tick(10.6)  # a 0.4 s step
+    assert c.step_s == pytest.approx(0.3)
+    c.tick(20.0)  # the engine was idle: not a step
+    assert c.step_s == pytest.approx(0.3)
+    c.tick(20.1)
+    assert c.step_s == pytest.approx(0.2)
+
+
+def test_load_in_step_only_when_the_load_is_shorter_than_a_step() -> None:
+    # 1,000 tokens of 64 KiB/token = 62.5 MiB at 1 GiB/s: 61 ms.
+    bpt, bw = 64 * 1024.0, float(1 << 30)
+    assert load_in_step(1000, bpt, bw, 0.1)  # a 100 ms step: load in it
+    assert not load_in_step(1000, bpt, bw, 0.05)  # a 50 ms step: asynchronous
+    assert not load_in_step(1000, bpt, None, 0.1)  # bandwidth unknown
+    assert not load_in_step(1000, bpt, bw, None)  # step time unknown
+    assert not load_in_step(1000, bpt, 0.0, 0.1)

@@ -65,6 +65,11 @@ ABLATIONS: dict[str, tuple[dict[str, Any] | None, str]] = {
         "synchronous load: load_mode sync (the hit loads before the forward of the step "
         "that schedules the request; the default loads between steps)",
     ),
+    "kvstore-auto-load": (
+        {"load_mode": "auto"},
+        "per-hit load mode: load_mode auto (a hit whose load takes less than the engine's "
+        "measured step loads inside the step, others between steps)",
+    ),
 }
 
 

@@ -13,7 +13,7 @@ SGLANG_OWN_KEYS = frozenset({"backend_name", "module_path", "class_name", "inter
 # The ablation knobs' values, the default first.
 SAVE_POLICIES = ("new", "all")
 LOOKUP_MODES = ("batch", "per_block", "prefix")
-LOAD_MODES = ("async", "sync")
+LOAD_MODES = ("async", "sync", "auto")
 
 
 _TRUE = ("1", "true", "yes", "on")
@@ -79,10 +79,13 @@ class ConnectorConfig:
                          ``Client.match_prefix`` per rank namespace); hybrid models'
                          state lookups are the same in every mode
     load_mode            "async" (default: a hit loads between steps while the request
-                         waits in WAITING_FOR_REMOTE_KVS) or "sync" (the load runs in
+                         waits in WAITING_FOR_REMOTE_KVS), "sync" (the load runs in
                          the step that schedules the request, and the worker waits
-                         for it before the forward); "sync" is refused for models
-                         with several KV cache groups (hybrid)
+                         for it before the forward) or "auto" (per hit: sync when
+                         its load, at the measured bandwidth, takes less than the
+                         engine's measured step time, else async); "sync" is refused
+                         for models with several KV cache groups (hybrid), where
+                         "auto" always loads asynchronously
     """
 
     master: str

@@ -80,6 +80,39 @@ class BandwidthMeter:
         self.bytes_per_s = bw if prev is None else prev + self.alpha * (bw - prev)
 
 
+class StepClock:
+    """Exponentially weighted engine step time (seconds) from the intervals between
+    the scheduler's steps; an interval over ``max_gap`` (an idle engine) is not a
+    step and is skipped."""
+
+    def __init__(self, alpha: float = 0.3, max_gap: float = 5.0) -> None:
+        self.alpha = alpha
+        self.max_gap = max_gap
+        self.step_s: float | None = None
+        self._last: float | None = None
+
+    def tick(self, now: float) -> None:
+        last, self._last = self._last, now
+        if last is None or not 0 < now - last <= self.max_gap:
+            return
+        d = now - last
+        prev = self.step_s
+        self.step_s = d if prev is None else prev + self.alpha * (d - prev)
+
+
+def load_in_step(
+    ext_tokens: int, bytes_per_token: float, load_bytes_per_s: float | None, step_s: float | None
+) -> bool:
+    """``load_mode: auto``: load a hit inside the step that schedules it when the load
+    is expected to take less than a step. An asynchronous load costs the request at
+    least one more step (it waits for its KV, then for the next step), so below a
+    step's time the synchronous load is the cheaper one. Unknown bandwidth or step
+    time: asynchronous (the default's behaviour)."""
+    if load_bytes_per_s is None or step_s is None or load_bytes_per_s <= 0:
+        return False
+    return ext_tokens * bytes_per_token / load_bytes_per_s < step_s
+
+
 @dataclass(slots=True, frozen=True)
 class LoadDecision:
     load: bool
@@ -146,6 +179,7 @@ class RequestTracker:
     hit_blocks: int = 0
     ext_tokens: int = 0
     decision: str = ""
+    sync_load: bool = False  # the hit loads inside the step that schedules it
     block_ids: list[int] = field(default_factory=list)
     pending_load: list[BlockRef] = field(default_factory=list)
     saved_upto: int = 0

@@ -42,6 +42,7 @@ class Transfer:
     indices: list[int]
     state_ids: list[int] | None = None
     state_hash: bytes | None = None
+    sync: bool = False  # loads: in the step that schedules the request (load_mode sync/auto)
 
 
 @dataclass

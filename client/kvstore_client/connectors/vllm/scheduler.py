@@ -22,8 +22,10 @@ from ..planning import (
     LoadPolicy,
     Lookups,
     RequestTracker,
+    StepClock,
     all_ranks,
     hybrid_hit_blocks,
+    load_in_step,
 )
 from ..sessions import Hint, HintQueue, parse_hint
 from ..stats import Counters, record
@@ -77,6 +79,11 @@ class SchedulerSide:
         )
         self._save_known = cfg.save_policy == "all"  # send blocks the store had too
         self._sync_load = cfg.load_mode == "sync"
+        # load_mode auto: per hit, in the step when its load is shorter than a step
+        # (models with several KV cache groups load asynchronously: vLLM recomputes a
+        # failed load there only from per-request failures).
+        self._auto_load = cfg.load_mode == "auto" and len(kv_cache_config.kv_cache_groups) == 1
+        self._clock = StepClock()
         self._namespaces = setup.all_ns()  # every rank's: a hit needs all shards
         self._state_ns = setup.all_ns(STATE_KIND)
         self._gids: dict[str, list[list[int]]] = {}  # per request, block ids per group
@@ -189,9 +196,18 @@ class SchedulerSide:
             self._bytes_per_token,
             self._meter.bytes_per_s,
         )
-        # load_mode sync: vLLM schedules the request now; the worker loads its blocks
-        # in start_load_kv and waits for them before the forward.
-        return ext, ext > 0 and not self._sync_load
+        # Loaded in the step (load_mode sync, or auto with a load shorter than a step):
+        # vLLM schedules the request now; the worker loads its blocks in
+        # start_load_kv and the forward waits for them.
+        sync = self._sync_load or (
+            self._auto_load
+            and ext > 0
+            and load_in_step(
+                ext, self._bytes_per_token, self._meter.bytes_per_s, self._clock.step_s
+            )
+        )
+        tr.sync_load = bool(sync)
+        return ext, ext > 0 and not sync
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """After blocks were allocated; plans the load of the hit (hybrid models:
@@ -213,6 +229,7 @@ class SchedulerSide:
                 k = refs[-1].index + 1
                 t.state_ids = [ids[g][k - 1] for g in self.s.state_groups]
                 t.state_hash = tr.hashes[k - 1]
+            t.sync = tr.sync_load
             if refs:
                 self._loads_out.append(t)
             record(NAME, self._interval, "hit_tokens", num_external_tokens)
@@ -247,6 +264,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
         """Once per step: this step's loads and saves."""
+        self._clock.tick(time.monotonic())
         meta = KVStoreConnectorMetadata(loads=self._loads_out)
         self._loads_out = []
         if not self.s.active:

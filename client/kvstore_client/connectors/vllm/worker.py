@@ -247,56 +247,65 @@ class WorkerSide:
         return client.batch_get_into(ns, hashes, dest)
 
     def start_load_kv(self, meta: Any) -> None:
-        """Each step: queue this step's loads and start those the staging cap allows.
-        Never blocks on the store, except with ``load_mode: sync``: then it returns
-        once every load of the step is in the cache, or on CUDA queued before the
-        forward on its stream (a failed one's blocks are reported by
-        :meth:`block_ids_with_load_errors` and vLLM recomputes them)."""
+        """Each step: queue this step's asynchronous loads and start those the staging
+        cap allows (never blocks on the store). Loads the scheduler planned inside
+        this step (``load_mode: sync``, or ``auto`` for a load shorter than a step)
+        start at once and are waited for: it returns once they are in the cache, or
+        on CUDA queued before the forward on its stream (a failed one's blocks are
+        reported by :meth:`block_ids_with_load_errors` and vLLM recomputes them)."""
         if bc.capturing():
             return
+        now: list[Transfer] = []
         if isinstance(meta, KVStoreConnectorMetadata):
-            self._queued.extend(meta.loads)
+            every = self.s.cfg.load_mode == "sync"
+            now = [t for t in meta.loads if t.sync or every]
+            self._queued.extend(t for t in meta.loads if not (t.sync or every))
             self.note_saves(meta)
         self._start_queued()
-        if self.s.cfg.load_mode == "sync":
-            self._finish_all_loads()
+        if now:
+            self._load_now(now)
 
-    def _finish_all_loads(self) -> None:
-        """``load_mode: sync``: wait for every started and queued load (each wait is
-        bounded by the client's deadline, ``timeout_s``); on CUDA the forward's
-        stream then waits for their copies. These requests are running, so they
-        are never reported as finished receiving, only their failed blocks."""
-        while self._loads or self._queued:
-            for rid in list(self._loads):
-                pl = self._loads.pop(rid)
-                if pl.job is not None:
-                    cf.wait([pl.job])
-                    if pl.job.exception() is None and isinstance(self.mover, bc.CudaMover):
-                        self.mover.join(pl.job.result().ticket)
-                self._finish_load(pl)
-                record(NAME, self._interval, "sync_loaded_blocks", len(pl.transfer.hashes))
-            self._start_queued()
+    def _load_now(self, trs: list[Transfer]) -> None:
+        """Loads of this step: started past the staging cap (the forward needs them),
+        each wait bounded by the client's deadline (``timeout_s``); on CUDA the
+        forward's stream then waits for their copies. These requests are running, so
+        they are never reported as finished receiving, only their failed blocks."""
+        started = [self._begin(tr, self._nbytes(tr)) for tr in trs]
+        for pl in started:
+            if pl.job is not None:
+                cf.wait([pl.job])
+                if pl.job.exception() is None and isinstance(self.mover, bc.CudaMover):
+                    self.mover.join(pl.job.result().ticket)
+            self._finish_load(pl)
+            record(NAME, self._interval, "sync_loaded_blocks", len(pl.transfer.hashes))
+
+    def _nbytes(self, tr: Transfer) -> int:
+        hybrid = tr.state_hash is not None
+        return len(tr.hashes) * self._block_bytes + (self._state_bytes if hybrid else 0)
 
     def _start_queued(self) -> None:
         while self._queued:
             tr = self._queued[0]
-            hybrid = tr.state_hash is not None
-            nbytes = len(tr.hashes) * self._block_bytes + (self._state_bytes if hybrid else 0)
+            nbytes = self._nbytes(tr)
             if not self._budget.admit(nbytes):
                 return
             self._queued.popleft()
-            state_hash = self._state_hash(tr)
-            pl = _PendingLoad(tr, nbytes, time.perf_counter())
-            if not self._zero_copy:
-                pl.job = self._load_pool.submit(self._load_job, tr, state_hash)
-            else:
-                n = len(tr.hashes)
-                pl.future = self._get(self.ns, tr.hashes, self._parts(False, tr.block_ids, n))
-                if state_hash is not None and tr.state_ids is not None:
-                    sids = [[b] for b in tr.state_ids]
-                    pl.state_future = self._get(self.state_ns, [state_hash],
-                                                self._parts(True, sids, 1))  # fmt: skip
-            self._loads[tr.req_id] = pl
+            self._loads[tr.req_id] = self._begin(tr, nbytes)
+
+    def _begin(self, tr: Transfer, nbytes: int) -> _PendingLoad:
+        """Start one load: a job of the loader thread (mover path), or the client's
+        reads straight into the cache (zero copy)."""
+        state_hash = self._state_hash(tr)
+        pl = _PendingLoad(tr, nbytes, time.perf_counter())
+        if not self._zero_copy:
+            pl.job = self._load_pool.submit(self._load_job, tr, state_hash)
+            return pl
+        n = len(tr.hashes)
+        pl.future = self._get(self.ns, tr.hashes, self._parts(False, tr.block_ids, n))
+        if state_hash is not None and tr.state_ids is not None:
+            sids = [[b] for b in tr.state_ids]
+            pl.state_future = self._get(self.state_ns, [state_hash], self._parts(True, sids, 1))
+        return pl
 
     def _load_job(self, tr: Transfer, state_hash: bytes | None) -> _Loaded:
         """Loader thread (mover path): fetch into the host rows chunk by chunk, copy
