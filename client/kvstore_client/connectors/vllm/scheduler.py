@@ -114,8 +114,10 @@ class SchedulerSide:
         record(NAME, self._interval, "session_hints_dropped", dropped)
 
     def _read_hint(self, request: Any, tr: RequestTracker) -> None:
-        """A new request: remember its session hint; ``active`` goes out at once (the
-        store prefetches the session's prefix), the others when it finishes."""
+        """A new request: remember its session hint. The session is active while the
+        request runs, so an ``active`` hint goes out at once whatever its state (the
+        store prefetches the session's prefix); a ``paused`` or ``ended`` state goes
+        out when it finishes."""
         if self._hints is None:
             return
         hint, bad = parse_hint(getattr(request, "kv_transfer_params", None))
@@ -128,9 +130,9 @@ class SchedulerSide:
         if hint is None:
             return
         self._hint_of[tr.req_id] = hint
-        if hint.state == "active":
-            tr.extend_hashes(request.all_token_ids)
-            self._hints.offer(hint, list(tr.hashes))
+        tr.extend_hashes(request.all_token_ids)
+        now = hint if hint.state == "active" else Hint(hint.session, "active", hint.ttl)
+        self._hints.offer(now, list(tr.hashes))
 
     def _ask(self, hashes: list[bytes]) -> tuple[list[bool], list[bool]]:
         """Lookup thread: which KV blocks every rank holds (as the ``lookup`` setting
