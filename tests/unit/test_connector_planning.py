@@ -17,9 +17,9 @@ from kvstore_client.connectors.planning import (
     StagingBudget,
     StepClock,
     all_ranks,
+    choose_load,
     classify_groups,
     hybrid_hit_blocks,
-    load_in_step,
     pool_hit,
     role_flags,
 )
@@ -263,25 +263,39 @@ def test_save_policy_all_sends_blocks_the_store_had() -> None:
     assert [r.index for r in out] == [3, 4]  # failed saves are retried, as for "new"
 
 
-def test_step_clock_follows_steps_and_skips_idle_gaps() -> None:
-    c = StepClock(alpha=0.5, max_gap=1.0)
-    assert c.step_s is None
-    c.tick(10.0)
-    c.tick(10.2)
-    assert c.step_s == pytest.approx(0.2)
-    c.tick(10.6)  # a 0.4 s step
+def test_step_clock_measures_steps_and_prefill_speed_and_skips_idle_gaps() -> None:
+    c = StepClock(alpha=0.5, max_gap=1.0, prefill_tokens=100)
+    assert c.step_s is None and c.prefill_tokens_per_s is None
+    c.tick(10.0, 1000)  # a step of 1,000 tokens starts
+    c.tick(10.2, 10)  # ... it took 0.2 s: 5,000 tokens/s
+    assert c.step_s == pytest.approx(0.2) and c.prefill_tokens_per_s == pytest.approx(5000)
+    c.tick(10.6, 0)  # a 0.4 s step of 10 tokens: a step, not a prefill speed
+    assert c.step_s == pytest.approx(0.3) and c.prefill_tokens_per_s == pytest.approx(5000)
+    c.tick(20.0, 500)  # the engine was idle: not a step
     assert c.step_s == pytest.approx(0.3)
-    c.tick(20.0)  # the engine was idle: not a step
-    assert c.step_s == pytest.approx(0.3)
-    c.tick(20.1)
-    assert c.step_s == pytest.approx(0.2)
+    c.tick(20.1, 0)  # 500 tokens in 0.1 s
+    assert c.step_s == pytest.approx(0.2) and c.prefill_tokens_per_s == pytest.approx(5000)
 
 
-def test_load_in_step_only_when_the_load_is_shorter_than_a_step() -> None:
-    # 1,000 tokens of 64 KiB/token = 62.5 MiB at 1 GiB/s: 61 ms.
-    bpt, bw = 64 * 1024.0, float(1 << 30)
-    assert load_in_step(1000, bpt, bw, 0.1)  # a 100 ms step: load in it
-    assert not load_in_step(1000, bpt, bw, 0.05)  # a 50 ms step: asynchronous
-    assert not load_in_step(1000, bpt, None, 0.1)  # bandwidth unknown
-    assert not load_in_step(1000, bpt, bw, None)  # step time unknown
-    assert not load_in_step(1000, bpt, 0.0, 0.1)
+def test_auto_load_picks_the_cheapest_of_sync_async_and_recompute() -> None:
+    # A 61 ms load of 1,000 tokens.
+    assert choose_load(1000, 0.061, 0.1, None) == "sync"  # shorter than a 100 ms step
+    assert choose_load(1000, 0.061, 0.05, None) == "async"  # longer than a 50 ms step
+    assert choose_load(1000, 0.061, 0.1, 20_000) == "recompute"  # 50 ms of prefill < 61
+    assert choose_load(1000, 0.061, 0.1, 10_000) == "sync"  # 100 ms of prefill > 61
+    # async: 61 ms + a 50 ms step against a recompute of 100 ms (recompute) or 200 ms
+    assert choose_load(1000, 0.061, 0.05, 10_000) == "recompute"
+    assert choose_load(1000, 0.061, 0.05, 5_000) == "async"
+    assert choose_load(1000, None, 0.1, 5_000) == "async"  # nothing measured yet
+    assert choose_load(1000, 0.061, None, 5_000) == "async"
+
+
+def test_load_time_from_bandwidth_and_small_loads() -> None:
+    m = BandwidthMeter(alpha=1.0, min_bytes=1000)
+    assert m.load_seconds(500) is None
+    m.add(100, 0.004)  # a small load: 4 ms, all latency
+    assert m.load_seconds(500) == pytest.approx(0.004)
+    assert m.load_seconds(10_000) is None  # a big load needs a bandwidth
+    m.add(1_000_000, 0.1)  # 10 MB/s
+    assert m.load_seconds(10_000) == pytest.approx(0.004)  # never under a small load's time
+    assert m.load_seconds(1_000_000) == pytest.approx(0.1)

@@ -81,9 +81,10 @@ class ConnectorConfig:
     load_mode            "async" (default: a hit loads between steps while the request
                          waits in WAITING_FOR_REMOTE_KVS), "sync" (the load runs in
                          the step that schedules the request, and the worker waits
-                         for it before the forward) or "auto" (per hit: sync when
-                         its load, at the measured bandwidth, takes less than the
-                         engine's measured step time, else async); "sync" is refused
+                         for it before the forward) or "auto" (per hit, from the
+                         measured load time, step time and prefill speed: sync when
+                         the load is shorter than a step, else async, or recompute
+                         when that costs less); "sync" is refused
                          for models with several KV cache groups (hybrid), where
                          "auto" always loads asynchronously
     """

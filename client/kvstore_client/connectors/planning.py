@@ -63,54 +63,91 @@ def role_flags(kv_role: str | None) -> tuple[bool, bool]:
 
 
 class BandwidthMeter:
-    """Exponentially weighted load bandwidth (bytes/s) from (bytes, seconds) samples.
+    """Exponentially weighted load bandwidth (bytes/s) from (bytes, seconds) samples,
+    and the time of small loads (``latency_s``).
 
-    Samples under ``min_bytes`` are ignored (their time is all latency)."""
+    Samples under ``min_bytes`` do not count towards the bandwidth (their time is
+    all latency); they make ``latency_s``, the time a small load takes."""
 
     def __init__(self, alpha: float = 0.3, min_bytes: int = 256 << 10) -> None:
         self.alpha = alpha
         self.min_bytes = min_bytes
         self.bytes_per_s: float | None = None
+        self.latency_s: float | None = None
 
     def add(self, nbytes: int, seconds: float) -> None:
-        if nbytes < self.min_bytes or seconds <= 0:
+        if seconds <= 0:
+            return
+        if nbytes < self.min_bytes:
+            prev = self.latency_s
+            self.latency_s = seconds if prev is None else prev + self.alpha * (seconds - prev)
             return
         bw = nbytes / seconds
         prev = self.bytes_per_s
         self.bytes_per_s = bw if prev is None else prev + self.alpha * (bw - prev)
 
+    def load_seconds(self, nbytes: float) -> float | None:
+        """The expected time of a load of ``nbytes``: by the bandwidth, at least the
+        small loads' time; by the small loads' time alone for a small load; None
+        when nothing was measured that covers it."""
+        lat = self.latency_s
+        if self.bytes_per_s:
+            return max(nbytes / self.bytes_per_s, lat or 0.0)
+        if lat is not None and nbytes < self.min_bytes:
+            return lat
+        return None
+
 
 class StepClock:
-    """Exponentially weighted engine step time (seconds) from the intervals between
-    the scheduler's steps; an interval over ``max_gap`` (an idle engine) is not a
-    step and is skipped."""
+    """The engine's step time and prefill speed, measured from the scheduler's steps:
+    the interval between two steps is the first one's duration, and its scheduled
+    tokens over that interval its speed. Exponentially weighted; an interval over
+    ``max_gap`` (an idle engine) is skipped, and only steps of at least
+    ``prefill_tokens`` tokens (prefill-bound) count towards the speed."""
 
-    def __init__(self, alpha: float = 0.3, max_gap: float = 5.0) -> None:
+    def __init__(self, alpha: float = 0.3, max_gap: float = 5.0, prefill_tokens: int = 256):
         self.alpha = alpha
         self.max_gap = max_gap
+        self.prefill_tokens = prefill_tokens
         self.step_s: float | None = None
+        self.prefill_tokens_per_s: float | None = None
         self._last: float | None = None
+        self._tokens = 0
 
-    def tick(self, now: float) -> None:
+    def tick(self, now: float, tokens: int = 0) -> None:
+        """A step starts at ``now`` with ``tokens`` scheduled tokens."""
         last, self._last = self._last, now
+        done, self._tokens = self._tokens, tokens
         if last is None or not 0 < now - last <= self.max_gap:
             return
         d = now - last
-        prev = self.step_s
-        self.step_s = d if prev is None else prev + self.alpha * (d - prev)
+        self.step_s = self._avg(self.step_s, d)
+        if done >= self.prefill_tokens:
+            self.prefill_tokens_per_s = self._avg(self.prefill_tokens_per_s, done / d)
+
+    def _avg(self, prev: float | None, x: float) -> float:
+        return x if prev is None else prev + self.alpha * (x - prev)
 
 
-def load_in_step(
-    ext_tokens: int, bytes_per_token: float, load_bytes_per_s: float | None, step_s: float | None
-) -> bool:
-    """``load_mode: auto``: load a hit inside the step that schedules it when the load
-    is expected to take less than a step. An asynchronous load costs the request at
-    least one more step (it waits for its KV, then for the next step), so below a
-    step's time the synchronous load is the cheaper one. Unknown bandwidth or step
-    time: asynchronous (the default's behaviour)."""
-    if load_bytes_per_s is None or step_s is None or load_bytes_per_s <= 0:
-        return False
-    return ext_tokens * bytes_per_token / load_bytes_per_s < step_s
+def choose_load(
+    ext_tokens: int, load_s: float | None, step_s: float | None, prefill_tokens_per_s: float | None
+) -> str:
+    """``load_mode: auto``: "sync", "async" or "recompute" for a hit of ``ext_tokens``
+    whose load is expected to take ``load_s`` (see :meth:`BandwidthMeter.load_seconds`).
+
+    A load inside the step (sync) costs the step its load time; an asynchronous load
+    costs the request its load time and at least one more step (it waits for its
+    KV, then for the next step); recomputing costs the step the prefill of those
+    tokens. The cheapest wins; sync only when the load is shorter than a step (else
+    it would hold up every other request of the step). Without a measured load time
+    or step time: "async" (the default's behaviour); without a prefill speed the
+    recompute cost is unknown and never chosen."""
+    if load_s is None or step_s is None:
+        return "async"
+    recompute_s = ext_tokens / prefill_tokens_per_s if prefill_tokens_per_s else float("inf")
+    if load_s < step_s:
+        return "sync" if load_s <= recompute_s else "recompute"
+    return "async" if load_s + step_s <= recompute_s else "recompute"
 
 
 @dataclass(slots=True, frozen=True)

@@ -24,8 +24,8 @@ from ..planning import (
     RequestTracker,
     StepClock,
     all_ranks,
+    choose_load,
     hybrid_hit_blocks,
-    load_in_step,
 )
 from ..sessions import Hint, HintQueue, parse_hint
 from ..stats import Counters, record
@@ -198,18 +198,21 @@ class SchedulerSide:
             self._bytes_per_token,
             self._meter.bytes_per_s,
         )
-        # Loaded in the step (load_mode sync, or auto with a load shorter than a step):
-        # vLLM schedules the request now; the worker loads its blocks in
-        # start_load_kv and the forward waits for them.
-        sync = self._sync_load or (
-            self._auto_load
-            and ext > 0
-            and load_in_step(
-                ext, self._bytes_per_token, self._meter.bytes_per_s, self._clock.step_s
-            )
-        )
-        tr.sync_load = bool(sync)
+        sync = self._sync_load
+        if self._auto_load and ext:
+            load_s = self._meter.load_seconds(ext * self._bytes_per_token)
+            how = choose_load(ext, load_s, self._clock.step_s, self._prefill_speed())
+            if how == "recompute":  # cheaper than this load, counted as a slow load
+                tr.ext_tokens, tr.decision, ext = 0, "slow_load", 0
+            sync = how == "sync"
+        # Loaded in the step (load_mode sync, or auto): vLLM schedules the request now;
+        # the worker loads its blocks in start_load_kv and the forward waits for them.
+        tr.sync_load = bool(sync and ext)
         return ext, ext > 0 and not sync
+
+    def _prefill_speed(self) -> float | None:
+        """The engine's prefill tokens/s: configured, else measured from its steps."""
+        return self.s.cfg.prefill_tokens_per_s or self._clock.prefill_tokens_per_s
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """After blocks were allocated; plans the load of the hit (hybrid models:
@@ -266,7 +269,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
         """Once per step: this step's loads and saves."""
-        self._clock.tick(time.monotonic())
+        self._clock.tick(time.monotonic(), sum(scheduler_output.num_scheduled_tokens.values()))
         meta = KVStoreConnectorMetadata(loads=self._loads_out)
         self._loads_out = []
         if not self.s.active:
