@@ -292,7 +292,11 @@ def test_a_step_loads_its_sync_hits_before_returning_and_queues_the_rest(
         later = Transfer("later", [[11, 12]], hs[2:], [2, 3])
         r.start_load_kv(KVStoreConnectorMetadata(loads=[now, later]))
         assert _block(rc, 9) == _block(wc, 1) and _block(rc, 10) == _block(wc, 2)
+        # The sync load ran outside the staging cap and gave nothing back to it: the
+        # asynchronous one still holds its bytes there until it is reported.
+        assert r._budget.used == 2 * r._block_bytes
         assert _wait_loaded(r, "later") == set()
+        assert r._budget.used == 0
         assert _block(rc, 11) == _block(wc, 3) and _block(rc, 12) == _block(wc, 4)
         assert "now" not in r.done_loads()[0]
         assert r._interval.peek()["sync_loaded_blocks"] == 2

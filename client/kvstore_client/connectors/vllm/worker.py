@@ -270,7 +270,7 @@ class WorkerSide:
         each wait bounded by the client's deadline (``timeout_s``); on CUDA the
         forward's stream then waits for their copies. These requests are running, so
         they are never reported as finished receiving, only their failed blocks."""
-        started = [self._begin(tr, self._nbytes(tr)) for tr in trs]
+        started = [self._begin(tr, 0) for tr in trs]  # outside the budget: nothing to give back
         for pl in started:
             if pl.job is not None:
                 cf.wait([pl.job])
