@@ -97,3 +97,29 @@ class ArenaSlots:
     def abort(self) -> None:
         """Drop every reservation (nothing is published)."""
         self.commit([False] * len(self.views))
+
+
+class Remote:
+    """What a transport to a worker on another host says about the local path: its
+    calls wait on the network, and nothing can be pinned or reserved in this
+    process's memory. tcp:// and ucx:// transfers derive from it; shm:// overrides."""
+
+    @property
+    def local(self) -> bool:
+        """False: calls wait on the network (run them on the client's pool)."""
+        return False
+
+    def pin(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> ArenaPins | None:
+        """None: the worker's blocks are not in this process's memory."""
+        return None
+
+    def reserve(
+        self,
+        timeout: float,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        sizes: Sequence[int],
+        flags: int = 0,
+    ) -> ArenaSlots | None:
+        """None: the worker has no slots in this process's memory."""
+        return None

@@ -25,7 +25,7 @@ from .. import wire
 from ..errors import KVStoreError, ProtocolError, Unavailable, from_code, from_transport_error
 from ..keys import HASH_LEN
 from ..security import Tls, wrap_client_socket
-from .pins import ArenaPins, ArenaSlots
+from .pins import Remote
 
 SOCK_BUF = 4 << 20
 R = TypeVar("R")
@@ -297,17 +297,12 @@ def parse_tcp_url(url: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class TcpTransfer:
+class TcpTransfer(Remote):
     """The :class:`~kvstore_client.transport.Transfer` of a tcp:// worker: one pooled
     connection per call."""
 
     def __init__(self, pool: TcpPool) -> None:
         self.pool = pool
-
-    @property
-    def local(self) -> bool:
-        """False: calls wait on the network (run them on the client's pool)."""
-        return False
 
     def put(
         self,
@@ -334,21 +329,6 @@ class TcpTransfer:
 
     def remove(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> int:
         return self.pool.call(timeout, TcpConnection.remove, ns, hashes)
-
-    def pin(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> ArenaPins | None:
-        """None: a tcp:// worker's blocks cannot be pinned in this process's memory."""
-        return None
-
-    def reserve(
-        self,
-        timeout: float,
-        ns: bytes,
-        hashes: Sequence[bytes],
-        sizes: Sequence[int],
-        flags: int = 0,
-    ) -> ArenaSlots | None:
-        """None: a tcp:// worker has no slots in this process's memory."""
-        return None
 
 
 __all__ = ["HASH_LEN", "GetResult", "TcpConnection", "TcpPool", "TcpTransfer", "parse_tcp_url"]

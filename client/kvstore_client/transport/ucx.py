@@ -57,7 +57,7 @@ from ..errors import (
     from_transport_error,
 )
 from ..keys import HASH_LEN, from_bitmap
-from .pins import ArenaPins, ArenaSlots
+from .pins import Remote
 from .tcp import GetResult
 
 R = TypeVar("R")
@@ -522,7 +522,7 @@ class UcxConnection:
         return await self._exchange(op, [head, b"".join([ns, *hashes])])
 
 
-class UcxPool:
+class UcxPool(Remote):
     """Endpoints to one worker's ucx:// listener, opened on demand and reused.
 
     Same contract as :class:`~kvstore_client.transport.tcp.TcpPool`: a failed or
@@ -617,26 +617,6 @@ class UcxPool:
     def remove(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> int:
         """Remove blocks; returns how many were present."""
         return self.call(timeout, UcxConnection.remove, ns, hashes)
-
-    @property
-    def local(self) -> bool:
-        """False: calls wait on the network (run them on the client's pool)."""
-        return False
-
-    def pin(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> ArenaPins | None:
-        """None: a ucx:// worker's blocks cannot be pinned in this process's memory."""
-        return None
-
-    def reserve(
-        self,
-        timeout: float,
-        ns: bytes,
-        hashes: Sequence[bytes],
-        sizes: Sequence[int],
-        flags: int = 0,
-    ) -> ArenaSlots | None:
-        """None: a ucx:// worker has no slots in this process's memory."""
-        return None
 
     def close(self) -> None:
         """Close idle endpoints; later calls raise Unavailable. Idempotent."""
