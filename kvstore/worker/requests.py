@@ -38,7 +38,7 @@ from kvstore_client.errors import (
 from kvstore_client.keys import check_namespace
 
 from ..auth import Tenant, Tenants
-from .tiers.dram import Block
+from .tiers.blocks import Block
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,8 @@ from .events import DRAM, SSD, EventSink
 from .fairlock import FairLock
 from .sessions import SessionTable
 from .storerecords import Held, Reading, StoreCounters, StoreStats, _Staged, _Todo, snapshot
-from .tiers.dram import Block, DramTier
+from .tiers.blocks import Block
+from .tiers.dram import DramTier
 from .tiers.policy import (
     Aborted,
     DeleteSsd,

@@ -9,7 +9,8 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
-from .tiers.dram import Block, DramTier
+from .tiers.blocks import Block
+from .tiers.dram import DramTier
 from .tiers.policy import TierPolicy
 
 LOOKUP_SLICES = 8  # a lookup (or a session hint) holds the store lock for this many slices

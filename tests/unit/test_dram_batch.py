@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from kvstore.worker.tiers.dram import Block, DramTier
+from kvstore.worker.tiers.blocks import Block
+from kvstore.worker.tiers.dram import DramTier
 
 KiB = 1024
 MiB = 1 << 20

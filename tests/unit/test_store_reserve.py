@@ -7,7 +7,7 @@ import tempfile
 
 from kvstore.worker.arena import Arena
 from kvstore.worker.store import BlockStore
-from kvstore.worker.tiers.dram import Block
+from kvstore.worker.tiers.blocks import Block
 from kvstore_client.errors import QuotaExceeded, ResourceExhausted
 
 MiB = 1 << 20

@@ -41,81 +41,16 @@ import bisect
 import heapq
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvstore_client.errors import InvalidArgument, ResourceExhausted
 from kvstore_client.sizeclasses import ALIGN, size_classes
 
+from .blocks import Block, TierCounters
 from .slots import DOOMED, FREE, M64, PENDING, READY, U32, UNUSED, SlotIndex
 
 _SCALAR_BATCH = 8  # exists_many probes shorter batches one key at a time
-
-
-@dataclass(slots=True, eq=False)
-class Block:
-    """A handle onto one stored block, made by reserve / acquire / peek / oldest.
-
-    ns, key, offset, size, checksum and slot_size never change for the life of the
-    block; ready, doomed and pins read the tier's current state. A handle outlives
-    its block harmlessly: once the slot is freed (and maybe reused) the handle reads
-    as neither ready nor doomed, and commit / abort / release / pin ignore it.
-    Two handles are equal when they name the same slot generation.
-    """
-
-    ns: str
-    key: bytes
-    offset: int
-    size: int
-    checksum: int
-    slot_size: int  # bytes of the size class the block occupies
-    slot: int = field(repr=False)
-    gen: int = field(repr=False)
-    tier: DramTier = field(repr=False)
-
-    @property
-    def live(self) -> bool:
-        """The slot still holds this block (pending, ready or doomed)."""
-        return self.tier.gen[self.slot] == self.gen
-
-    @property
-    def ready(self) -> bool:
-        t = self.tier
-        return t.gen[self.slot] == self.gen and t.state[self.slot] == READY
-
-    @property
-    def doomed(self) -> bool:
-        """Removed or evicted while pinned: the slot is freed on the last release."""
-        t = self.tier
-        return t.gen[self.slot] == self.gen and t.state[self.slot] == DOOMED
-
-    @property
-    def pins(self) -> int:
-        t = self.tier
-        return t.pins[self.slot] if t.gen[self.slot] == self.gen else 0
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, Block)
-            and other.slot == self.slot
-            and other.gen == self.gen
-            and other.tier is self.tier
-        )
-
-    def __hash__(self) -> int:
-        return hash((self.slot, self.gen))
-
-
-@dataclass(slots=True)
-class TierCounters:
-    hits: int = 0
-    misses: int = 0
-    puts: int = 0
-    skipped: int = 0
-    evictions: int = 0
-    slab_moves: int = 0
-    removed: int = 0
 
 
 class DramTier(SlotIndex):

@@ -53,7 +53,7 @@ from kvstore_client.transport.ucx import ERROR_MAX, read_part_counts, slices, sp
 from ...auth import Tenant, Tenants
 from ..requests import Holder, Limits, RequestCore, put_status
 from ..store import BlockStore
-from ..tiers.dram import Block
+from ..tiers.blocks import Block
 
 # The ops each transport serves, with the request flags each op may carry.
 TCP_OPS: Mapping[int, int] = {

@@ -37,7 +37,7 @@ from ..arena import SHM_PREFIX, Arena
 from ..requests import Holder, RequestCore, put_status
 from ..store import BlockStore
 from ..storerecords import Reading
-from ..tiers.dram import Block
+from ..tiers.blocks import Block
 from .frames import Buffers, Refused, ok_answer, refusing
 
 Bytes = bytes | bytearray | memoryview
