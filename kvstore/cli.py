@@ -490,8 +490,8 @@ def status(master: str, as_json: bool, timeout: float, sessions: bool, top: int)
     --sessions: the top agent sessions, merged over workers, and session counters)."""
     import grpc
 
-    from kvstore_client.client import parse_masters
     from kvstore_client.proto import master_pb2, master_pb2_grpc
+    from kvstore_client.routing import parse_masters
     from kvstore_client.security import Tls, metadata, open_channel
 
     try:

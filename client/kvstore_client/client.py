@@ -41,13 +41,13 @@ from .proto import master_pb2, master_pb2_grpc, store_pb2, store_pb2_grpc
 from .replicas import (
     ReplicaStats,
 )
-from .routing import Links, View, frames
+from .routing import Links, View, frames, parse_masters
 from .routing import bind as _bind
 from .routing import misses_only as _misses_only
 from .security import Tls, metadata, open_channel
 from .sessions import SessionHints
 from .sharding import DEFAULT_VNODES_PER_GIB, build_ring
-from .transport import BlockView
+from .transport import BlockView, Transfer
 from .transport.pins import ArenaPins, ArenaSlots
 from .transport.tcp import GetResult, TcpConnection, TcpPool
 from .transport.ucx import available as ucx_available
@@ -57,18 +57,6 @@ T = TypeVar("T")
 _KEY = np.dtype((np.void, HASH_LEN))  # one packed hash, to gather whole rows
 
 TRANSPORTS = ("auto", "tcp", "shm", "ucx")
-
-
-def parse_masters(master: str) -> list[str]:
-    """ "h1:p1,h2:p2" -> ["h1:p1", "h2:p2"]; InvalidArgument when malformed."""
-    out = [m.strip() for m in master.split(",") if m.strip()]
-    for m in out:
-        host, sep, port = m.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise InvalidArgument(f"bad master address {m!r}: want host:port")
-    if not out:
-        raise InvalidArgument("no master address given")
-    return out
 
 
 class Client:
@@ -387,7 +375,13 @@ class Client:
         answer. A prefix lookup is one round trip to the slowest worker."""
         out = np.zeros(len(hashes), dtype=bool)
         answers = self._scatter(
-            nsb, b"".join(hashes), view, groups, 0, lambda c, idx: c.recv_exists()
+            nsb,
+            b"".join(hashes),
+            view,
+            groups,
+            0,
+            lambda c, idx: c.recv_exists(),
+            lambda via, keys: via.present(nsb, keys),  # same-host: the shared index
         )
         for (_, idx), flags in zip(groups, answers, strict=True):
             if flags is not None:
@@ -402,21 +396,26 @@ class Client:
         groups: list[tuple[int, np.ndarray]],
         flags: int,
         recv: Callable[[TcpConnection, np.ndarray], Any],
+        local: Callable[[Transfer, bytes], Any] | None = None,
     ) -> list[Any]:
         """Send every owner its keys in one EXISTS (``flags``), all before any answer is
         read, then ``recv`` each answer: one round trip to the slowest worker, no
         threads. Per group its answer, or None where the worker failed (a miss); a
-        caller's error (bad namespace, auth) is raised once every answer is in."""
+        caller's error (bad namespace, auth) is raised once every answer is in.
+        ``local(via, keys)`` answers a group without the socket when it can (not None)."""
         rows = np.frombuffer(packed, dtype=_KEY)
         answers: list[Any] = [None] * len(groups)
         sent: list[tuple[int, TcpPool, TcpConnection, np.ndarray]] = []
         deadline = time.monotonic() + self.timeout
         for g, (w, idx) in enumerate(groups):
             pool = view.workers[w].pool
+            body = packed if len(groups) == 1 else rows[idx].tobytes()
+            if local is not None and (got := local(view.workers[w].via, body)) is not None:
+                answers[g] = got
+                continue
             try:
                 conn = pool.take(self.timeout)
                 conn.sock.settimeout(self.timeout)
-                body = packed if len(groups) == 1 else rows[idx].tobytes()
                 conn.send_exists(nsb, body, len(idx), flags)
             except KVStoreError as e:
                 _misses_only(w, e)
@@ -486,7 +485,13 @@ class Client:
             held = np.flatnonzero(np.bincount(owner)).tolist()
             groups = [(w, np.flatnonzero(owner == w)) for w in held]
         answers = self._scatter(
-            nsb, packed, view, groups, wire.FLAG_PREFIX, lambda c, idx: c.recv_prefix(len(idx))
+            nsb,
+            packed,
+            view,
+            groups,
+            wire.FLAG_PREFIX,
+            lambda c, idx: c.recv_prefix(len(idx)),
+            lambda via, keys: via.prefix(nsb, keys),  # same-host: the shared index
         )
         run = n
         for (_, idx), k in zip(groups, answers, strict=True):

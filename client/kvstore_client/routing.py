@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import wire
-from .errors import CallerError, KVStoreError
+from .errors import CallerError, InvalidArgument, KVStoreError
 from .proto import master_pb2
 from .security import Tls
 from .sharding import Ring
@@ -31,6 +31,18 @@ from .transport.ucx import UcxPool, find_ucx_url, parse_ucx_url
 # value at least), so big batches stream over several connections at once.
 FRAME_BYTES = 32 << 20
 runs = wire.runs
+
+
+def parse_masters(master: str) -> list[str]:
+    """ "h1:p1,h2:p2" -> ["h1:p1", "h2:p2"]; InvalidArgument when malformed."""
+    out = [m.strip() for m in master.split(",") if m.strip()]
+    for m in out:
+        host, sep, port = m.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise InvalidArgument(f"bad master address {m!r}: want host:port")
+    if not out:
+        raise InvalidArgument("no master address given")
+    return out
 
 
 def bind(fn: Callable[..., Any], *args: object) -> Callable[[], Any]:

@@ -22,8 +22,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore_client import __version__
-from kvstore_client.client import parse_masters
 from kvstore_client.proto import master_pb2, store_pb2_grpc
+from kvstore_client.routing import parse_masters
 from kvstore_client.security import Tls
 from kvstore_client.transport.shm import host_id, shm_url
 from kvstore_client.transport.ucx import ucx_url
@@ -41,6 +41,7 @@ from .sessions import SessionTable
 from .store import BlockStore
 from .storerecords import StoreStats, stats_message
 from .tiers.policy import Promoter, QuotaBook, Watermarks, parse_pins
+from .tiers.shared import SharedIndex
 from .tiers.ssd import SsdStore
 from .transfer.shm import ArenaShare
 from .transfer.tcp import TcpTransferServer
@@ -112,6 +113,12 @@ class Worker:
                     cfg.session_share * (cfg.dram_size + (cfg.ssd_size if cfg.ssd_path else 0))
                 ),
             )
+            # The same-host index: clients that map the arena probe and pin it with
+            # no round trip (tiers.shared); the hand-over thread runs its upkeep.
+            self.index = SharedIndex(self.store.tier.capacity, self.arena.tag, ssd=ssd is not None)
+            undo.callback(_quietly, self.index.close)
+            self.store.tier.shared = self.index  # the tier is empty: nothing to publish yet
+            self.share.attach(self.index, self._index_upkeep)
             self.events: KvEventPublisher | None = None
             if cfg.kv_events:
                 self.events = KvEventPublisher(
@@ -291,6 +298,10 @@ class Worker:
 
     # ---- shutdown ------------------------------------------------------------
 
+    def _index_upkeep(self) -> None:
+        with self.store.lock:
+            self.store.tier.shared_upkeep()
+
     def stop(self) -> None:
         """Drain: report NOT_SERVING, leave the map, finish in-flight calls, close."""
         if self._stop.is_set():
@@ -310,6 +321,7 @@ class Worker:
             if self.events is not None:
                 self.events.close()
             self.share.close()
+            self.index.close()
             self.arena.close()
 
 

@@ -106,8 +106,12 @@ def test_reserved_slots_are_written_in_place_and_published_by_commit(
         left = Client(cluster.address, transport="shm")
         gone = left.reserve_local(NS, [key(10, "slots")], [SIZE])
         assert gone.count == 1
-        left.close()  # the connection's close drops its reservation
-        assert other.batch_put(NS, [key(10, "slots")], [vals[0]]) == [True]
+        left.close()  # the connection's close drops its reservation (as the worker
+        # notices the close: within a moment, not necessarily at once)
+        deadline = time.monotonic() + 5
+        while other.batch_put(NS, [key(10, "slots")], [vals[0]]) != [True]:
+            assert time.monotonic() < deadline, "the dropped reservation still holds the key"
+            time.sleep(0.05)
         try:
             c.reserve_local(NS, ks[:1], [0])
         except InvalidArgument:

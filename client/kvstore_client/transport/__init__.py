@@ -15,6 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from .. import wire
 from .pins import ArenaPins, ArenaSlots
 from .tcp import GetResult
@@ -63,6 +66,18 @@ class Transfer(Protocol):
 
     def remove(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> int:
         """Remove blocks; how many were present."""
+        ...
+
+    def present(self, ns: bytes, packed: bytes) -> npt.NDArray[np.bool_] | None:
+        """Per key (16 bytes each in ``packed``), whether the worker holds it, when
+        this process can tell without asking (a same-host worker's shared index);
+        None otherwise."""
+        ...
+
+    def prefix(self, ns: bytes, packed: bytes) -> int | None:
+        """How many of the keys (16 bytes each in ``packed``) lead as present, when
+        this process can tell without asking the worker (a same-host worker's shared
+        index); None otherwise."""
         ...
 
     def pin(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> ArenaPins | None:

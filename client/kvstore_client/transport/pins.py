@@ -21,6 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 
 class Mapped(Protocol):
     """A mapping of a worker's arena (:class:`~.shm.ShmArena`)."""
@@ -108,6 +111,14 @@ class Remote:
     def local(self) -> bool:
         """False: calls wait on the network (run them on the client's pool)."""
         return False
+
+    def present(self, ns: bytes, packed: bytes) -> npt.NDArray[np.bool_] | None:
+        """None: only the worker can tell."""
+        return None
+
+    def prefix(self, ns: bytes, packed: bytes) -> int | None:
+        """None: only the worker can tell."""
+        return None
 
     def pin(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> ArenaPins | None:
         """None: the worker's blocks are not in this process's memory."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import select
 import socket
 import stat
 import threading
@@ -33,11 +34,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from .. import wire
 from ..errors import KVStoreError, Unavailable, from_transport_error
-from . import pins
+from . import pins, shmindex, shmlocal
 from .tcp import GetResult, TcpConnection, TcpPool, TcpTransfer
 
 SOCKET_PREFIX = "kvstore-"
@@ -79,7 +81,10 @@ def parse_shm_url(url: str) -> ShmEndpoint:
 
 
 class ShmArena:
-    """A read-write mapping of a worker's arena, from the descriptor it handed over."""
+    """A read-write mapping of a worker's arena, from the descriptor it handed over,
+    and (when the worker handed them too) its same-host index and this client's
+    hazard page (``local``; see :mod:`.shmlocal`), kept with the hand-over
+    connection: closing it tells the worker this client is gone."""
 
     def __init__(self, fd: int, arena_id: str, size: int) -> None:
         # MAP_POPULATE: fault the whole mapping in now, not one page per first touch.
@@ -90,6 +95,32 @@ class ShmArena:
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
         self.view = memoryview(self._mm)  # small per-part copies: slice assignment
         self.stale = False
+        self.local: shmlocal.Local | None = None
+        self._link: socket.socket | None = None
+        self._poll = select.poll()  # the link, once attached
+
+    def attach(self, index_fd: int, page_fd: int, link: socket.socket) -> None:
+        """Map the index (read-only) and the hazard page handed over on ``link``;
+        ValueError when they are not what they must be (then only the arena is used)."""
+        st = os.fstat(index_fd)
+        if not stat.S_ISREG(st.st_mode) or os.fstat(page_fd).st_size != shmindex.PAGE_BYTES:
+            raise ValueError("not an index and a hazard page")
+        index = shmindex.IndexView(index_fd, st.st_size, self.tag)
+        self.local = shmlocal.Local(self.array, self.view, index, shmindex.HazardPage(page_fd))
+        self._link = link
+        self._poll.register(link, select.POLLIN | select.POLLHUP | select.POLLERR)
+
+    def usable(self) -> shmlocal.Local | None:
+        """The index and hazard page while the worker that handed them is alive (it
+        sends nothing after the hand-over: anything readable on the link is its end
+        closing). When it is gone the mapping is stale: calls go over tcp://."""
+        loc = self.local
+        if loc is None or self.stale:
+            return None
+        if self._poll.poll(0):
+            self.stale = True
+            return None
+        return loc
 
     def check(self, tag: int) -> None:
         """An answer's arena tag must be ours: else the worker restarted behind its
@@ -99,6 +130,13 @@ class ShmArena:
             raise Unavailable("the worker's arena changed (restarted?): shm mapping dropped")
 
     def close(self) -> None:
+        if self._link is not None:
+            self._link.close()  # the worker drops our hazard page: nothing stays pinned
+            self._link = None
+        if self.local is not None:
+            self.local.index.close()
+            self.local.hazards.close()
+            self.local = None
         self.array = np.empty(0, dtype=np.uint8)
         with contextlib.suppress(BufferError):
             self.view.release()
@@ -133,11 +171,12 @@ def _receive(ep: ShmEndpoint, timeout: float) -> ShmArena | None:
         return None  # only ever a socket: never open a file the map names
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     fds: list[int] = []
+    keep = False
     try:
         sock.settimeout(timeout)
         sock.connect(ep.path)
-        msg, fds, _, _ = socket.recv_fds(sock, wire.SHM_HELLO.size, 1)
-        if len(fds) != 1:
+        msg, fds, _, _ = socket.recv_fds(sock, wire.SHM_HELLO.size, 3)
+        if len(fds) not in (1, 3):
             return None
         arena_id, size = wire.decode_shm_hello(msg)
         st = os.fstat(fds[0])
@@ -145,11 +184,19 @@ def _receive(ep: ShmEndpoint, timeout: float) -> ShmArena | None:
             return None
         if st.st_size != size:
             return None
-        return ShmArena(fds[0], arena_id, size)
+        arena = ShmArena(fds[0], arena_id, size)
+        if len(fds) == 3:
+            try:
+                arena.attach(fds[1], fds[2], sock)
+                keep = True
+            except (OSError, ValueError):
+                pass  # the arena alone: every call asks the worker
+        return arena
     finally:
         for fd in fds:
-            os.close(fd)  # the mapping keeps the memory; the descriptor is not needed
-        sock.close()
+            os.close(fd)  # the mappings keep the memory; the descriptors are not needed
+        if not keep:
+            sock.close()
 
 
 _local = threading.local()  # per thread: .array / .view, the bounce buffer of a parts read
@@ -161,8 +208,9 @@ _local = threading.local()  # per thread: .array / .view, the bounce buffer of a
 BOUNCE_SKEW = 256
 
 
-def _bounce(size: int) -> np.ndarray:
-    """This thread's bounce buffer, at least ``size`` bytes (grown on demand)."""
+def _bounce(size: int) -> tuple[np.ndarray, memoryview]:
+    """This thread's bounce buffer, at least ``size`` bytes (grown on demand), as an
+    array and a memoryview."""
     arr: np.ndarray | None = getattr(_local, "array", None)
     if arr is None or len(arr) < size:
         n = max(size, 1 << 20)
@@ -171,7 +219,7 @@ def _bounce(size: int) -> np.ndarray:
         arr = raw[start : start + n]
         _local.array = arr
         _local.view = arr.data
-    return arr
+    return arr, _local.view
 
 
 def _as_array(buf: memoryview) -> np.ndarray:
@@ -185,10 +233,7 @@ def _as_array(buf: memoryview) -> np.ndarray:
 # only very large batches are cut (docs/BENCHMARKS.md).
 PIECE_BYTES = 64 << 20
 PIECES = 8
-# Parts below this size are copied by memoryview slice assignment (less per-call
-# overhead than numpy); larger ones by numpy.copyto, which ran 3-4x faster than
-# memoryview assignment for 128 KiB-1 MiB copies on the development VM.
-SMALL_PART = 64 << 10
+SMALL_PART = shmlocal.SMALL_PART
 
 
 def pieces(sizes: Sequence[int]) -> list[tuple[int, int]]:
@@ -287,7 +332,6 @@ def _get_piece(
         src = arena.array
         mv = arena.view
         limit = len(src)
-        digest = xxhash.xxh3_64_intdigest
         for j, (status, size, checksum, off) in enumerate(entries):
             if status != wire.LOC_ARENA or off + size > limit:
                 continue
@@ -298,40 +342,12 @@ def _get_piece(
             # it reads cache-hot bytes, and it checks exactly the bytes handed back): a
             # mismatch is a miss, whatever the buffer holds.
             if out is None:
-                buf = bytearray(size)
-                np.copyto(np.frombuffer(buf, dtype=np.uint8), src[off : off + size])
-                if digest(buf) == checksum:
+                buf = bytearray(mv[off : off + size])
+                if xxhash.xxh3_64_intdigest(buf) == checksum:
                     values[i] = buf
                     found[i] = True
-            elif isinstance(out, list):
-                if sizes[i] != size:
-                    continue
-                if len(out) == 1:
-                    np.copyto(np.frombuffer(out[0], dtype=np.uint8), src[off : off + size])
-                    found[i] = digest(out[0]) == checksum
-                    continue
-                # Many parts: one large copy into this thread's private bounce buffer,
-                # verify it there, then scatter it from cache into the parts. Copies
-                # of under ~512 KiB out of the (4 KiB-page) arena ran at a third of
-                # the speed of one large copy (docs/BENCHMARKS.md); nothing else can
-                # write the bounce buffer, so the parts get exactly the verified bytes.
-                bounce = _bounce(size)
-                np.copyto(bounce[:size], src[off : off + size])
-                bv = _local.view
-                if digest(bv[:size]) != checksum:
-                    continue
-                at = 0
-                for p in out:
-                    k = p.nbytes
-                    p[:] = bv[at : at + k]
-                    at += k
-                found[i] = True
-            elif out.nbytes == size:
-                if size < SMALL_PART:
-                    out[:] = mv[off : off + size]
-                else:
-                    np.copyto(np.frombuffer(out, dtype=np.uint8), src[off : off + size])
-                found[i] = digest(out) == checksum
+            else:
+                found[i] = shmlocal.copy_block(src, mv, off, size, checksum, out, sizes[i], _bounce)
     finally:
         # One-way: the worker unpins; no answer to wait for.
         wire.send_buffers(sock, [wire.encode_request_header(wire.OP_RELEASE, ns, 0, req)])
@@ -590,14 +606,76 @@ class ShmTransfer(TcpTransfer):
     ) -> GetResult:
         if self.arena.stale:
             return super().get(timeout, ns, hashes, buffers)
-        return self.pool.call(timeout, get, self.arena, ns, hashes, buffers)
+        loc = self.arena.usable()
+        if loc is None:
+            if self.arena.stale:
+                return super().get(timeout, ns, hashes, buffers)
+            return self.pool.call(timeout, get, self.arena, ns, hashes, buffers)
+        # Through the index first (no round trip); the keys it cannot answer (and the
+        # blocks that moved meanwhile) over the socket.
+        n = len(hashes)
+        found = [False] * n
+        values: list[bytearray | None] = [None] * n
+        sizes = [wire.block_size(b) for b in buffers] if buffers is not None else []
+        left, total = shmlocal.read(
+            loc, ns, b"".join(hashes), buffers, sizes, found, values, _bounce
+        )
+        if left:
+            sub = self.pool.call(
+                timeout,
+                get,
+                self.arena,
+                ns,
+                [hashes[i] for i in left],
+                [buffers[i] for i in left] if buffers is not None else None,
+            )
+            for j, i in enumerate(left):
+                found[i] = sub.found[j]
+                values[i] = sub.values[j]
+            total += sub.bytes_received
+        return GetResult(found, values, total)
+
+    def exists(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> list[bool]:
+        flags = self.present(ns, b"".join(hashes))
+        if flags is not None:
+            out: list[bool] = flags.tolist()
+            return out
+        return super().exists(timeout, ns, hashes)
+
+    def present(self, ns: bytes, packed: bytes) -> npt.NDArray[np.bool_] | None:
+        """Per key, held, from the worker's index with no round trip; None when the
+        index cannot tell for some key (ask the worker)."""
+        loc = self.arena.usable()
+        return None if loc is None else shmlocal.exists(loc, ns, packed)
+
+    def prefix(self, ns: bytes, packed: bytes) -> int | None:
+        """The leading run of ``packed``'s keys the worker holds, from its index with
+        no round trip; None when the index cannot tell (ask the worker)."""
+        loc = self.arena.usable()
+        return None if loc is None else shmlocal.prefix(loc, ns, packed)
 
     def pin(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> pins.ArenaPins | None:
         """Pin blocks in place in the mapped arena (see :mod:`.pins`); None once the
         mapping is stale."""
         if self.arena.stale:
             return None
-        return pin(self.pool, self.arena, timeout, ns, hashes)
+        loc = self.arena.usable()
+        if loc is None:
+            if self.arena.stale:
+                return None
+            return pin(self.pool, self.arena, timeout, ns, hashes)
+        views, left, release = shmlocal.pin(loc, ns, b"".join(hashes))
+        out = pins.ArenaPins(views, [self.arena], [release])
+        if left:
+            try:
+                rest = pin(self.pool, self.arena, timeout, ns, [hashes[i] for i in left])
+            except BaseException:
+                release()
+                raise
+            for j, i in enumerate(left):
+                out.views[i] = rest.views[j]
+            out._releases += rest._releases
+        return out
 
     def reserve(
         self,

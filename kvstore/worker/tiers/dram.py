@@ -48,6 +48,7 @@ from kvstore_client.errors import InvalidArgument, ResourceExhausted
 from kvstore_client.sizeclasses import ALIGN, size_classes
 
 from .blocks import Block, TierCounters
+from .shared import SharedIndex
 from .slots import DOOMED, FREE, M64, PENDING, READY, U32, UNUSED, SlotIndex
 
 _SCALAR_BATCH = 8  # exists_many probes shorter batches one key at a time
@@ -107,6 +108,9 @@ class DramTier(SlotIndex):
         self._tick = 0
         self._on_evict = on_evict
         self.pinned = frozenset(pinned)  # namespaces whose blocks are never evicted
+        # The same-host index (tiers.shared), when the worker shares one: ready blocks
+        # are mirrored there and slots that clients pinned through it are held.
+        self.shared: SharedIndex | None = None
 
     @property
     def max_value_size(self) -> int:
@@ -364,6 +368,23 @@ class DramTier(SlotIndex):
         self._link(s)
         return True
 
+    def shared_upkeep(self) -> None:
+        """Apply what same-host clients did through the index (tiers.shared): their
+        reads move blocks up the LRU and count as hits and misses, and the slots held
+        for their pins are freed once no client names them."""
+        sh = self.shared
+        if sh is None:
+            return
+        for s, g in sh.drain():
+            if s < 0:  # a count of misses
+                self.counters.misses += min(g, 1 << 16)
+            elif s < self.nslots and self.gen[s] == g and self.state[s] == READY:
+                self.counters.hits += 1
+                if not self.pins[s] and not self.lst[s] & 1:
+                    self._unlink(s)
+                    self._link(s)
+        sh.reap(self.release)
+
     def make_oldest(self, ns: str, key: bytes) -> bool:
         """Move an evictable, unpinned block to the evicting end of its LRU list."""
         s = self._find(ns, key)
@@ -447,6 +468,8 @@ class DramTier(SlotIndex):
             self.counters.puts += 1
             if self.pins[s] == 0:
                 self._link(s)
+            if self.shared is not None:
+                self.shared.publish(s, b.gen, b.ns, b.key, self.off[s], self.size[s], self.csum[s])
         elif st == DOOMED and self.pins[s] == 0:
             self._free(s)
 
@@ -536,6 +559,8 @@ class DramTier(SlotIndex):
         return i
 
     def _unindex(self, s: int) -> None:
+        if self.shared is not None:
+            self.shared.withdraw(s)
         self.index_delete(s)
         nsid = self.nsid[s]
         self._ns_live[nsid] -= 1
@@ -590,6 +615,14 @@ class DramTier(SlotIndex):
         """Take a ready block out of the index and LRU; free now or on the last release."""
         self._unindex(s)
         self.keys -= 1
+        sh = self.shared
+        if sh is not None and sh.hazarded(s, self.gen[s]):
+            # A same-host client pinned it through the index before the withdrawal:
+            # the tier holds it (a pin of its own) until the client lets go.
+            if not self.pins[s]:
+                self._unlink(s)
+            self.pins[s] += 1
+            sh.hold(self._handle(s, "", b""))
         if self.pins[s]:
             self.state[s] = DOOMED
         else:
@@ -614,6 +647,14 @@ class DramTier(SlotIndex):
             self.empty_slabs.add(slab)
 
     def _evict(self, s: int) -> None:
+        sh = self.shared
+        if sh is not None and sh.hazarded(s, self.gen[s]):
+            # Pinned by a same-host client through the index: kept like a reader's
+            # pin (off the LRU) until the client lets go; the caller looks further.
+            self._unlink(s)
+            self.pins[s] = 1
+            sh.hold(self._handle(s))
+            return
         if self._on_evict is not None:
             self._on_evict(self._handle(s))
         self._drop(s)
@@ -641,9 +682,15 @@ class DramTier(SlotIndex):
         return self.slab_nslots[slab] - self.slab_nfree[slab] == self.slab_evictable[slab]
 
     def _alloc(self, c: int) -> int:
-        s = self._take(c)
-        if s >= 0:
-            return s
+        while True:  # each round frees a slot or a slab, or raises
+            s = self._take(c)
+            if s >= 0:
+                return s
+            self._make_room(c)
+
+    def _make_room(self, c: int) -> None:
+        """Free a slot of class ``c``, or a slab it can take (ResourceExhausted if none
+        can be: every block that could make room is pinned or being written)."""
         if self.free_slabs:
             self._assign(self.free_slabs.pop(), c)
         elif self.empty_slabs:  # an emptied slab of another class: no eviction
@@ -672,7 +719,6 @@ class DramTier(SlotIndex):
                         "make room is pinned or being written"
                     )
                 self._move(slab, c)
-        return self._take(c)
 
     def _any_movable_slab(self, c: int) -> int:
         """A slab of another class whose blocks are all evictable (fewest blocks), or -1."""
@@ -739,6 +785,8 @@ class DramTier(SlotIndex):
         for s in ids.tolist():
             if self.state[s] == READY:
                 self._evict(s)
+        if self.slab_nfree[slab] != self.slab_nslots[slab]:
+            return  # a client holds a block of it (tiers.shared): the slab stays
         self._unassign(slab)
         self._assign(slab, to)
         self.counters.slab_moves += 1

@@ -20,8 +20,11 @@ import errno
 import glob
 import logging
 import os
+import selectors
 import socket
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore_client import wire
@@ -38,6 +41,7 @@ from ..requests import Holder, RequestCore, put_status
 from ..store import BlockStore
 from ..storerecords import Reading
 from ..tiers.blocks import Block
+from ..tiers.shared import SharedIndex
 from .frames import Buffers, Refused, ok_answer, refusing
 
 Bytes = bytes | bytearray | memoryview
@@ -50,12 +54,22 @@ class ArenaShare:
 
     The socket file is ``DIR/kvstore-PID-ID.sock`` with mode 0600 (the worker's user
     only; the peer's uid is checked again with SO_PEERCRED). Each connection gets one
-    message, ``wire.SHM_HELLO`` (magic, arena id, size), with the descriptor attached,
-    and is closed. :meth:`close` removes the socket file.
+    message, ``wire.SHM_HELLO`` (magic, arena id, size), with the descriptors
+    attached: the arena, and once :meth:`attach` gave it the same-host index
+    (:mod:`kvstore.worker.tiers.shared`), the index (read-only) and a hazard page of
+    the client's own. The connection then stays open: it is how the worker learns
+    the client is gone (its end closes with its process), and drops its page, which
+    releases whatever it pinned. The same thread runs the index's upkeep every
+    ``UPKEEP`` seconds. :meth:`close` removes the socket file.
     """
+
+    UPKEEP = 0.02
+    MAX_CLIENTS = 1024  # more get the arena alone (no index, no pins of their own)
 
     def __init__(self, arena: Arena, directory: str) -> None:
         self.arena = arena
+        self.index: SharedIndex | None = None
+        self._upkeep: Callable[[], None] | None = None
         sweep_stale(directory)
         self.path = os.path.join(directory, f"{SHM_PREFIX}{os.getpid()}-{arena.id}.sock")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -69,35 +83,89 @@ class ArenaShare:
             os.umask(old)
         os.chmod(self.path, 0o600)
         self._sock.listen(64)
+        self._sock.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._sock, selectors.EVENT_READ, None)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="shm-share", daemon=True)
         self._thread.start()
 
+    def attach(self, index: SharedIndex, upkeep: Callable[[], None]) -> None:
+        """Hand ``index`` to clients from now on; ``upkeep`` (the store's, under its
+        lock) runs on this thread every UPKEEP seconds and when a client leaves."""
+        self._upkeep = upkeep
+        self.index = index
+
     def _loop(self) -> None:
         hello = wire.encode_shm_hello(self.arena.id, self.arena.size)
         me = os.getuid()
+        next_upkeep = 0.0
         while not self._stopping.is_set():
             try:
-                conn, _ = self._sock.accept()
+                ready = self._sel.select(self.UPKEEP)
             except OSError:
                 if self._stopping.is_set():
                     return
-                self._stopping.wait(0.05)
-                continue
-            try:
-                conn.settimeout(2.0)
-                cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-                uid = int.from_bytes(cred[4:8], "little")
-                if uid in (me, 0):
-                    socket.send_fds(conn, [hello], [self.arena.fd])
-            except (BrokenPipeError, ConnectionResetError) as e:
-                # A peer that only checked the socket is alive (another worker's
-                # sweep_stale at its start) and left: routine, not worth a log line.
-                log.debug("shm hand-over: the peer left first (%s)", e)
-            except Exception as e:  # one client must not stop the hand-over for others
-                log.warning("shm hand-over failed: %s", e)
-            finally:
+                raise
+            for key, _ in ready:
+                if key.data is None:
+                    self._accept(hello, me)
+                else:
+                    self._gone(key.fileobj, key.data)  # type: ignore[arg-type]
+            now = time.monotonic()
+            if self._upkeep is not None and now >= next_upkeep:
+                next_upkeep = now + self.UPKEEP
+                try:
+                    self._upkeep()
+                except Exception as e:  # the hand-over must go on
+                    log.warning("same-host index upkeep failed: %s", e)
+
+    def _accept(self, hello: bytes, me: int) -> None:
+        try:
+            conn, _ = self._sock.accept()
+        except OSError:
+            return
+        cid = 0
+        try:
+            conn.settimeout(2.0)
+            cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+            uid = int.from_bytes(cred[4:8], "little")
+            if uid not in (me, 0):
                 conn.close()
+                return
+            fds = [self.arena.fd]
+            index = self.index
+            if index is not None and len(index.pages) < self.MAX_CLIENTS:
+                cid, page = index.add_client()
+                fds += [index.ro_fd, page]
+            socket.send_fds(conn, [hello], fds)
+            if not cid:
+                conn.close()
+                return
+            conn.setblocking(False)
+            self._sel.register(conn, selectors.EVENT_READ, cid)
+        except (BrokenPipeError, ConnectionResetError) as e:
+            # A peer that only checked the socket is alive (another worker's
+            # sweep_stale at its start) and left: routine, not worth a log line.
+            log.debug("shm hand-over: the peer left first (%s)", e)
+            self._drop(conn, cid)
+        except Exception as e:  # one client must not stop the hand-over for others
+            log.warning("shm hand-over failed: %s", e)
+            self._drop(conn, cid)
+
+    def _gone(self, conn: socket.socket, cid: int) -> None:
+        """A client's connection is readable: it closed (or sent garbage, which
+        nothing asks for): either way it is done."""
+        with contextlib.suppress(OSError):
+            self._sel.unregister(conn)
+        self._drop(conn, cid)
+        if self._upkeep is not None:
+            self._upkeep()  # release what it held now, not at the next tick
+
+    def _drop(self, conn: socket.socket, cid: int) -> None:
+        if cid and self.index is not None:
+            self.index.drop_client(cid)
+        conn.close()
 
     def close(self) -> None:
         self._stopping.set()
@@ -107,6 +175,10 @@ class ArenaShare:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         self._thread.join(timeout=2)
+        for key in list(self._sel.get_map().values()):
+            if key.data:
+                self._drop(key.fileobj, key.data)  # type: ignore[arg-type]
+        self._sel.close()
 
 
 def sweep_stale(directory: str) -> int:

@@ -1,0 +1,263 @@
+"""The same-host index: a worker's DRAM index mirrored in shared memory, and the
+hazard page through which one client pins slots without a round trip.
+
+A worker that hands its arena to a same-host client (see :mod:`.shm`) hands over two
+more descriptors with it:
+
+- **the index** (mapped read-only here; the worker seals it against new writable
+  mappings): a header, then ``nbuckets`` buckets of ``WAYS`` entries of 64 bytes, one
+  per ready DRAM block: its key, namespace tag, slot id and generation, arena offset,
+  size and xxh3-64. Each entry is a seqlock: the worker makes ``seq`` odd, writes,
+  makes it even again. A bucket whose ways are all taken counts its extra blocks in
+  an overflow word; a key missing from a bucket with overflow (or from a worker with
+  an SSD tier) is "unsure" and asked for over the socket.
+- **the client's hazard page** (read-write, this client's alone): ``NHAZ`` hazard
+  words and a ring of ``NRING`` touched-slot words. To pin slot ``s`` of generation
+  ``g`` the client writes ``(s + 1) << 32 | g`` into a hazard word, fences, and
+  re-reads the entry: if its ``seq`` is unchanged the block is pinned. The worker
+  withdraws an entry (seq bump), fences, and only then checks every hazard page
+  before it frees or reuses the slot; a hazarded slot is held until no page names it
+  (hazard pointers: one of the two always sees the other). A client that scribbles
+  on its page can only hold slots (at most ``NHAZ``) or lose its own pins; the page
+  goes away with the client's hand-over connection, so a dead client's pins are
+  reclaimed.
+
+Reads through the index are still verified by the reader against the entry's xxh3-64.
+Layout and hashing live here, shared by the worker (writer) and clients (readers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import struct
+import threading
+from dataclasses import dataclass
+
+import atomicshm  # the fences and atomic words of the hazard protocol
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+MAGIC = 0x31584449564B  # "KVIDX1"
+VERSION = 1
+WAYS = 8
+HEADER = struct.Struct("<QIIQQII")  # magic, version, ways, nbuckets, seed, tag, flags
+HEADER_BYTES = 64
+FLAG_SSD = 1  # the worker has an SSD tier: a DRAM miss is not a miss
+MIX = 0x9E3779B97F4A7C15
+M64 = (1 << 64) - 1
+
+ENTRY = np.dtype(
+    [
+        ("seq", "<u4"),
+        ("gen", "<u4"),
+        ("lx", "<u8"),  # the key's first 8 bytes xor the namespace tag
+        ("hi", "<u8"),
+        ("ns", "<u8"),
+        ("off", "<u8"),
+        ("size", "<u4"),
+        ("slot", "<u4"),
+        ("sum", "<u8"),
+        ("live", "<u8"),
+    ]
+)
+# The same entry as eight little-endian 64-bit words (how probes read it).
+W_SEQGEN, W_LX, W_HI, W_NS, W_OFF, W_SIZESLOT, W_SUM, W_LIVE = range(8)
+assert ENTRY.itemsize == 64
+
+# The hazard page: count (high-water mark of hazard words in use), ring head, then
+# NHAZ hazard words, then NRING ring words.
+NHAZ = 8192
+NRING = 4096
+PAGE_HEADER = 64
+HAZ_AT = PAGE_HEADER
+RING_AT = HAZ_AT + 8 * NHAZ
+PAGE_BYTES = RING_AT + 8 * NRING
+
+U64 = npt.NDArray[np.uint64]
+
+
+def index_bytes(nbuckets: int) -> int:
+    """Size of an index of ``nbuckets`` buckets (entries, then overflow words)."""
+    return HEADER_BYTES + nbuckets * WAYS * ENTRY.itemsize + 4 * nbuckets
+
+
+def ns_tag(ns: str | bytes, seed: int) -> int:
+    """A namespace's 64-bit tag in an index drawn with ``seed`` (never 0)."""
+    raw = ns.encode() if isinstance(ns, str) else ns
+    return xxhash.xxh3_64_intdigest(raw, seed) | 1
+
+
+def bucket_of(lx: int, bits: int) -> int:
+    """The bucket of a key whose first 8 bytes, read little-endian and xor the
+    namespace tag, are ``lx``."""
+    return ((lx * MIX) & M64) >> (64 - bits)
+
+
+def buckets_of(lx: U64, bits: int) -> npt.NDArray[np.int64]:
+    """:func:`bucket_of` for many keys at once."""
+    with np.errstate(over="ignore"):
+        mixed = lx * np.uint64(MIX)
+    return (mixed >> np.uint64(64 - bits)).astype(np.int64)
+
+
+def hazard_word(slot: int, gen: int) -> int:
+    return ((slot + 1) << 32) | gen
+
+
+@dataclass(slots=True)
+class Probe:
+    """What a probe of many keys found: per key ``found`` (a ready entry), ``unsure``
+    (not found, but the worker may hold it: ask it), and per key the entry's eight
+    words as read (``words``, meaningful where found) with its position (``pos``,
+    for the re-check)."""
+
+    found: npt.NDArray[np.bool_]
+    unsure: npt.NDArray[np.bool_]
+    words: U64
+    pos: npt.NDArray[np.int64]
+
+    def slots(self, rows: npt.NDArray[np.int64]) -> U64:
+        """Hazard words, ``(slot + 1) << 32 | gen``, of the entries at ``rows``."""
+        w = self.words[rows]
+        slot = (w[:, W_SIZESLOT] >> np.uint64(32)) + np.uint64(1)
+        out: U64 = (slot << np.uint64(32)) | (w[:, W_SEQGEN] >> np.uint64(32))
+        return out
+
+
+class IndexView:
+    """A client's read-only view of a worker's index (see the module docstring)."""
+
+    def __init__(self, fd: int, size: int, tag: int) -> None:
+        self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        magic, version, ways, nbuckets, seed, itag, flags = HEADER.unpack_from(self._mm, 0)
+        if magic != MAGIC or version != VERSION or ways != WAYS or itag != tag:
+            raise ValueError("not a kvstore index of this arena")
+        if nbuckets <= 0 or nbuckets & (nbuckets - 1) or index_bytes(nbuckets) != size:
+            raise ValueError("index size does not match its header")
+        self.nbuckets = nbuckets
+        self.bits = nbuckets.bit_length() - 1
+        self.seed = seed
+        self.ssd = bool(flags & FLAG_SSD)
+        raw = np.frombuffer(self._mm, dtype=np.uint8)
+        end = HEADER_BYTES + nbuckets * WAYS * ENTRY.itemsize
+        self.words: U64 = raw[HEADER_BYTES:end].view("<u8").reshape(-1, 8)
+        self.lx = self.words[:, W_LX].reshape(nbuckets, WAYS)  # a strided view
+        self.overflow = raw[end : end + 4 * nbuckets].view("<u4")
+        self._tags: dict[bytes, int] = {}
+
+    def tag(self, ns: bytes) -> int:
+        t = self._tags.get(ns)
+        if t is None:
+            t = self._tags[ns] = ns_tag(ns, self.seed)
+        return t
+
+    def probe(self, ns: bytes, packed: bytes) -> Probe:
+        """Look ``packed`` (16 bytes a key) up: each key's bucket is gathered as one
+        word per way (key xor tag), then only the matching way's entry."""
+        q = np.frombuffer(packed, dtype="<u8").reshape(-1, 2)
+        tag = np.uint64(self.tag(ns))
+        lx = q[:, 0] ^ tag
+        b = buckets_of(lx, self.bits)
+        m = self.lx[b] == lx[:, None]
+        pos = b * WAYS + m.argmax(axis=1)
+        w = self.words[pos]
+        found = m.any(axis=1)
+        found &= w[:, W_HI] == q[:, 1]
+        found &= w[:, W_NS] == tag
+        found &= w[:, W_LIVE] == 1
+        found &= (w[:, W_SEQGEN] & np.uint64(1)) == 0
+        unsure = ~found
+        if not self.ssd:
+            unsure &= self.overflow[b] > 0
+        return Probe(found, unsure, w, pos)
+
+    def still(self, probe: Probe, rows: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+        """Which of the entries at ``rows`` are unchanged since the probe read them
+        (same seq and generation, still live: the same block)."""
+        now = self.words[probe.pos[rows]]
+        then = probe.words[rows]
+        same: npt.NDArray[np.bool_] = (now[:, W_SEQGEN] == then[:, W_SEQGEN]) & (
+            now[:, W_LIVE] == 1
+        )
+        return same
+
+    def close(self) -> None:
+        self.words = np.empty((0, 8), dtype="<u8")
+        self.lx = self.words[:, W_LX].reshape(0, WAYS)
+        self.overflow = np.empty(0, dtype="<u4")
+        with contextlib.suppress(BufferError):  # a view is still alive: the GC unmaps it
+            self._mm.close()
+
+
+class HazardPage:
+    """This client's hazard page (read-write, its own): ranges of hazard words for
+    pins, and the ring of touched slots the worker drains (LRU order, hit counts).
+    Thread-safe: a lock hands out ranges; each range belongs to one caller."""
+
+    def __init__(self, fd: int) -> None:
+        self._mm = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        raw = np.frombuffer(self._mm, dtype=np.uint8)
+        self.haz = raw[HAZ_AT:RING_AT].view("<u8")
+        self.ring = raw[RING_AT:PAGE_BYTES].view("<u8")
+        self._atomic = atomicshm.AtomicView(self._mm)
+        self._lock = threading.Lock()
+        self._free: list[tuple[int, int]] = [(0, NHAZ)]  # (start, length), by start
+        self._high = 0
+        self._head = 0
+
+    def take(self, n: int) -> int:
+        """The start of ``n`` free hazard words, or -1 (then use the socket path)."""
+        with self._lock:
+            for i, (a, k) in enumerate(self._free):
+                if k >= n:
+                    if k == n:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (a + n, k - n)
+                    if a + n > self._high:
+                        self._high = a + n
+                        self._atomic.store_u64(0, self._high)
+                    return a
+        return -1
+
+    def publish(self, start: int, words: U64) -> None:
+        """Write hazard words at ``start`` and fence: loads after this see them
+        ordered after the stores (the worker's check and our re-check agree)."""
+        self.haz[start : start + len(words)] = words
+        atomicshm.fence(atomicshm.SEQ_CST)
+
+    def give(self, start: int, n: int) -> None:
+        """Clear and give back a range taken by :meth:`take`."""
+        self.haz[start : start + n] = 0
+        with self._lock:
+            free = self._free
+            free.append((start, n))
+            free.sort()
+            merged: list[tuple[int, int]] = []
+            for a, k in free:
+                if merged and merged[-1][0] + merged[-1][1] == a:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + k)
+                else:
+                    merged.append((a, k))
+            self._free = merged
+
+    def touched(self, words: U64) -> None:
+        """Log reads for the worker (it moves them up its LRU and counts the hits)."""
+        with self._lock:
+            h = self._head
+            n = min(len(words), NRING)
+            words = words[-n:]
+            at = h % NRING
+            first = min(n, NRING - at)
+            self.ring[at : at + first] = words[:first]
+            self.ring[: n - first] = words[first:]
+            self._head = h + n
+            self._atomic.store_u64(8, self._head)
+
+    def close(self) -> None:
+        self._atomic.close()
+        self.haz = self.ring = np.empty(0, dtype="<u8")
+        with contextlib.suppress(BufferError):
+            self._mm.close()

@@ -1,0 +1,229 @@
+"""The same-host path with no round trip: lookups, reads and pins through a worker's
+shared index (:mod:`.shmindex`) and its mapped arena.
+
+Each function answers what the index can answer alone and says which keys it could
+not (the caller asks the worker for those over the socket, as before):
+
+- :func:`prefix` - the leading run of present keys (no pin: a lookup is a hint);
+- :func:`read` - copies out of the arena under hazard pins, each block verified
+  against its xxh3-64 in the caller's buffer (a mismatch is a miss);
+- :func:`pin` - hazard pins held until the lease is released, each slot verified.
+
+A key the index does not hold is a miss unless it is "unsure" (a full bucket, or a
+worker with an SSD tier): those are left to the socket path, like keys whose entry
+changed between the probe and the pin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from .shmindex import W_OFF, W_SIZESLOT, W_SUM, HazardPage, IndexView, Probe
+
+# Parts below this size are copied by memoryview slice assignment (less per-call
+# overhead than numpy); larger ones by numpy.copyto, which ran 3-4x faster than
+# memoryview assignment for 128 KiB-1 MiB copies on the development VM.
+SMALL_PART = 64 << 10
+
+Bounce = Callable[[int], tuple[np.ndarray, memoryview]]
+
+
+@dataclass(slots=True)
+class Local:
+    """What a same-host client holds of one worker: its arena mapped read-write
+    (``src`` / ``mv``), its index read-only, and this client's hazard page."""
+
+    src: np.ndarray
+    mv: memoryview
+    index: IndexView
+    hazards: HazardPage
+
+
+def prefix(loc: Local, ns: bytes, packed: bytes) -> int | None:
+    """How many of the keys lead as present, or None when the first key the index
+    lacks might still be held by the worker (ask it)."""
+    p = loc.index.probe(ns, packed)
+    miss = np.flatnonzero(~p.found)
+    if not len(miss):
+        return len(p.found)
+    first = int(miss[0])
+    return None if p.unsure[first] else first
+
+
+def exists(loc: Local, ns: bytes, packed: bytes) -> npt.NDArray[np.bool_] | None:
+    """Per key, present; None if some key is unsure (ask the worker for all)."""
+    p = loc.index.probe(ns, packed)
+    return None if p.unsure.any() else p.found
+
+
+@dataclass(slots=True)
+class _Pinned:
+    """Keys pinned through the index: ``rows`` (indices into the batch) whose
+    entries held still after the pin, their (offset, size, checksum, hazard word)
+    columns, and the hazard range."""
+
+    rows: npt.NDArray[np.int64]
+    cols: list[tuple[int, int, int, int]]
+    start: int
+    count: int
+
+
+def _pin(loc: Local, p: Probe) -> _Pinned | None:
+    rows = np.flatnonzero(p.found)
+    if not len(rows):
+        return _Pinned(rows, [], 0, 0)
+    start = loc.hazards.take(len(rows))
+    if start < 0:
+        return None  # no hazard words free: the socket path
+    words = p.slots(rows)
+    loc.hazards.publish(start, words)
+    still = loc.index.still(p, rows)
+    rows, words = rows[still], words[still]
+    w = p.words[rows]
+    cols = list(
+        zip(
+            w[:, W_OFF].tolist(),
+            (w[:, W_SIZESLOT] & np.uint64(0xFFFFFFFF)).tolist(),
+            w[:, W_SUM].tolist(),
+            words.tolist(),
+            strict=True,
+        )
+    )
+    return _Pinned(rows, cols, start, len(still))
+
+
+def _log(loc: Local, pinned: _Pinned, got: Sequence[bool], misses: int) -> None:
+    """Tell the worker what was read (hits move up its LRU) and missed."""
+    words = [c[3] for c, ok in zip(pinned.cols, got, strict=True) if ok]
+    if misses:
+        words.append(misses)
+    if words:
+        loc.hazards.touched(np.array(words, dtype=np.uint64))
+
+
+def read(
+    loc: Local,
+    ns: bytes,
+    packed: bytes,
+    buffers: Sequence[memoryview | list[memoryview]] | None,
+    sizes: Sequence[int],
+    found: list[bool],
+    values: list[bytearray | None],
+    bounce: Bounce,
+) -> tuple[list[int], int]:
+    """Read what the index holds into ``buffers`` (or new ``values``), marking
+    ``found``; returns (the indices left for the socket path, payload bytes read)."""
+    p = loc.index.probe(ns, packed)
+    pinned = _pin(loc, p)
+    if pinned is None:
+        return list(range(len(p.found))), 0
+    try:
+        done = np.zeros(len(p.found), dtype=bool)
+        done[pinned.rows] = True
+        total = 0
+        got: list[bool] = []
+        src, mv = loc.src, loc.mv
+        limit = len(src)
+        for i, (off, size, checksum, _) in zip(pinned.rows.tolist(), pinned.cols, strict=True):
+            out = buffers[i] if buffers is not None else None
+            ok = off + size <= limit and copy_block(
+                src, mv, off, size, checksum, out, sizes[i] if sizes else size, bounce
+            )
+            if ok and out is None:
+                values[i] = bytearray(mv[off : off + size])
+                ok = xxhash.xxh3_64_intdigest(values[i]) == checksum
+                if not ok:
+                    values[i] = None
+            found[i] = ok
+            got.append(ok)
+            total += size if ok else 0
+    finally:
+        loc.hazards.give(pinned.start, pinned.count)
+    sure_miss = ~p.found & ~p.unsure
+    _log(loc, pinned, got, int(sure_miss.sum()))
+    left = np.flatnonzero(~done & ~sure_miss)
+    return left.tolist(), total
+
+
+def copy_block(
+    src: np.ndarray,
+    mv: memoryview,
+    off: int,
+    size: int,
+    checksum: int,
+    out: memoryview | list[memoryview] | None,
+    want: int,
+    bounce: Bounce,
+) -> bool:
+    """Copy one arena block into ``out`` and verify what landed there (True: a hit).
+    ``out`` None checks nothing here (the caller copies and verifies)."""
+    digest = xxhash.xxh3_64_intdigest
+    if out is None:
+        return True
+    if want != size:
+        return False
+    if isinstance(out, list):
+        if len(out) == 1:
+            np.copyto(np.frombuffer(out[0], dtype=np.uint8), src[off : off + size])
+            return digest(out[0]) == checksum
+        # Many parts: one large copy into this thread's private bounce buffer, verify
+        # it there, then scatter it from cache into the parts. Copies of under ~512 KiB
+        # out of the (4 KiB-page) arena ran at a third of the speed of one large copy
+        # (docs/BENCHMARKS.md); nothing else can write the bounce buffer, so the parts
+        # get exactly the verified bytes.
+        arr, bv = bounce(size)
+        np.copyto(arr[:size], src[off : off + size])
+        if digest(bv[:size]) != checksum:
+            return False
+        at = 0
+        for part in out:
+            k = part.nbytes
+            part[:] = bv[at : at + k]
+            at += k
+        return True
+    if out.nbytes != size:
+        return False
+    if size < SMALL_PART:
+        out[:] = mv[off : off + size]
+    else:
+        np.copyto(np.frombuffer(out, dtype=np.uint8), src[off : off + size])
+    return digest(out) == checksum
+
+
+def pin(
+    loc: Local, ns: bytes, packed: bytes
+) -> tuple[list[memoryview | None], list[int], Callable[[], None]]:
+    """Pin what the index holds: (per key the verified slot view or None, the
+    indices left for the socket path, the release)."""
+    p = loc.index.probe(ns, packed)
+    n = len(p.found)
+    pinned = _pin(loc, p)
+    if pinned is None:
+        return [None] * n, list(range(n)), lambda: None
+    views: list[memoryview | None] = [None] * n
+    done = np.zeros(n, dtype=bool)
+    done[pinned.rows] = True
+    mv = loc.mv
+    got: list[bool] = []
+    digest = xxhash.xxh3_64_intdigest
+    for i, (off, size, checksum, _) in zip(pinned.rows.tolist(), pinned.cols, strict=True):
+        ok = off + size <= len(mv) and digest(mv[off : off + size]) == checksum
+        if ok:
+            views[i] = mv[off : off + size]
+        got.append(ok)
+    sure_miss = ~p.found & ~p.unsure
+    _log(loc, pinned, got, int(sure_miss.sum()))
+    hazards, start, count = loc.hazards, pinned.start, pinned.count
+
+    def release() -> None:
+        hazards.give(start, count)
+
+    return views, np.flatnonzero(~done & ~sure_miss).tolist(), release
+
+
+__all__ = ["Local", "copy_block", "exists", "pin", "prefix", "read"]

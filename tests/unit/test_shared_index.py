@@ -1,0 +1,212 @@
+"""The same-host index without processes: the DRAM tier mirrors its ready blocks into
+the shared index, a client (the real reader and hazard page, over the same memfds)
+probes and pins them, and the tier honours the pins: it never frees or reuses a
+pinned slot, withdraws before it checks, and reclaims pins a client drops or scribbles."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvstore.worker.tiers.dram import DramTier
+from kvstore.worker.tiers.shared import SharedIndex
+from kvstore_client.transport import shmindex
+from kvstore_client.transport.shmindex import NHAZ, HazardPage, IndexView
+
+MiB = 1 << 20
+NS = "ns/a"
+SIZE = 64 << 10
+
+
+def key(i: int) -> bytes:
+    return xxhash.xxh3_128_digest(f"k{i}".encode())
+
+
+class Rig:
+    """A tier with its shared index, and one client's view of it."""
+
+    def __init__(self, capacity: int = 4 * MiB, *, ssd: bool = False) -> None:
+        self.tier = DramTier(capacity, 1 * MiB)
+        self.index = SharedIndex(self.tier.capacity, 0x1234, ssd=ssd)
+        self.tier.shared = self.index
+        self.view = IndexView(self.index.ro_fd, self.index.size, 0x1234)
+        self.cid, fd = self.index.add_client()
+        self.page = HazardPage(fd)
+
+    def put(self, i: int, ns: str = NS) -> int:
+        b = self.tier.reserve(ns, key(i), SIZE, i)
+        assert b is not None
+        self.tier.commit(b)
+        return b.offset
+
+    def probe(self, keys: list[bytes], ns: str = NS) -> shmindex.Probe:
+        return self.view.probe(ns.encode(), b"".join(keys))
+
+    def pin(self, keys: list[bytes]) -> int:
+        """Pin every key (all must be found and still); the hazard range's start."""
+        p = self.probe(keys)
+        assert p.found.all()
+        rows = np.arange(len(keys))
+        start = self.page.take(len(keys))
+        self.page.publish(start, p.slots(rows))
+        assert self.view.still(p, rows).all()
+        return start
+
+    def upkeep(self) -> None:
+        self.tier.shared_upkeep()
+
+    def close(self) -> None:
+        self.page.close()
+        self.view.close()
+        self.index.close()
+
+
+@pytest.fixture
+def rig() -> Rig:
+    r = Rig()
+    yield r  # type: ignore[misc]
+    r.close()
+
+
+def test_ready_blocks_are_mirrored_and_withdrawn(rig: Rig) -> None:
+    off = rig.put(1)
+    pending = rig.tier.reserve(NS, key(2), SIZE, 2)  # reserved, not committed
+    p = rig.probe([key(1), key(2), key(3)])
+    assert p.found.tolist() == [True, False, False]
+    assert p.unsure.tolist() == [False, False, False]  # no overflow, no SSD: misses
+    w = p.words[0]
+    assert int(w[shmindex.W_OFF]) == off and int(w[shmindex.W_SUM]) == 1
+    assert int(w[shmindex.W_SIZESLOT]) & 0xFFFFFFFF == SIZE
+    assert not rig.probe([key(1)], "ns/other").found[0]  # namespaces apart
+    assert pending is not None
+    rig.tier.commit(pending)
+    assert rig.probe([key(2)]).found[0]
+    rig.tier.remove(NS, key(1))
+    assert not rig.probe([key(1)]).found[0]
+
+
+def test_a_pinned_block_is_kept_through_eviction_until_released(rig: Rig) -> None:
+    rig.put(0)
+    start = rig.pin([key(0)])
+    for i in range(1, 200):  # four times the arena: key 0 is the oldest throughout
+        rig.put(i)
+    assert rig.tier.contains(NS, key(0))  # kept, as a reader's pin keeps a block
+    rig.page.give(start, 1)
+    rig.upkeep()
+    for i in range(200, 400):
+        rig.put(i)
+    assert not rig.tier.contains(NS, key(0))
+
+
+def test_a_removal_racing_a_pin_never_frees_the_slot_until_released(rig: Rig) -> None:
+    off = rig.put(0)
+    start = rig.pin([key(0)])
+    assert rig.tier.remove(NS, key(0))
+    assert not rig.probe([key(0)]).found[0]  # withdrawn for everyone else
+    offsets = [rig.put(i) for i in range(1, 200)]
+    assert off not in offsets  # the slot stayed out of reach while pinned
+    rig.page.give(start, 1)
+    rig.upkeep()
+    assert off in [rig.put(i) for i in range(200, 300)]  # and comes back after
+
+
+def test_a_pin_published_after_the_withdrawal_fails_its_recheck(rig: Rig) -> None:
+    rig.put(0)
+    p = rig.probe([key(0)])
+    rig.tier.remove(NS, key(0))  # between the client's probe and its pin
+    rows = np.arange(1)
+    start = rig.page.take(1)
+    rig.page.publish(start, p.slots(rows))
+    assert not rig.view.still(p, rows)[0]  # the client must not use it
+    rig.page.give(start, 1)
+
+
+def test_a_dead_clients_pins_are_reclaimed(rig: Rig) -> None:
+    rig.put(0)
+    rig.pin([key(0)])
+    for i in range(1, 100):
+        rig.put(i)
+    assert rig.tier.contains(NS, key(0))
+    rig.index.drop_client(rig.cid)  # its connection closed
+    rig.upkeep()
+    for i in range(100, 300):
+        rig.put(i)
+    assert not rig.tier.contains(NS, key(0))
+
+
+def test_a_scribbling_client_can_only_hold_slots_and_cannot_break_the_tier(rig: Rig) -> None:
+    offs = {rig.put(i): i for i in range(60)}
+    words = rig.probe([key(i) for i in range(60)]).slots(np.arange(60))
+    rng = np.random.default_rng(7)
+    page = rig.page
+    # Garbage everywhere: hazard words (some naming real slots), a wild count, a wild ring.
+    page.haz[:] = rng.integers(0, 2**63, NHAZ, dtype=np.uint64)
+    page.haz[:30] = words[:30]
+    struct.pack_into("<QQ", page._mm, 0, 2**64 - 1, 2**63)  # count and ring head
+    page.ring[:] = rng.integers(0, 2**63, len(page.ring), dtype=np.uint64)
+    for r in range(5):
+        rig.upkeep()
+        for i in range(100 + 100 * r, 200 + 100 * r):
+            rig.put(i)
+    held = [k for k in range(60) if rig.tier.contains(NS, key(k))]
+    assert held == list(range(30))  # exactly what it named, nothing more
+    assert len(offs) == 60
+    page.haz[:] = 0
+    rig.upkeep()
+    for i in range(1000, 1200):
+        rig.put(i)
+    assert not any(rig.tier.contains(NS, key(k)) for k in range(60))
+
+
+def test_a_full_bucket_makes_its_misses_unsure_and_an_ssd_makes_every_miss_unsure() -> None:
+    rig = Rig(64 * MiB)
+    try:
+        tag = shmindex.ns_tag(NS, rig.index.seed)
+        # Keys that all land in bucket 0: more than its ways.
+        same: list[bytes] = []
+        n = 0
+        while len(same) < shmindex.WAYS + 2:
+            k = xxhash.xxh3_128_digest(os.urandom(8) + n.to_bytes(4, "little"))
+            n += 1
+            lo = int.from_bytes(k[:8], "little")
+            if shmindex.bucket_of(lo ^ tag, rig.index.bits) == 0:
+                same.append(k)
+        for i, k in enumerate(same):
+            b = rig.tier.reserve(NS, k, 64, i)
+            assert b is not None
+            rig.tier.commit(b)
+        p = rig.view.probe(NS.encode(), b"".join(same))
+        assert p.found.sum() == shmindex.WAYS
+        assert (p.unsure == ~p.found).all()  # overflowed: ask the worker
+        for k in same:
+            rig.tier.remove(NS, k)
+        assert int(rig.view.overflow[0]) == 0
+    finally:
+        rig.close()
+    ssd = Rig(ssd=True)
+    try:
+        assert ssd.probe([key(5)]).unsure[0]
+    finally:
+        ssd.close()
+
+
+def test_the_index_reaches_clients_read_only() -> None:
+    rig = Rig()
+    try:
+        with pytest.raises(PermissionError):
+            import mmap
+
+            mmap.mmap(rig.index.ro_fd, rig.index.size, mmap.MAP_SHARED)
+        # Reopening the memory read-write is refused too (sealed against new writers).
+        with pytest.raises(PermissionError):
+            fd = os.open(f"/proc/self/fd/{rig.index.ro_fd}", os.O_RDWR)
+            try:
+                mmap.mmap(fd, rig.index.size, mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+    finally:
+        rig.close()
