@@ -344,6 +344,12 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
 )
 @click.option("--ssd-sync/--no-ssd-sync", default=None, help="fsync every SSD commit [no].")
 @click.option(
+    "--share-arena/--no-share-arena",
+    default=None,
+    help="Hand the arena and its index to same-host clients (shm://); off: they use "
+    "tcp:// like remote ones [on].",
+)
+@click.option(
     "--promote",
     type=click.Choice(["always", "second-hit", "never"]),
     default=None,

@@ -108,6 +108,7 @@ class WorkerConfig:
     dram_size: int = _size("1GiB")
     max_value_size: int = _size("16MiB")  # also the slab size
     shm_dir: str = "/dev/shm"  # where the arena's hand-over socket lives (the arena is a memfd)
+    share_arena: bool = True  # hand the arena and index to same-host clients (shm://)
     huge_pages: int = _size("0")  # page size backing the arena (2MiB, 1GiB); 0: regular pages
     max_connections: int = 1024
     idle_timeout: float = _dur("300s")

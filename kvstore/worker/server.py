@@ -85,8 +85,10 @@ class Worker:
         # listeners or the hand-over socket behind: each is undone as it was made.
         undo = contextlib.ExitStack()
         try:
-            self.share = ArenaShare(self.arena, cfg.shm_dir)
-            undo.callback(_quietly, self.share.close)
+            self.share: ArenaShare | None = None
+            if cfg.share_arena:
+                self.share = ArenaShare(self.arena, cfg.shm_dir)
+                undo.callback(_quietly, self.share.close)
             self.store = BlockStore(
                 self.arena,
                 cfg.max_value_size,
@@ -118,7 +120,8 @@ class Worker:
             self.index = SharedIndex(self.store.tier.capacity, self.arena.tag, ssd=ssd is not None)
             undo.callback(_quietly, self.index.close)
             self.store.tier.shared = self.index  # the tier is empty: nothing to publish yet
-            self.share.attach(self.index, self._index_upkeep)
+            if self.share is not None:
+                self.share.attach(self.index, self._index_upkeep)
             self.events: KvEventPublisher | None = None
             if cfg.kv_events:
                 self.events = KvEventPublisher(
@@ -249,7 +252,7 @@ class Worker:
             grpc=ep.grpc,
             endpoints=[
                 ep.tcp,
-                shm_url(self.share.path, self.arena.id, self.arena.size),
+                *([shm_url(self.share.path, self.arena.id, self.arena.size)] if self.share else []),
                 *([ep.ucx] if ep.ucx else []),
             ],
             capacity_bytes=self.store.tier.capacity,
@@ -320,7 +323,8 @@ class Worker:
         finally:
             if self.events is not None:
                 self.events.close()
-            self.share.close()
+            if self.share is not None:
+                self.share.close()
             self.index.close()
             self.arena.close()
 
@@ -351,7 +355,7 @@ def run(cfg: WorkerConfig) -> int:
                 "grpc": ep.grpc,
                 "tcp": ep.tcp,
                 **({"ucx": ep.ucx} if ep.ucx else {}),
-                "arena": w.share.path,
+                **({"arena": w.share.path} if w.share else {}),
                 "pid": os.getpid(),
             }
         ),

@@ -11,8 +11,10 @@ three times in the run and reported with their spread. With ``--vs mooncake``,
 Mooncake Store over TCP moves the same part lists with ``batch_put_from_multi_buffers``
 / ``batch_get_into_multi_buffers`` in the same run.
 
-``--match-prefix``: ``match_prefix`` of a fully stored 1,000-block chain over 2 workers
-in a loop: p50 / p99 milliseconds per call.
+``--match-prefix``: ``match_prefix`` of a fully stored 1,000-block chain in a loop, p50 /
+p99 per call: one and two workers on this host (through their shared indexes, and over
+tcp:// for comparison), and two workers of which one does not share its arena
+(``--no-share-arena``: reached over tcp:// as a remote worker would be).
 """
 
 from __future__ import annotations
@@ -165,10 +167,12 @@ def _relative(out: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def lookup_point(cluster: LocalCluster, blocks: int = 1000, calls: int = 3000) -> dict[str, Any]:
+def lookup_point(
+    cluster: LocalCluster, blocks: int = 1000, calls: int = 3000, transport: str = "auto"
+) -> dict[str, Any]:
     """match_prefix of a stored ``blocks``-long chain over the cluster's workers."""
     keys = [os.urandom(16) for _ in range(blocks)]
-    with Client(cluster.address) as c:
+    with Client(cluster.address, transport=transport) as c:
         c.batch_put(NS, keys, [b"x" * 64] * blocks)
         for _ in range(200):  # warm connections
             c.match_prefix(NS, keys)
@@ -182,10 +186,33 @@ def lookup_point(cluster: LocalCluster, blocks: int = 1000, calls: int = 3000) -
     return {
         "blocks": blocks,
         "workers": len(cluster.worker_procs),
+        "transport": transport,
         "calls": calls,
         "p50_ms": float(np.percentile(lat, 50) * 1e3),
         "p99_ms": float(np.percentile(lat, 99) * 1e3),
     }
+
+
+def lookup_points(dram: str) -> list[dict[str, Any]]:
+    """The lookup cases: every worker on this host (its shared index: no round trip),
+    the same over tcp://, and two workers of which one does not share its arena (a
+    remote worker as the client sees it: tcp://)."""
+    out = []
+    for workers, shared in ((1, 1), (2, 2), (2, 1)):
+        with LocalCluster(workers=shared, dram_size=dram) as cluster:
+            if workers > shared:
+                cluster.add_worker("--no-share-arena")
+                cluster.wait_for_workers(workers)
+            for t in ("tcp", "auto") if workers == shared else ("auto",):
+                pt = lookup_point(cluster, transport=t)
+                if t == "tcp":
+                    pt["case"] = f"{workers} over tcp://"
+                elif workers == shared:
+                    pt["case"] = f"{workers} same-host"
+                else:
+                    pt["case"] = f"{shared} same-host + 1 remote"
+                out.append(pt)
+    return out
 
 
 def main(
@@ -196,10 +223,11 @@ def main(
     console = Console()
     result: dict[str, Any] = {"benchmark": "transfer-samehost", "load": os.getloadavg()}
     if match_prefix:
-        with LocalCluster(workers=2, dram_size=dram or "256MiB") as cluster:
-            lk = result["match_prefix"] = lookup_point(cluster)
-        console.print(f"match_prefix of {lk['blocks']} blocks over {lk['workers']} workers: "
-                      f"p50 {lk['p50_ms']:.3f} ms, p99 {lk['p99_ms']:.3f} ms")  # fmt: skip
+        lks = result["match_prefix"] = lookup_points(dram or "256MiB")
+        for lk in lks:
+            p50, p99 = lk["p50_ms"] * 1e3, lk["p99_ms"] * 1e3
+            console.print(f"match_prefix of {lk['blocks']} blocks, {lk['case']}: "
+                          f"p50 {p50:.0f} us, p99 {p99:.0f} us")  # fmt: skip
     if parts:
         # One worker, one client thread: a batch goes out in FRAME_BYTES frames at once.
         ceil = result["ceilings"] = ceilings_3x(total, -(-block * batch // FRAME_BYTES))

@@ -78,9 +78,19 @@ PAGE_BYTES = RING_AT + 8 * NRING
 U64 = npt.NDArray[np.uint64]
 
 
+def regions(nbuckets: int) -> tuple[slice, slice, slice]:
+    """Byte ranges of an index of ``nbuckets`` buckets after its header: the key words
+    (per bucket its WAYS ``lx`` words in one 64-byte line, so a probe reads one line
+    per key), the entries, and the per-bucket overflow counts."""
+    a = HEADER_BYTES
+    b = a + nbuckets * WAYS * 8
+    c = b + nbuckets * WAYS * ENTRY.itemsize
+    return slice(a, b), slice(b, c), slice(c, c + 4 * nbuckets)
+
+
 def index_bytes(nbuckets: int) -> int:
-    """Size of an index of ``nbuckets`` buckets (entries, then overflow words)."""
-    return HEADER_BYTES + nbuckets * WAYS * ENTRY.itemsize + 4 * nbuckets
+    """Size of an index of ``nbuckets`` buckets."""
+    return int(regions(nbuckets)[2].stop)
 
 
 def ns_tag(ns: str | bytes, seed: int) -> int:
@@ -99,7 +109,9 @@ def buckets_of(lx: U64, bits: int) -> npt.NDArray[np.int64]:
     """:func:`bucket_of` for many keys at once."""
     with np.errstate(over="ignore"):
         mixed = lx * np.uint64(MIX)
-    return (mixed >> np.uint64(64 - bits)).astype(np.int64)
+    mixed >>= np.uint64(64 - bits)
+    out: npt.NDArray[np.int64] = mixed.view(np.int64)  # below 2**bits: no copy
+    return out
 
 
 def hazard_word(slot: int, gen: int) -> int:
@@ -117,6 +129,12 @@ class Probe:
     unsure: npt.NDArray[np.bool_]
     words: U64
     pos: npt.NDArray[np.int64]
+
+    def stable(self, rows: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """The rows whose entry was read whole (an even seqlock: not mid-write)."""
+        even = (self.words[rows, W_SEQGEN] & np.uint64(1)) == 0
+        out: npt.NDArray[np.int64] = rows[even]
+        return out
 
     def slots(self, rows: npt.NDArray[np.int64]) -> U64:
         """Hazard words, ``(slot + 1) << 32 | gen``, of the entries at ``rows``."""
@@ -141,10 +159,10 @@ class IndexView:
         self.seed = seed
         self.ssd = bool(flags & FLAG_SSD)
         raw = np.frombuffer(self._mm, dtype=np.uint8)
-        end = HEADER_BYTES + nbuckets * WAYS * ENTRY.itemsize
-        self.words: U64 = raw[HEADER_BYTES:end].view("<u8").reshape(-1, 8)
-        self.lx = self.words[:, W_LX].reshape(nbuckets, WAYS)  # a strided view
-        self.overflow = raw[end : end + 4 * nbuckets].view("<u4")
+        keys, entries, over = regions(nbuckets)
+        self.lx: U64 = raw[keys].view("<u8").reshape(nbuckets, WAYS)
+        self.words: U64 = raw[entries].view("<u8").reshape(-1, 8)
+        self.overflow = raw[over].view("<u4")
         self._tags: dict[bytes, int] = {}
 
     def tag(self, ns: bytes) -> int:
@@ -160,17 +178,23 @@ class IndexView:
         tag = np.uint64(self.tag(ns))
         lx = q[:, 0] ^ tag
         b = buckets_of(lx, self.bits)
-        m = self.lx[b] == lx[:, None]
-        pos = b * WAYS + m.argmax(axis=1)
-        w = self.words[pos]
-        found = m.any(axis=1)
+        m = self.lx[b] == lx[:, None]  # one 64-byte line per key
+        way = m.argmax(axis=1)
+        pos = b * WAYS + way
+        w = self.words[pos]  # and the one entry it points at
+        # The entry must be the key's (the rest of the key, the namespace) and live.
+        # Its seqlock is checked where it matters, when a read pins it (Probe.stable):
+        # a lookup racing a change may go either way, as it would over the socket.
+        found = m[np.arange(len(b)), way]
         found &= w[:, W_HI] == q[:, 1]
         found &= w[:, W_NS] == tag
         found &= w[:, W_LIVE] == 1
-        found &= (w[:, W_SEQGEN] & np.uint64(1)) == 0
-        unsure = ~found
-        if not self.ssd:
-            unsure &= self.overflow[b] > 0
+        if found.all():
+            unsure = np.zeros(len(b), dtype=bool)
+        else:
+            unsure = ~found
+            if not self.ssd:
+                unsure &= self.overflow[b] > 0
         return Probe(found, unsure, w, pos)
 
     def still(self, probe: Probe, rows: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
@@ -185,7 +209,7 @@ class IndexView:
 
     def close(self) -> None:
         self.words = np.empty((0, 8), dtype="<u8")
-        self.lx = self.words[:, W_LX].reshape(0, WAYS)
+        self.lx = np.empty((0, WAYS), dtype="<u8")
         self.overflow = np.empty(0, dtype="<u4")
         with contextlib.suppress(BufferError):  # a view is still alive: the GC unmaps it
             self._mm.close()

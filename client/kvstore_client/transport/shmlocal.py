@@ -74,7 +74,7 @@ class _Pinned:
 
 
 def _pin(loc: Local, p: Probe) -> _Pinned | None:
-    rows = np.flatnonzero(p.found)
+    rows = p.stable(np.flatnonzero(p.found))  # entries mid-write: the socket path
     if not len(rows):
         return _Pinned(rows, [], 0, 0)
     start = loc.hazards.take(len(rows))

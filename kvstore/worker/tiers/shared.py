@@ -31,7 +31,6 @@ from kvstore_client.transport.shmindex import (
     FLAG_SSD,
     HAZ_AT,
     HEADER,
-    HEADER_BYTES,
     MAGIC,
     NHAZ,
     NRING,
@@ -43,6 +42,7 @@ from kvstore_client.transport.shmindex import (
     hazard_word,
     index_bytes,
     ns_tag,
+    regions,
 )
 
 log = logging.getLogger(__name__)
@@ -94,10 +94,12 @@ class SharedIndex:
             raise
         HEADER.pack_into(self._mm, 0, MAGIC, VERSION, WAYS, nb, self.seed, tag, FLAG_SSD * ssd)
         raw = np.frombuffer(self._mm, dtype=np.uint8)
-        end = HEADER_BYTES + nb * WAYS * ENTRY.itemsize
-        self.flat = raw[HEADER_BYTES:end].view(ENTRY)
+        keys, entries, over = regions(nb)
+        self.lx = raw[keys].view("<u8")
+        self._entries_at = entries.start
+        self.flat = raw[entries].view(ENTRY)
         self.live = self.flat["live"]
-        self.overflow = raw[end : end + 4 * nb].view("<u4")
+        self.overflow = raw[over].view("<u4")
         self._atomic = atomicshm.AtomicView(self._mm)
         self._where: dict[int, int] = {}  # slot -> entry position, or -(bucket + 1)
         self._tags: dict[str, int] = {}
@@ -131,12 +133,13 @@ class SharedIndex:
             self._where[slot] = -(b + 1)
             return
         p = b * WAYS + int(free[0])
-        at = HEADER_BYTES + p * ENTRY.itemsize
+        at = self._entries_at + p * ENTRY.itemsize
         e = self.flat[p]
         seq = int(e["seq"])
         self._atomic.store_u32(at, (seq + 1) & 0xFFFFFFFF)  # odd: being written
         self.flat[p] = (seq + 1, gen, lx, hi, t, off, size, slot, csum, 1)
         self._atomic.store_u32(at, (seq + 2) & 0xFFFFFFFF, atomicshm.RELEASE)
+        self.lx[p] = lx  # findable from now on (the entry is complete)
         self._where[slot] = p
         self.published += 1
 
@@ -150,10 +153,11 @@ class SharedIndex:
         if p < 0:
             self.overflow[-p - 1] -= 1
             return
-        at = HEADER_BYTES + p * ENTRY.itemsize
+        at = self._entries_at + p * ENTRY.itemsize
         seq = int(self.flat[p]["seq"])
         self._atomic.store_u32(at, (seq + 1) & 0xFFFFFFFF)
         self.live[p] = 0
+        self.lx[p] = 0
         self._atomic.store_u32(at, (seq + 2) & 0xFFFFFFFF)
         self.published -= 1
         atomicshm.fence(atomicshm.SEQ_CST)
