@@ -196,3 +196,32 @@ def test_a_client_without_the_index_still_reads_through_the_arena(
         via.arena.local = None  # as a client that took the arena alone
         assert c.batch_get(NS, keys) == [value_for(k, SIZE) for k in keys]
         assert c.match_prefix(NS, keys) == 10
+
+
+def test_many_threads_read_and_look_up_through_the_index_at_once(
+    make_cluster: MakeCluster,
+) -> None:
+    """Found by the transfer bench: the liveness check of the worker's link was a
+    poll object, which two threads may not use at once ("concurrent poll()")."""
+    cluster = make_cluster(workers=1, dram_size="8MiB", max_value_size="1MiB")
+    keys = [key(i, "threads") for i in range(32)]
+    errors: list[BaseException] = []
+    with Client(cluster.address, transport="shm") as c:
+        put_all(c, keys)
+        local_of(c)
+
+        def work() -> None:
+            try:
+                for _ in range(200):
+                    assert c.match_prefix(NS, keys) == 32
+                    got = c.batch_get(NS, keys[:4])
+                    assert got == [value_for(k, SIZE) for k in keys[:4]]
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=work) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors[0]

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import select
 import socket
 import stat
 import threading
@@ -97,7 +96,6 @@ class ShmArena:
         self.stale = False
         self.local: shmlocal.Local | None = None
         self._link: socket.socket | None = None
-        self._poll = select.poll()  # the link, once attached
 
     def attach(self, index_fd: int, page_fd: int, link: socket.socket) -> None:
         """Map the index (read-only) and the hazard page handed over on ``link``;
@@ -107,20 +105,24 @@ class ShmArena:
             raise ValueError("not an index and a hazard page")
         index = shmindex.IndexView(index_fd, st.st_size, self.tag)
         self.local = shmlocal.Local(self.array, self.view, index, shmindex.HazardPage(page_fd))
+        link.setblocking(False)
         self._link = link
-        self._poll.register(link, select.POLLIN | select.POLLHUP | select.POLLERR)
 
     def usable(self) -> shmlocal.Local | None:
         """The index and hazard page while the worker that handed them is alive (it
         sends nothing after the hand-over: anything readable on the link is its end
         closing). When it is gone the mapping is stale: calls go over tcp://."""
-        loc = self.local
-        if loc is None or self.stale:
+        loc, link = self.local, self._link
+        if loc is None or link is None or self.stale:
             return None
-        if self._poll.poll(0):
-            self.stale = True
-            return None
-        return loc
+        try:  # thread-safe and non-blocking: one syscall
+            link.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return loc  # nothing to read: the worker is there
+        except OSError:
+            pass
+        self.stale = True  # its end closed (or it broke the protocol)
+        return None
 
     def check(self, tag: int) -> None:
         """An answer's arena tag must be ours: else the worker restarted behind its
