@@ -297,7 +297,7 @@ class Client:
         result = [False] * len(hashes)
         if not groups:
             return result
-        sums = [wire.block_checksum(v) for v in views]
+        sums: list[int] = []  # computed once, only if a transfer needs them
         # A client that sends session hints marks its puts: its sessions' shares apply
         # to them. Puts of clients without hints are always admitted.
         flags = wire.FLAG_SESSION if self.session_writer or self._hints is not None else 0
@@ -308,8 +308,11 @@ class Client:
             for chunk in frames(idx, [sizes[i] for i in idx]):
                 hs = [hashes[i] for i in chunk]
                 vs = [views[i] for i in chunk]
-                cs = [sums[i] for i in chunk]
-                tasks.append(_bind(view.workers[w].via.put, self.timeout, nsb, hs, vs, cs, flags))
+                via = view.workers[w].via
+                if not via.local and not sums:
+                    sums = [wire.block_checksum(v) for v in views]
+                cs = [0] * len(chunk) if via.local else [sums[i] for i in chunk]
+                tasks.append(_bind(via.put, self.timeout, nsb, hs, vs, cs, flags))
                 parts.append(chunk)
             if k == len(groups) - 1:
                 primaries = len(tasks)

@@ -65,7 +65,6 @@ def test_a_read_releases_its_pins_before_it_returns(
         NS,
         keys,
         [memoryview(v) for v in values],
-        [shm.xxhash.xxh3_64_intdigest(v) for v in values],
     )
     assert status == bytes(len(keys))  # all PUT_STORED
     bufs = [memoryview(bytearray(SIZE)) for _ in keys]

@@ -46,7 +46,9 @@ class Transfer(Protocol):
     ) -> bytes:
         """Store blocks that are absent (a block may be a list of parts, sent as one
         value); one ``wire.PUT_*`` status byte per block. ``flags``: wire.FLAG_SESSION
-        when the caller sends session hints (its session's share applies)."""
+        when the caller sends session hints (its session's share applies).
+        ``checksums``: each block's xxh3-64; a :attr:`local` transfer takes them over
+        the bytes it copies and ignores these (callers pass zeros)."""
         ...
 
     def get(

@@ -362,31 +362,32 @@ def put(
     ns: bytes,
     hashes: Sequence[bytes],
     values: Sequence[memoryview | list[memoryview]],
-    checksums: Sequence[int],
     flags: int = 0,
 ) -> bytes:
     """Write blocks through the mapping; returns one wire.PUT_* status per block
-    (``flags``: wire.FLAG_SESSION or 0, on each PUT_LOC). A
-    block given as parts gets one copy per part into its slot. Pipelined: every
-    piece's PUT_LOC is sent at once; each piece is copied and committed as its slots
-    arrive, and the commit answers are read at the end."""
+    (``flags``: wire.FLAG_SESSION or 0, on each PUT_LOC). A block given as parts gets
+    one copy per part into its slot. The checksums are taken over the slots right
+    after the copy, while their bytes are in cache (FLAG_LATE_SUM: they travel with
+    the commit), so a put reads the caller's bytes once. Pipelined: every piece's
+    PUT_LOC is sent at once; each piece is copied and committed as its slots arrive,
+    and the commit answers are read at the end."""
     sizes = [wire.block_size(v) for v in values]
     cuts = pieces(sizes)
     sock = conn.sock
     reqs: list[int] = []
     out: list[bytes | bytearray | memoryview] = []
+    late = flags | wire.FLAG_LATE_SUM
     for a, b in cuts:
         conn._req += 1
         reqs.append(conn._req)
         entries = bytearray((b - a) * wire.PUT_ENTRY.size)
         for j in range(a, b):
-            wire.PUT_ENTRY.pack_into(
-                entries, (j - a) * wire.PUT_ENTRY.size, hashes[j], sizes[j], checksums[j]
-            )
-        out += [wire.encode_request_header(wire.OP_PUT_LOC, ns, b - a, conn._req, flags), entries]
+            wire.PUT_ENTRY.pack_into(entries, (j - a) * wire.PUT_ENTRY.size, hashes[j], sizes[j], 0)
+        out += [wire.encode_request_header(wire.OP_PUT_LOC, ns, b - a, conn._req, late), entries]
     wire.send_buffers(sock, out)
     dst = arena.array
     mv = arena.view
+    digest = xxhash.xxh3_64_intdigest
     all_locs: list[tuple[int, int]] = []
     for (a, b), req in zip(cuts, reqs, strict=True):
         h = conn._answer(wire.OP_PUT_LOC, req)
@@ -399,6 +400,7 @@ def put(
             raise
         locs = list(wire.PUT_LOC_ENTRY.iter_unpack(wire.recv_exact(sock, h.count * 16)))
         written = bytearray(h.count)
+        sums = bytearray(h.count * wire.SUMS.size)
         for j, (status, off) in enumerate(locs):
             if status != wire.PUT_LOC_SLOT:
                 continue
@@ -407,18 +409,22 @@ def put(
             if off + n > len(dst):
                 continue
             if isinstance(v, list):
+                at = off
                 for p in v:
                     k = p.nbytes
                     if k < SMALL_PART:
-                        mv[off : off + k] = p
+                        mv[at : at + k] = p
                     else:
-                        np.copyto(dst[off : off + k], _as_array(p))
-                    off += k
+                        np.copyto(dst[at : at + k], _as_array(p))
+                    at += k
             else:
                 np.copyto(dst[off : off + n], _as_array(v))
+            wire.SUMS.pack_into(sums, j * wire.SUMS.size, digest(mv[off : off + n]))
             written[j] = 1
-        commit = wire.encode_request_header(wire.OP_PUT_COMMIT, ns, h.count, req)
-        wire.send_buffers(sock, [commit, written])
+        commit = wire.encode_request_header(
+            wire.OP_PUT_COMMIT, ns, h.count, req, wire.FLAG_LATE_SUM
+        )
+        wire.send_buffers(sock, [commit, written, sums])
         all_locs += locs
     status = bytearray()
     for req in reqs:
@@ -589,14 +595,16 @@ class ShmTransfer(TcpTransfer):
         checksums: Sequence[int],
         flags: int = 0,
     ) -> bytes:
+        """``checksums`` are not used while the arena is mapped (they are taken over
+        the slots after the copy; a local client passes zeros); once it is stale they
+        are computed here for tcp://."""
         if self.arena.stale:
-            return super().put(timeout, ns, hashes, values, checksums, flags)
+            sums = [wire.block_checksum(v) for v in values]
+            return super().put(timeout, ns, hashes, values, sums, flags)
         vs = [v if isinstance(v, list | memoryview) else memoryview(v) for v in values]
         out = bytearray()
         for a, b in wire.runs([wire.block_size(v) for v in vs], self.put_limit):
-            out += self.pool.call(
-                timeout, put, self.arena, ns, hashes[a:b], vs[a:b], checksums[a:b], flags
-            )
+            out += self.pool.call(timeout, put, self.arena, ns, hashes[a:b], vs[a:b], flags)
         return bytes(out)
 
     def get(
