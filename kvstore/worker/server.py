@@ -120,7 +120,9 @@ class Worker:
             self.index = SharedIndex(self.store.tier.capacity, self.arena.tag, ssd=ssd is not None)
             undo.callback(_quietly, self.index.close)
             self.store.tier.shared = self.index  # the tier is empty: nothing to publish yet
-            if self.share is not None:
+            # With tenants every call is checked by the worker (token, namespace): the
+            # index, which would answer without it, is not handed over.
+            if self.share is not None and self.tenants is None:
                 self.share.attach(self.index, self._index_upkeep)
             self.events: KvEventPublisher | None = None
             if cfg.kv_events:

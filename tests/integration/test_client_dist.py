@@ -62,7 +62,7 @@ def test_wheel_holds_only_the_client_with_ranged_dependencies(wheel: Path) -> No
     requires = msg.get_all("Requires-Dist") or []  # type: ignore[attr-defined]
     base = [r for r in requires if "extra ==" not in r]
     assert {r.split(">")[0].split("<")[0].strip() for r in base} == {
-        "grpcio", "protobuf", "numpy", "xxhash",
+        "grpcio", "protobuf", "numpy", "xxhash", "atomicshm",
     }  # fmt: skip
     for r in requires:
         assert "==" not in r.split(";")[0], f"{r}: the client states ranges, never exact pins"

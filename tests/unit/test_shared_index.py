@@ -60,8 +60,6 @@ class Rig:
         self.tier.shared_upkeep()
 
     def close(self) -> None:
-        self.page.close()
-        self.view.close()
         self.index.close()
 
 
@@ -210,3 +208,16 @@ def test_the_index_reaches_clients_read_only() -> None:
                 os.close(fd)
     finally:
         rig.close()
+
+
+def test_reads_through_the_index_count_in_the_lru_before_the_next_eviction(rig: Rig) -> None:
+    """Found by the replay test: same-host reads reached the LRU only at the next
+    upkeep tick, so a put right after a read could evict what was just read."""
+    for i in range(64):  # the arena is full: 64 slots of 64 KiB
+        rig.put(i)
+    hits = rig.tier.counters.hits
+    words = rig.probe([key(0)]).slots(np.arange(1))
+    rig.page.touched(words)  # key 0 read through the index
+    rig.put(64)  # no upkeep in between: the eviction itself must apply the read first
+    assert rig.tier.contains(NS, key(0)) and not rig.tier.contains(NS, key(1))
+    assert rig.tier.counters.hits == hits + 1

@@ -4,14 +4,16 @@ source) and slots reserved to write into (a copy target). The leases are made by
 
 A GPU connector copies a hit straight from the arena slot into its KV cache by DMA
 (the mapping registered with ``cudaHostRegister``), with no host copy. For that the
-slot must stay put until the copy is done, so a pin is a lease:
-:func:`~.shm.pin` sends one GET_LOC on a connection it takes out of the pool, verifies
-each block's xxh3-64 over the slot itself (a mismatch is a miss), and returns the
-slot views; :meth:`ArenaPins.release` sends the RELEASE on that same connection and
-gives it back. Until then the worker never frees or reuses those slots; a client
-that dies, or closes its Client with a lease unreleased, closes the connection,
-which releases everything it held. Blocks the worker
-holds outside the arena (SSD hits) come inline: their views are private copies.
+slot must stay put until the copy is done, so a pin is a lease. Through the worker's
+same-host index (:mod:`.shmlocal`) a pin is hazard words in this client's page, with no
+round trip; :meth:`ArenaPins.release` clears them. Blocks the index cannot answer go
+the socket way: :func:`~.shm.pin` sends one GET_LOC on a connection it takes out of the
+pool and the release sends the RELEASE on that same connection. Either way each
+block's xxh3-64 is verified over the slot itself (a mismatch is a miss), the worker
+never frees or reuses a pinned slot until the release, and a client that dies, or
+closes its Client with a lease unreleased, gives back everything it held (its hazard
+page and its connections go with it). Blocks the worker holds outside the arena (SSD
+hits) come inline: their views are private copies.
 """
 
 from __future__ import annotations

@@ -9,14 +9,20 @@ never opens a path the map names: a forged or stale entry only ever falls back t
 tcp://. Every LOC answer carries the arena's tag; a mismatch (the worker restarted
 behind the same address) is an error for that call and the mapping is dropped.
 
-Then a get is one GET_LOC round trip for the locations, one numpy copy per block out
+With the arena the worker hands over its same-host index (read-only) and a hazard
+page of this client's own (:mod:`.shmindex`, :mod:`.shmlocal`): lookups, gets and pins
+of the blocks the index holds need no round trip at all; the hand-over connection
+stays open so each side learns when the other is gone. What the index cannot answer
+(SSD blocks, full buckets, entries that changed under the probe) goes the socket way:
+a get is one GET_LOC round trip for the locations, one numpy copy per block out
 of the mapping into the caller's buffer, whose bytes are then checked against the
 block's xxh3-64 (a mismatch is a miss), and a one-way RELEASE sent as soon as the
 copies are done, before the call returns: a client stopped right after a read (a
 debugger, a checkpoint, a GC pause) holds no pins. A block read into several parts is copied
 out of the mapping once, into a per-thread bounce buffer, verified there and scattered
 from cache. A single same-host worker's get runs on the caller's thread. A put is a
-PUT_LOC round trip for reserved slots, copies into them, and a PUT_COMMIT round trip.
+PUT_LOC round trip for reserved slots, copies into them (each slot's xxh3-64 taken
+right after its copy), and a PUT_COMMIT round trip.
 Control frames travel over the tcp:// connection (codec in kvstore_client.wire).
 """
 
@@ -45,13 +51,20 @@ SOCKET_PREFIX = "kvstore-"
 
 
 def host_id() -> str:
-    """This machine and boot: equal ids mean the same kernel, hence shared /dev/shm."""
+    """This machine, boot and network namespace: equal ids mean the same kernel (hence
+    shared /dev/shm) and the same network, so a worker that is cut off from this
+    process's network (another namespace: another host, as far as the cluster can
+    tell) is never read through shared memory behind the cut."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        net = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        net = 0
+    return f"{socket.gethostname()}/{boot}/{net}"
 
 
 def shm_url(path: str, arena_id: str = "", size: int = 0) -> str:
@@ -135,10 +148,9 @@ class ShmArena:
         if self._link is not None:
             self._link.close()  # the worker drops our hazard page: nothing stays pinned
             self._link = None
-        if self.local is not None:
-            self.local.index.close()
-            self.local.hazards.close()
-            self.local = None
+        # Calls in flight on other threads keep their Local (its mappings go with the
+        # last of them); new calls take the socket path.
+        self.local = None
         self.array = np.empty(0, dtype=np.uint8)
         with contextlib.suppress(BufferError):
             self.view.release()

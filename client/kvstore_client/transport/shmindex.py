@@ -28,7 +28,6 @@ Layout and hashing live here, shared by the worker (writer) and clients (readers
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import struct
 import threading
@@ -207,13 +206,6 @@ class IndexView:
         )
         return same
 
-    def close(self) -> None:
-        self.words = np.empty((0, 8), dtype="<u8")
-        self.lx = np.empty((0, WAYS), dtype="<u8")
-        self.overflow = np.empty(0, dtype="<u4")
-        with contextlib.suppress(BufferError):  # a view is still alive: the GC unmaps it
-            self._mm.close()
-
 
 class HazardPage:
     """This client's hazard page (read-write, its own): ranges of hazard words for
@@ -279,9 +271,3 @@ class HazardPage:
             self.ring[: n - first] = words[first:]
             self._head = h + n
             self._atomic.store_u64(8, self._head)
-
-    def close(self) -> None:
-        self._atomic.close()
-        self.haz = self.ring = np.empty(0, dtype="<u8")
-        with contextlib.suppress(BufferError):
-            self._mm.close()

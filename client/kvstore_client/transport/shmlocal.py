@@ -98,8 +98,10 @@ def _pin(loc: Local, p: Probe) -> _Pinned | None:
 
 
 def _log(loc: Local, pinned: _Pinned, got: Sequence[bool], misses: int) -> None:
-    """Tell the worker what was read (hits move up its LRU) and missed."""
-    words = [c[3] for c, ok in zip(pinned.cols, got, strict=True) if ok]
+    """Tell the worker what was read (hits move up its LRU) and missed. Logged last
+    block first, as the worker's own reads release them: a chain's head ends up the
+    most recently used."""
+    words = [c[3] for c, ok in zip(reversed(pinned.cols), reversed(got), strict=True) if ok]
     if misses:
         words.append(misses)
     if words:

@@ -691,6 +691,7 @@ class DramTier(SlotIndex):
     def _make_room(self, c: int) -> None:
         """Free a slot of class ``c``, or a slab it can take (ResourceExhausted if none
         can be: every block that could make room is pinned or being written)."""
+        self.shared_upkeep()  # same-host reads count in the LRU before anything goes
         if self.free_slabs:
             self._assign(self.free_slabs.pop(), c)
         elif self.empty_slabs:  # an emptied slab of another class: no eviction
