@@ -367,13 +367,20 @@ class LocalCluster:
         return {w.id for w in m.workers}
 
     def wait_for_workers(self, n: int, timeout: float = 20.0) -> None:
-        """Wait until the master's map lists exactly ``n`` workers."""
+        """Wait until the master's map lists exactly ``n`` workers (a master that does
+        not answer yet, e.g. one just restarted, is asked again until ``timeout``)."""
+        import grpc
+
         deadline = time.monotonic() + timeout
+        last = ""
         while time.monotonic() < deadline:
-            if len(self.live_worker_ids()) == n:
-                return
+            try:
+                if len(self.live_worker_ids()) == n:
+                    return
+            except grpc.RpcError as e:
+                last = f" (last answer: {e.code().name})"
             time.sleep(0.05)
-        raise StartError(f"the master did not list {n} workers within {timeout:.0f}s")
+        raise StartError(f"the master did not list {n} workers within {timeout:.0f}s{last}")
 
     def stop(self) -> None:
         """Stop workers, then the master; safe to call twice or after a failed start."""
