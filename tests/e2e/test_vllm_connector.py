@@ -39,8 +39,13 @@ LOOKUP_TIMEOUT_S = 1.0  # the engines' lookup deadline (engine_proc.py)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     logs = tmp_path_factory.mktemp("cluster")
-    c = LocalCluster(workers=3, dram_size="256MiB", worker_ttl="8s", log_dir=str(logs))
+    c = LocalCluster(workers=2, dram_size="256MiB", worker_ttl="8s", log_dir=str(logs))
     c.start()
+    # The third does not share its arena: the engines reach it as a remote worker
+    # (tcp://), as the frozen-worker test needs (a same-host worker's shared index
+    # answers lookups and loads without it).
+    c.add_worker("--no-share-arena")
+    c.wait_for_workers(3)
     yield c
     c.stop()
     for w in c.worker_procs:  # a SIGKILLed worker cannot unlink its arena
@@ -280,14 +285,15 @@ def test_a_wrong_block_would_show(engines: dict[str, Engine], cluster: LocalClus
 def test_a_frozen_worker_costs_one_lookup_deadline(
     engines: dict[str, Engine], cluster: LocalCluster
 ) -> None:
-    """A worker that stops answering (SIGSTOP: connections open, no replies) makes the
-    scheduler's lookup miss its deadline: no hit, the prompt is computed, the output is
-    right, and the request waits the lookup deadline, not the client's timeout."""
+    """A remote worker that stops answering (SIGSTOP: connections open, no replies)
+    makes the scheduler's lookup miss its deadline: no hit, the prompt is computed, the
+    output is right, and the request waits the lookup deadline, not the client's
+    timeout. (A same-host worker would still answer through its shared index.)"""
     A, B, R = engines["A"], engines["B"], engines["R"]
     rng = random.Random(19)
     prompt, more, out = tokens(rng, 1000), tokens(rng, 100), 8
     A.generate(prompt, out)
-    frozen = cluster.worker_procs[1]
+    frozen = cluster.worker_procs[2]  # the one reached over tcp://
     frozen.signal(signal.SIGSTOP)
     thaw = threading.Timer(3.0, frozen.signal, args=(signal.SIGCONT,))
     thaw.start()
