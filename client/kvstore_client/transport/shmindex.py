@@ -184,7 +184,7 @@ class IndexView:
         # The entry must be the key's (the rest of the key, the namespace) and live.
         # Its seqlock is checked where it matters, when a read pins it (Probe.stable):
         # a lookup racing a change may go either way, as it would over the socket.
-        found = m[np.arange(len(b)), way]
+        found = w[:, W_LX] == lx  # the matched way (argmax of no match: way 0, checked)
         found &= w[:, W_HI] == q[:, 1]
         found &= w[:, W_NS] == tag
         found &= w[:, W_LIVE] == 1
