@@ -306,6 +306,9 @@ class Worker:
     def _index_upkeep(self) -> None:
         with self.store.lock:
             self.store.tier.shared_upkeep()
+            # A lookup may resume a paused session (BlockStore.match_prefix): while one
+            # is paused, same-host clients ask the worker for lookups.
+            self.index.ask_lookups(bool(self.store.policy.sessions.paused))
 
     def stop(self) -> None:
         """Drain: report NOT_SERVING, leave the map, finish in-flight calls, close."""

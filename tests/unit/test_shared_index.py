@@ -221,3 +221,19 @@ def test_reads_through_the_index_count_in_the_lru_before_the_next_eviction(rig: 
     rig.put(64)  # no upkeep in between: the eviction itself must apply the read first
     assert rig.tier.contains(NS, key(0)) and not rig.tier.contains(NS, key(1))
     assert rig.tier.counters.hits == hits + 1
+
+
+def test_lookups_go_to_the_worker_while_it_asks_for_them(rig: Rig) -> None:
+    """A lookup may resume a paused session on the worker: while one is paused the
+    worker asks for lookups (reads still go through the index)."""
+    from kvstore_client.transport import shmlocal
+
+    rig.put(0)
+    loc = shmlocal.Local(np.zeros(1, np.uint8), memoryview(b""), rig.view, rig.page)
+    packed = key(0)
+    assert shmlocal.prefix(loc, NS.encode(), packed) == 1
+    rig.index.ask_lookups(True)
+    assert shmlocal.prefix(loc, NS.encode(), packed) is None
+    assert shmlocal.exists(loc, NS.encode(), packed) is None
+    rig.index.ask_lookups(False)
+    assert shmlocal.exists(loc, NS.encode(), packed) is not None

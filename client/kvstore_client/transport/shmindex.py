@@ -43,7 +43,10 @@ VERSION = 1
 WAYS = 8
 HEADER = struct.Struct("<QIIQQII")  # magic, version, ways, nbuckets, seed, tag, flags
 HEADER_BYTES = 64
+FLAGS = struct.Struct("<I")
 FLAG_SSD = 1  # the worker has an SSD tier: a DRAM miss is not a miss
+FLAG_ASK_LOOKUPS = 2  # lookups (exists, prefix) go to the worker: a session is paused
+FLAGS_AT = 36  # byte offset of the header's flags word
 MIX = 0x9E3779B97F4A7C15
 M64 = (1 << 64) - 1
 
@@ -163,6 +166,13 @@ class IndexView:
         self.words: U64 = raw[entries].view("<u8").reshape(-1, 8)
         self.overflow = raw[over].view("<u4")
         self._tags: dict[bytes, int] = {}
+
+    @property
+    def lookups_here(self) -> bool:
+        """False while the worker wants lookups itself (a lookup may resume a paused
+        session there; reads are unaffected)."""
+        flags: int = FLAGS.unpack_from(self._mm, FLAGS_AT)[0]
+        return not flags & FLAG_ASK_LOOKUPS
 
     def tag(self, ns: bytes) -> int:
         t = self._tags.get(ns)

@@ -46,7 +46,9 @@ class Local:
 
 def prefix(loc: Local, ns: bytes, packed: bytes) -> int | None:
     """How many of the keys lead as present, or None when the first key the index
-    lacks might still be held by the worker (ask it)."""
+    lacks might still be held by the worker, or the worker wants lookups (ask it)."""
+    if not loc.index.lookups_here:
+        return None
     p = loc.index.probe(ns, packed)
     miss = np.flatnonzero(~p.found)
     if not len(miss):
@@ -56,7 +58,10 @@ def prefix(loc: Local, ns: bytes, packed: bytes) -> int | None:
 
 
 def exists(loc: Local, ns: bytes, packed: bytes) -> npt.NDArray[np.bool_] | None:
-    """Per key, present; None if some key is unsure (ask the worker for all)."""
+    """Per key, present; None if some key is unsure or the worker wants lookups (ask
+    the worker for all)."""
+    if not loc.index.lookups_here:
+        return None
     p = loc.index.probe(ns, packed)
     return None if p.unsure.any() else p.found
 

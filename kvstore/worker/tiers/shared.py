@@ -28,7 +28,9 @@ import numpy as np
 
 from kvstore_client.transport.shmindex import (
     ENTRY,
+    FLAG_ASK_LOOKUPS,
     FLAG_SSD,
+    FLAGS_AT,
     HAZ_AT,
     HEADER,
     MAGIC,
@@ -161,6 +163,14 @@ class SharedIndex:
         self._atomic.store_u32(at, (seq + 2) & 0xFFFFFFFF)
         self.published -= 1
         atomicshm.fence(atomicshm.SEQ_CST)
+
+    def ask_lookups(self, on: bool) -> None:
+        """Have clients send lookups to the worker (while sessions are paused: a lookup
+        may resume one there) or answer them from the index."""
+        old = self._atomic.load_u32(FLAGS_AT)
+        new = old | FLAG_ASK_LOOKUPS if on else old & ~FLAG_ASK_LOOKUPS
+        if new != old:
+            self._atomic.store_u32(FLAGS_AT, new)
 
     # ---- hazards ---------------------------------------------------------------
 
