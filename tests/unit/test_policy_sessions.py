@@ -20,6 +20,7 @@ from kvstore.worker.tiers.policy import (
     Evicted,
     EvictFirst,
     Lookup,
+    NeedDramRoom,
     NeedSsdRoom,
     Prefetch,
     Release,
@@ -299,6 +300,48 @@ def test_store_keeps_a_paused_session_in_dram_and_prefetches_on_resume(tmp_path:
         assert all(st.tier.contains(NS, k) for k in mine), "prefetched on resume"
         assert st.stats().prefetched == 3
         assert st.get_bytes(NS, list(mine)) == [value_for(k, MiB // 2) for k in mine]
+    finally:
+        st.close()
+        arena.close()
+
+
+def test_retained_blocks_yield_newest_session_first_tail_first() -> None:
+    """DRAM with no other room asks retained blocks to yield: the last session to
+    pause gives up its tail first, and what yields goes to the evicting end."""
+    a, b = ks("a", 3), ks("b", 3)
+    p = policy({(NS, k): 100 for k in a + b}, budget=10_000)
+    for sid, chain in (("sa", a), ("sb", b)):
+        hint(p, sid, "active", chain)
+        hint(p, sid, "paused")
+    assert p.retained_bytes == 600
+    out = p.handle(NeedDramRoom(150))
+    assert out == [Release(NS, b[1:]), EvictFirst(NS, b[1:])], "b's tail, head to tail"
+    assert p.retained_bytes == 400 and p.counters.retain_yielded == 2
+    out = p.handle(NeedDramRoom(1000))
+    # b's head, then all of a; made oldest in this order, so b's head is evicted first
+    assert out == [Release(NS, a + b[:1]), EvictFirst(NS, a + b[:1])]
+    assert p.retained_bytes == 0 and p.handle(NeedDramRoom(1)) == []
+
+
+def test_store_puts_when_paused_sessions_hold_all_of_dram() -> None:
+    """With a retain budget as large as DRAM, paused sessions can hold every slot:
+    a put must still succeed (retained blocks yield), not fail with
+    ResourceExhausted as it did before, and the session paused first keeps its head."""
+    arena = Arena(4 * MiB)
+    st = BlockStore(arena, MiB, sessions=SessionTable(), retain_budget=4 * MiB)
+    try:
+        first, second = ks("first", 4), ks("second", 4)
+        for name, chain in (("s1", first), ("s2", second)):
+            st.session_hint(NS, name, "active", chain, None)
+            st.put_bytes(NS, list(chain), [value_for(k, MiB // 2) for k in chain])
+            st.session_hint(NS, name, "paused", chain, None)
+        assert st.stats().retained_bytes == 4 * MiB, "every slot retained"
+        new = ks("new", 2)
+        assert st.put_bytes(NS, list(new), [value_for(k, MiB // 2) for k in new]) == [True] * 2
+        assert st.get_bytes(NS, list(new)) == [value_for(k, MiB // 2) for k in new]
+        assert st.match_prefix(NS, first) == 4, "the session paused first keeps all of it"
+        assert st.match_prefix(NS, second) == 2, "the newest gives up its tail"
+        assert st.policy.counters.retain_yielded == 2
     finally:
         st.close()
         arena.close()
