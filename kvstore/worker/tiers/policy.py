@@ -32,7 +32,9 @@ Sessions (hints from the engine, bookkept by :class:`~kvstore.worker.sessions.Se
 - a paused session's chain is reordered in DRAM's LRU, last block first, so that
   eviction takes its tail before its head (a prefix match stops at the first gap);
 - when a paused session resumes (an ``active`` hint, or a lookup of its blocks) its
-  blocks on SSD only are prefetched into DRAM (up to ``retain_budget`` bytes).
+  blocks on SSD only are prefetched into DRAM (up to ``retain_budget`` bytes), and its
+  retained blocks stay retained while its turn runs (the engine reads them after its
+  lookup, often after waiting in its queue); they are released when it ends or expires.
 
 The tiers are inclusive: a promoted block keeps its SSD copy, so demoting it
 again costs nothing.
@@ -567,7 +569,17 @@ class TierPolicy:
         out: list[Instruction] = []
         for ch in changes:
             ns = ch.ns
-            released = [k for k in ch.unprotect if self._unretain(ns, k)]
+            # A resumed session keeps what it retained while its turn runs: the engine
+            # reads the blocks after its lookup, often after waiting in its queue, and
+            # on the LRU list meanwhile they would be the next writes' victims. They
+            # go back when the session ends or expires (below), or yield to a write.
+            running = set(ch.resumed)
+            gone = set(ch.orphaned)
+            released = [
+                k
+                for k in (*ch.unprotect, *ch.orphaned)
+                if (k in gone or k not in running) and self._unretain(ns, k)
+            ]
             if released:
                 out.append(Release(ns, tuple(released)))
             keep: list[bytes] = []
