@@ -13,8 +13,8 @@ import click
 # subcommand name -> "module:attribute" of a click.Command
 SUBCOMMANDS: dict[str, str] = {
     "synth": "kvstore_bench.synth_cli:synth_cmd",
-    "replay": "kvstore_bench.replay.run:replay_cmd",
-    "scale": "kvstore_bench.scale.run:scale_cmd",
+    "replay": "kvstore_bench.replay.cli:replay_cmd",
+    "scale": "kvstore_bench.scale.cli:scale_cmd",
     "store": "kvstore_bench.transfer.store:store_cmd",
     "transfer": "kvstore_bench.transfer.run:transfer_cmd",
     "contention": "kvstore_bench.contention:contention_cmd",

@@ -17,12 +17,16 @@ from typing import Protocol
 
 import xxhash
 
+from kvstore_client.errors import ResourceExhausted
+
 from .fairlock import FairLock
 from .sessions import check_hint
 from .storerecords import LOOKUP_SLICES, Held, StoreCounters, _Todo
+from .tiers.blocks import Block
 from .tiers.dram import DramTier
 from .tiers.policy import (
     Instruction,
+    NeedDramRoom,
     SessionAdvance,
     SessionDrain,
     SessionHint,
@@ -54,6 +58,25 @@ class SessionHost(Protocol):
     def _execute(self) -> None: ...
     def _bad_ssd(self, ns: str, key: bytes) -> None: ...
     def _promote(self, ns: str, key: bytes, h: Held) -> bool: ...
+
+
+def reserve_yielding(
+    store: SessionHost, ns: str, key: bytes, size: int, checksum: int, err: ResourceExhausted
+) -> Block | ResourceExhausted | None:
+    """After DRAM found no room for a new block (``err``): retained session blocks
+    yield (TierPolicy, ``NeedDramRoom``) and the reservation is tried again, a few
+    times with more room asked each time; ``err`` (or the last one) when nothing
+    yields. Caller holds the lock."""
+    want = store.policy.charge_of(size)
+    for _ in range(8):
+        if not store.policy.retained:
+            return err
+        store._queue(store.policy.handle(NeedDramRoom(want)))
+        try:
+            return store.tier.reserve(ns, key, size, checksum)
+        except ResourceExhausted as e:
+            err, want = e, 2 * want
+    return err
 
 
 def hint(

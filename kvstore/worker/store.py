@@ -305,7 +305,10 @@ class BlockStore:
         try:
             b = self.tier.reserve(ns, k, size, c)
         except ResourceExhausted as e:
-            return e
+            r = session_ops.reserve_yielding(self, ns, k, size, c, e)
+            if not isinstance(r, Block):
+                return r
+            b = r
         if b is not None:
             self.policy.handle(Reserved(ns, size))
         return b
@@ -334,8 +337,8 @@ class BlockStore:
                 continue
             try:
                 out.append(reserve(ns, k, size, c))
-            except ResourceExhausted as e:
-                out.append(e)
+            except ResourceExhausted as e:  # retained session blocks may yield room
+                out.append(session_ops.reserve_yielding(self, ns, k, size, c, e))
         self.tier.counters.skipped += skipped
         return out
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore_bench.scale.run import map_version, ring_figures
+from kvstore_bench.scale.ring import ring_figures
+from kvstore_bench.scale.run import map_version
 from kvstore_client.proto import master_pb2
 
 

@@ -18,11 +18,11 @@ from click.testing import CliRunner
 
 from kvstore.cluster import LocalCluster
 from kvstore_bench.peers import ClusterSpec, KVStoreBackend, open_backend, unavailable_reason
+from kvstore_bench.replay.cli import replay_cmd
 from kvstore_bench.replay.run import (
     ReplayConfig,
     block_content,
     load_sessions,
-    replay_cmd,
     request_hashes,
     run_replay,
 )

@@ -11,8 +11,9 @@ import pytest
 from click.testing import CliRunner
 
 from kvstore_bench.peers import ClusterSpec
+from kvstore_bench.replay.cli import replay_cmd
 from kvstore_bench.replay.replicas import run_replica_replay
-from kvstore_bench.replay.run import ReplayConfig, load_sessions, replay_cmd
+from kvstore_bench.replay.run import ReplayConfig, load_sessions
 from kvstore_bench.synth import SynthShape, write
 from kvstore_bench.traces import Session
 

@@ -90,6 +90,25 @@ def test_tracker_plans_loads_and_saves_only_new_blocks() -> None:
     assert [r.index for r in out] == [1] and skipped == 1
 
 
+def test_a_failed_load_shortens_the_hit_so_the_retry_does_not_load_it_again() -> None:
+    """Bug (old code): a block evicted between lookup and load failed the load; vLLM
+    scheduled the request again, the cached lookup still said 4 blocks, so the same
+    load was planned and failed again, thousands of times a minute in a run whose
+    store was a quarter of the working set."""
+    b = 4
+    tr = RequestTracker("r", b)
+    toks = list(range(18))  # 4 full blocks
+    tr.extend_hashes(toks)
+    tr.present, tr.hit_blocks = [True] * 4, 4
+    policy = LoadPolicy(min_hit_tokens=b)
+    assert tr.plan_hit(len(toks), 0, policy, 1.0, None) == 16
+    tr.plan_load(list(range(5)), 16)
+    tr.mark_missing([2, 3])  # the worker: blocks 2 and 3 did not arrive
+    assert tr.plan_hit(len(toks), 0, policy, 1.0, None) == 8, "only what did arrive"
+    tr.mark_missing([0])
+    assert tr.plan_hit(len(toks), 0, policy, 1.0, None) == 0
+
+
 def test_failed_save_is_retried_and_the_watermark_waits_for_success() -> None:
     """Bug (old code): the watermark moved when a save was planned, so a save that
     was dropped (backpressure) or failed (worker down) was never tried again."""

@@ -15,7 +15,8 @@ from kvstore_bench.engine.memory import (
 )
 from kvstore_bench.engine.models import model_config
 from kvstore_bench.engine.peers import Context, NotRunnable, kvstore_min_bytes, make_backing
-from kvstore_bench.engine.report import Summary
+from kvstore_bench.engine.report import Summary, timed_requests
+from kvstore_bench.engine.run import ConfigRun, Result
 from kvstore_bench.engine.sweep import Point, parse_fractions, sweep_json, sweep_rows
 from kvstore_bench.engine.workload import Script, Timed, Turn, ideal_hits
 
@@ -55,6 +56,24 @@ def test_references_lru_loses_the_chain_head_and_opt_keeps_it() -> None:
     one = reference_hit_rates(reqs, B, 1)
     assert one.lru == 0.0 and one.opt == pytest.approx(64 / total)
     assert reference_hit_rates(reqs, B, 0).opt == 0.0
+
+
+def test_references_start_a_request_when_the_engine_schedules_it() -> None:
+    """A request that waited in the engine's queue looks its prefix up when it is
+    scheduled: the references count from there (start + wait), not from the send.
+    Before, the LRU reference of a quarter of the working set gave 72% where the
+    stores reached 23-28%: requests queued behind others whose saves it ignored."""
+    reqs = _reqs()
+    turns = tuple(Turn("s", i, r.prompt, 1, 0.0, r.engine) for i, r in enumerate(reqs))
+
+    def result(i: int, start: float, wait: float, end: float) -> Result:
+        return Result("s", i, 0, 1, 0, wait + 0.1, end - start, start, end, [], [], wait_s=wait)
+
+    run = ConfigRun("x", True, results=[result(0, 0.0, 0.5, 1.0), result(1, 0.2, 2.0, 3.0)])
+    timed = timed_requests(run, [Script("s", 0.0, turns)])
+    assert [(t.start, t.end) for t in timed] == [(0.5, 1.0), (2.2, 3.0)]
+    shared, _ = ideal_hits(timed, B)
+    assert shared[1] == 4 * B, "the first finished before the second was scheduled"
 
 
 def test_parse_fractions() -> None:

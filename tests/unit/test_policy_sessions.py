@@ -20,6 +20,7 @@ from kvstore.worker.tiers.policy import (
     Evicted,
     EvictFirst,
     Lookup,
+    NeedDramRoom,
     NeedSsdRoom,
     Prefetch,
     Release,
@@ -85,7 +86,12 @@ def test_pause_orders_the_whole_chain_tail_first() -> None:
     assert hint(p, "s1", "active", now=1) == []
 
 
-def test_resume_releases_and_prefetches_ssd_only_blocks() -> None:
+def test_resume_keeps_the_retained_blocks_and_prefetches_ssd_only_ones() -> None:
+    """Bug (old code): a resume released the session's retained blocks to the LRU
+    list at once; the engine reads them after its lookup, often after waiting in its
+    queue, and meanwhile other requests' writes evicted them (a quarter of the loaded
+    blocks failed in the engine bench at a quarter of the working set). They stay
+    retained while the turn runs and are released when the session ends."""
     a = ks("a", 3)
     dram = {(NS, a[0]): 100}
     p = policy(dram)
@@ -93,8 +99,13 @@ def test_resume_releases_and_prefetches_ssd_only_blocks() -> None:
     hint(p, "s1", "paused", a)
     assert p.retained == {(NS, a[0]): 100}
     out = hint(p, "s1", "active", (), now=1)
-    assert out == [Release(NS, (a[0],)), Prefetch(NS, a[1:])]
-    assert p.retained_bytes == 0 and not p.sessions.is_protected(NS, a[1])
+    assert out == [Prefetch(NS, a[1:])], "no Release: its turn is running"
+    assert p.retained_bytes == 100 and not p.sessions.is_protected(NS, a[1])
+    assert hint(p, "s1", "paused", now=2) == [TailFirst(NS, tuple(reversed(a)))]
+    assert p.retained_bytes == 100, "paused again: still retained once"
+    hint(p, "s1", "active", now=3)
+    out = hint(p, "s1", "ended", now=4)
+    assert out == [Release(NS, (a[0],)), EvictFirst(NS, a)] and p.retained_bytes == 0
 
 
 def test_lookup_of_a_paused_sessions_blocks_resumes_it() -> None:
@@ -281,24 +292,72 @@ def test_store_keeps_a_paused_session_in_dram_and_prefetches_on_resume(tmp_path:
             st.put_bytes(NS, [k], [value_for(k, MiB // 2)])
         assert all(st.tier.contains(NS, k) for k in mine), "retained in DRAM"
         assert st.stats().retained_bytes == 3 * (MiB // 2)
-        # Without the hint the same blocks leave DRAM.
-        st.session_hint(NS, "s1", "active", (), None)
+        st.session_hint(NS, "s1", "active", mine, None)
+        assert st.stats().retained_bytes == 3 * (MiB // 2), "kept while its turn runs"
+        # A session that was never retained (its blocks written while it ran, then
+        # pushed out by other traffic) is demoted, not lost ...
+        yours = ks("yours", 3)
+        st.session_hint(NS, "s2", "active", yours, None)
+        for k in yours:
+            st.put_bytes(NS, [k], [value_for(k, MiB // 2)])
         for i in range(40, 80):
             k = key(i, "flood")
             st.put_bytes(NS, [k], [value_for(k, MiB // 2)])
-        assert not any(st.tier.contains(NS, k) for k in mine)
-        assert all(st.policy.on_ssd(NS, k) for k in mine), "demoted, not lost"
-        # Pause then resume: the SSD-only blocks are prefetched into DRAM, but only
-        # into free DRAM (a prefetch never evicts), so make room first.
+        assert not any(st.tier.contains(NS, k) for k in yours)
+        assert all(st.policy.on_ssd(NS, k) for k in yours), "demoted, not lost"
+        # ... and when it pauses then resumes, its SSD-only blocks are prefetched into
+        # DRAM, but only into free DRAM (a prefetch never evicts), so make room first.
         assert st.remove(NS, [key(i, "flood") for i in range(80)]) > 0
-        st.session_hint(NS, "s1", "paused", mine, None)
-        assert st.session_hint(NS, "s1", "active", mine, None) == 3
+        st.session_hint(NS, "s2", "paused", yours, None)
+        assert st.session_hint(NS, "s2", "active", yours, None) == 3
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not all(st.tier.contains(NS, k) for k in mine):
+        while time.monotonic() < deadline and not all(st.tier.contains(NS, k) for k in yours):
             time.sleep(0.02)
-        assert all(st.tier.contains(NS, k) for k in mine), "prefetched on resume"
+        assert all(st.tier.contains(NS, k) for k in yours), "prefetched on resume"
         assert st.stats().prefetched == 3
-        assert st.get_bytes(NS, list(mine)) == [value_for(k, MiB // 2) for k in mine]
+        assert st.get_bytes(NS, list(yours)) == [value_for(k, MiB // 2) for k in yours]
+    finally:
+        st.close()
+        arena.close()
+
+
+def test_retained_blocks_yield_newest_session_first_tail_first() -> None:
+    """DRAM with no other room asks retained blocks to yield: the last session to
+    pause gives up its tail first, and what yields goes to the evicting end."""
+    a, b = ks("a", 3), ks("b", 3)
+    p = policy({(NS, k): 100 for k in a + b}, budget=10_000)
+    for sid, chain in (("sa", a), ("sb", b)):
+        hint(p, sid, "active", chain)
+        hint(p, sid, "paused")
+    assert p.retained_bytes == 600
+    out = p.handle(NeedDramRoom(150))
+    assert out == [Release(NS, b[1:]), EvictFirst(NS, b[1:])], "b's tail, head to tail"
+    assert p.retained_bytes == 400 and p.counters.retain_yielded == 2
+    out = p.handle(NeedDramRoom(1000))
+    # b's head, then all of a; made oldest in this order, so b's head is evicted first
+    assert out == [Release(NS, a + b[:1]), EvictFirst(NS, a + b[:1])]
+    assert p.retained_bytes == 0 and p.handle(NeedDramRoom(1)) == []
+
+
+def test_store_puts_when_paused_sessions_hold_all_of_dram() -> None:
+    """With a retain budget as large as DRAM, paused sessions can hold every slot:
+    a put must still succeed (retained blocks yield), not fail with
+    ResourceExhausted as it did before, and the session paused first keeps its head."""
+    arena = Arena(4 * MiB)
+    st = BlockStore(arena, MiB, sessions=SessionTable(), retain_budget=4 * MiB)
+    try:
+        first, second = ks("first", 4), ks("second", 4)
+        for name, chain in (("s1", first), ("s2", second)):
+            st.session_hint(NS, name, "active", chain, None)
+            st.put_bytes(NS, list(chain), [value_for(k, MiB // 2) for k in chain])
+            st.session_hint(NS, name, "paused", chain, None)
+        assert st.stats().retained_bytes == 4 * MiB, "every slot retained"
+        new = ks("new", 2)
+        assert st.put_bytes(NS, list(new), [value_for(k, MiB // 2) for k in new]) == [True] * 2
+        assert st.get_bytes(NS, list(new)) == [value_for(k, MiB // 2) for k in new]
+        assert st.match_prefix(NS, first) == 4, "the session paused first keeps all of it"
+        assert st.match_prefix(NS, second) == 2, "the newest gives up its tail"
+        assert st.policy.counters.retain_yielded == 2
     finally:
         st.close()
         arena.close()

@@ -7,8 +7,10 @@ store (:func:`kv_bytes_per_block`). A sweep point ``f`` gives every store ``f`` 
 that many bytes.
 
 The references replay the requests in the order they really ran (a request looks its
-prefix up when it starts and its blocks are saved when it finishes) against one cache
-shared by all engines that holds ``capacity`` blocks:
+prefix up when the engine schedules it, taken as the start of the step that produced
+its first token, and its blocks are saved when it finishes; see
+:func:`~kvstore_bench.engine.report.timed_requests`) against one cache shared by all
+engines that holds ``capacity`` blocks:
 
 - ``lru``: least recently used eviction (a lookup touches the hit prefix, a save every
   block of the prompt);

@@ -200,9 +200,22 @@ def main() -> None:
     resolved = llm.llm_engine.vllm_config.cache_config.block_size
     out.write(json.dumps({"event": "ready", "block_size": resolved}) + "\n")
     Server(llm, out).serve()
+    _log_connector_totals()
     out.write(json.dumps({"event": "bye"}) + "\n")
     out.flush()
     os._exit(0)  # skip engine teardown: its worker threads can hang at exit
+
+
+def _log_connector_totals() -> None:
+    """The kvstore connector's counters since start, one line in the engine's log
+    (lookups, timeouts, hit tokens, failed loads, saves): why a run hit what it hit."""
+    try:
+        from kvstore_client.connectors.stats import TOTALS, reduce_stats
+    except ImportError:
+        return
+    totals = reduce_stats(TOTALS.peek())
+    if totals:
+        print("kvstore connector totals: " + json.dumps(totals, sort_keys=True), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -148,9 +148,18 @@ def summarize(
 
 
 def timed_requests(run: ConfigRun, scripts: Sequence[Script]) -> list[Timed]:
-    """The requests of ``run`` that succeeded, as they ran (for the references)."""
+    """The requests of ``run`` that succeeded, as they ran (for the references). A
+    request starts when the engine began the step that produced its first token
+    (``start + wait_s``), not when the bench sent it: with a small engine KV cache,
+    requests wait in the engine's queue, and the engine looks a prefix up when it
+    schedules the request; counted from the send, the references would see a store
+    that had not yet taken the saves of every request that ran during the wait."""
     prompts = {(sc.id, t.index): t.prompt for sc in scripts for t in sc.turns}
-    return [Timed(prompts[_key(r)], r.engine, r.start, r.end) for r in run.results if not r.error]
+    return [
+        Timed(prompts[_key(r)], r.engine, r.start + max(0.0, r.wait_s), r.end)
+        for r in run.results
+        if not r.error
+    ]
 
 
 def _breakdown(rs: Sequence[Result]) -> dict[str, float]:

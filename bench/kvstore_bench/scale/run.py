@@ -13,10 +13,10 @@ a real etcd) and, in this process on asyncio, simulated workers and map watchers
    map (p50/p99 over watchers and changes, and the time until all have it);
 5. 1% of the workers stop heartbeating at once (expired after the TTL), then return.
 
-It also measures the client's ring at the same size (build time, per-key lookup,
-placement balance with mixed capacities, keys moved when 1% of workers leave).
-Results: a rich table, JSON and PNG plots under ``bench/results/``; docs/SCALE.md
-reads them against the goals.
+The client's ring at the same size is measured by :mod:`.ring` (build time, per-key
+lookup, placement balance with mixed capacities, keys moved when 1% of workers leave);
+:mod:`.cli` prints the table, JSON and PNG plots under ``bench/results/``, which
+docs/SCALE.md reads against the goals.
 """
 
 from __future__ import annotations
@@ -29,22 +29,19 @@ import secrets
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import click
 import grpc
-import numpy as np
-from rich.console import Console
 
 from kvstore.cluster import Daemon, Etcd, StartError, spawn, start_etcd
 from kvstore_client.proto import master_pb2, master_pb2_grpc
-from kvstore_client.sharding import DEFAULT_VNODES_PER_GIB, build_ring
 
 from .. import report
 
-__all__ = ["ScaleConfig", "ring_figures", "run_scale", "scale_cmd", "worker_rpc"]
+__all__ = ["ScaleConfig", "run_scale", "sim_info", "worker_rpc"]
 
 GIB = 1 << 30
 PER_CHANNEL = 10  # simulated workers (or watchers) per gRPC connection
@@ -515,289 +512,3 @@ def run_scale(cfg: ScaleConfig, *, modes: tuple[str, ...], say: Any) -> list[dic
                 asyncio.run(_run_mode(cfg, [d.address for d in ds], [d.pid for d in ds], etcd, say))
             )
     return out
-
-
-# ---------------------------------------------------------------- the client's ring
-
-
-def ring_figures(workers: int, keys: int, fail_fraction: float = 0.01) -> dict[str, Any]:
-    """Build time, lookup cost, balance and movement of the client's ring at
-    ``workers`` simulated workers with mixed capacities (64/128/256 GiB)."""
-    infos = [sim_info(i) for i in range(workers)]
-    pairs = [(w.id, int(w.capacity_bytes)) for w in infos]
-    hosts = {w.id: w.host_id for w in infos}
-    out: dict[str, Any] = {
-        "workers": workers,
-        "keys": keys,
-        "vnodes_per_gib": DEFAULT_VNODES_PER_GIB,
-    }
-    for r in (1, 3):
-        t0 = time.perf_counter()
-        ring = build_ring(pairs, replicas=r, hosts=hosts)
-        out[f"build_r{r}_s"] = time.perf_counter() - t0
-    ring = build_ring(pairs)
-    out["points"] = len(ring.points)
-    out["ring_bytes"] = int(ring.points.nbytes + ring.owners.nbytes)
-    rng = np.random.default_rng(1)
-    batch = [bytes(x) for x in rng.integers(0, 256, size=(1000, 16), dtype=np.uint8)]
-    ring.primary(batch)
-    t0 = time.perf_counter()
-    reps = 50
-    for _ in range(reps):
-        ring.primary(batch)
-    out["lookup_per_key_s"] = (time.perf_counter() - t0) / (reps * len(batch))
-    # exact shares: each point owns the arc that ends at it
-    pts = ring.points.astype(np.float64)
-    arcs = np.diff(np.concatenate([pts[-1:] - 2.0**64, pts]))
-    share = np.bincount(ring.owners[:, 0], weights=arcs, minlength=workers) / 2.0**64
-    cap = np.array([dict(pairs)[w] for w in ring.worker_ids], dtype=np.float64)
-    load = share / (cap / cap.sum())
-    out["balance_exact_max_over_mean"] = float(load.max() / load.mean())
-    out["balance_exact_min_over_mean"] = float(load.min() / load.mean())
-    hashes = [bytes(x) for x in rng.integers(0, 256, size=(keys, 16), dtype=np.uint8)]
-    own = ring.primary(hashes)
-    per = np.bincount(own, minlength=workers) / (cap / cap.sum() * keys)
-    out["balance_keys_max_over_mean"] = float(per.max() / per.mean())
-    out["load_exact"] = load.tolist()
-    gone = set(random.Random(3).sample(range(workers), max(1, round(fail_fraction * workers))))
-    rest = build_ring([p for i, p in enumerate(pairs) if i not in gone])
-    ids_before = np.array(ring.worker_ids)[own]
-    ids_after = np.array(rest.worker_ids)[rest.primary(hashes)]
-    moved = ids_before != ids_after
-    out["left_workers"] = len(gone)
-    out["left_capacity_share"] = float(sum(cap[i] for i in gone) / cap.sum())
-    out["moved_fraction"] = float(moved.mean())
-    lost = {ring.worker_ids[i] for i in gone}
-    out["moved_only_from_leavers"] = bool(np.all(np.isin(ids_before[moved], list(lost))))
-    return out
-
-
-# ---------------------------------------------------------------- output
-
-
-def _rows(runs: list[dict[str, Any]], ring: dict[str, Any]) -> list[list[str]]:
-    def f(x: Any, fmt: str = "{:.3g}") -> str:
-        return "-" if x is None or (isinstance(x, float) and x != x) else fmt.format(x)
-
-    rows: list[list[str]] = []
-    for r in runs:
-        m = r["mode"]
-        rows += [
-            [f"{m}: workers / watchers", f"{r['map_workers']} / {r['watchers']}", ""],
-            [f"{m}: registration of all workers", f(r["register_s"], "{:.2f} s"), ""],
-            [f"{m}: heartbeats/s", f(r["heartbeats_per_s"], "{:.0f}"), ""],
-            [
-                f"{m}: simulator CPU (this process)",
-                f(100 * r["simulator_cpu_per_s"], "{:.0f}%"),
-                "",
-            ],
-            [
-                f"{m}: master CPU (leader)",
-                f(100 * r["master_cpu_per_s"], "{:.1f}% of a core"),
-                "< 10% at 1 hb/s",
-            ],
-            [
-                f"{m}: master CPU per heartbeat",
-                f(1e6 * r["master_cpu_per_heartbeat_s"], "{:.0f} us"),
-                "",
-            ],
-            [f"{m}: master RSS", f(r["master_rss_bytes"] / 2**20, "{:.0f} MiB"), ""],
-            [f"{m}: map size", f(r["map_bytes"] / 1024, "{:.1f} KiB"), ""],
-            [
-                f"{m}: map change -> a watcher p50 / p99",
-                f"{report.ms(r['delivery_p50_s'])} / {report.ms(r['delivery_p99_s'])} ms",
-                "p99 < 1 s",
-            ],
-            [
-                f"{m}: map change -> all watchers p50 / p99",
-                f"{report.ms(r['delivery_all_p50_s'])} / {report.ms(r['delivery_all_p99_s'])} ms",
-                "",
-            ],
-            [
-                f"{m}: {r['fail_count']} fail -> all watchers",
-                f(r["fail_all_watchers_s"], "{:.2f} s"),
-                f"TTL {4 * r['heartbeat_s']:g} s",
-            ],
-            [f"{m}: they return -> all watchers", f(r["return_all_watchers_s"], "{:.2f} s"), ""],
-        ]
-        if "etcd_steady" in r:
-            rows.append(
-                [
-                    f"{m}: etcd writes/s steady / whole run",
-                    f"{r['etcd_steady']['etcd_server_proposals_committed_total']:.1f} / "
-                    f"{r['etcd_writes_per_s_run']:.1f}",
-                    "",
-                ]
-            )
-            rows.append(
-                [
-                    f"{m}: standby CPU",
-                    ", ".join(f"{100 * c:.1f}%" for c in r["standby_cpu_per_s"]),
-                    "",
-                ]
-            )
-    rows += [
-        ["ring: points / memory", f"{ring['points']:,} / {ring['ring_bytes'] / 2**20:.0f} MiB", ""],
-        [
-            "ring: build R=1 / R=3",
-            f"{1e3 * ring['build_r1_s']:.0f} / {1e3 * ring['build_r3_s']:.0f} ms",
-            "",
-        ],
-        ["ring: lookup per key (batch 1000)", f"{1e9 * ring['lookup_per_key_s']:.0f} ns", ""],
-        [
-            "ring: max/mean load (exact / keys)",
-            f"{ring['balance_exact_max_over_mean']:.3f} / {ring['balance_keys_max_over_mean']:.3f}",
-            "<= 1.1",
-        ],
-        [
-            f"ring: keys moved, {ring['left_workers']} workers leave",
-            f"{100 * ring['moved_fraction']:.2f}% (their share "
-            f"{100 * ring['left_capacity_share']:.2f}%)",
-            "about 1%",
-        ],
-    ]
-    return rows
-
-
-def _plots(runs: list[dict[str, Any]], ring: dict[str, Any], out: Path, st: str) -> list[Path]:
-    plt = report.pyplot()
-    if plt is None:
-        return []
-    paths = []
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    for r in runs:
-        s = r["samples"]
-        t = np.array([x["t"] for x in s])
-        lead = r["leader"]
-        cpu = np.array([x["cpu_s"][lead] for x in s])
-        rate = np.diff(cpu) / np.maximum(np.diff(t), 1e-9)
-        axes[0].plot(t[1:], 100 * rate, label=f"{r['mode']} (leader)")
-        axes[1].plot(t, [x["rss"][lead] / 2**20 for x in s], label=f"{r['mode']} (leader)")
-    axes[0].axhline(10, ls="--", color="k", lw=0.8, label="goal: 10% of a core")
-    axes[0].set(xlabel="time since registration (s)", ylabel="master CPU (% of a core)")
-    axes[0].set_title(
-        f"master CPU: {runs[0]['map_workers']} workers at {1 / runs[0]['heartbeat_s']:g} hb/s, "
-        f"{runs[0]['watchers']} watchers"
-    )
-    axes[1].set(xlabel="time since registration (s)", ylabel="master RSS (MiB)")
-    for ax in axes:
-        ax.legend(fontsize=7)
-    paths.append(report.save(fig, report.results_path(out, "scale", st, "-master.png")))
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    for r in runs:
-        xs = np.sort([x for e in r["changes"] for x in e["delivery_s"] if x == x]) * 1e3
-        if len(xs):
-            axes[0].plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=r["mode"])
-    axes[0].axvline(1000, ls="--", color="k", lw=0.8, label="goal: p99 < 1 s")
-    axes[0].set(xlabel="map change -> watcher (ms)", ylabel="CDF", xscale="log", ylim=(0, 1))
-    axes[0].set_title(f"map delivery to {runs[0]['watchers']} watchers")
-    axes[0].legend(fontsize=7)
-    load = np.array(ring["load_exact"])
-    axes[1].hist(load / load.mean(), bins=50)
-    axes[1].axvline(1.1, ls="--", color="k", lw=0.8, label="goal: max <= 1.1")
-    axes[1].set(xlabel="worker load / mean (capacity-weighted)", ylabel="workers")
-    axes[1].set_title(
-        f"ring balance, {ring['workers']} workers (64/128/256 GiB), "
-        f"max {ring['balance_exact_max_over_mean']:.3f}"
-    )
-    axes[1].legend(fontsize=7)
-    paths.append(report.save(fig, report.results_path(out, "scale", st, "-delivery.png")))
-    return paths
-
-
-@click.command("scale")
-@click.option("--workers", type=int, default=1000, show_default=True, help="Simulated workers.")
-@click.option("--watchers", type=int, default=1000, show_default=True, help="Map watchers.")
-@click.option(
-    "--heartbeat",
-    "heartbeat_s",
-    type=float,
-    default=1.0,
-    show_default=True,
-    help="Heartbeat interval in seconds (the master's TTL is 4 intervals).",
-)
-@click.option(
-    "--steady",
-    "steady_s",
-    type=float,
-    default=30.0,
-    show_default=True,
-    help="Seconds of steady state to measure.",
-)
-@click.option("--changes", type=int, default=20, show_default=True, help="Map changes to time.")
-@click.option(
-    "--ha/--no-ha",
-    default=True,
-    show_default=True,
-    help="Also run with three HA masters on a real etcd.",
-)
-@click.option(
-    "--ring-keys",
-    type=int,
-    default=4_000_000,
-    show_default=True,
-    help="Keys placed to measure balance and movement.",
-)
-@click.option(
-    "--unary-heartbeats",
-    "unary",
-    is_flag=True,
-    help="Simulated workers heartbeat with one unary call each (the pre-stream protocol).",
-)
-@click.option("--quick", is_flag=True, help="Shorter run: 8 s steady, 6 changes, 1M ring keys.")
-@click.option(
-    "--out", type=click.Path(path_type=Path), default=Path("bench/results"), show_default=True
-)
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Also write the JSON here.",
-)
-@click.option("--no-plots", is_flag=True)
-def scale_cmd(
-    workers: int, watchers: int, heartbeat_s: float, steady_s: float, changes: int, ha: bool,
-    ring_keys: int, unary: bool, quick: bool, out: Path, json_path: Path | None, no_plots: bool,
-) -> None:  # fmt: skip
-    """The control plane at scale: a real master, simulated workers and watchers."""
-    if workers < 2 or watchers < 1 or heartbeat_s <= 0 or steady_s <= 0 or changes < 1:
-        raise click.BadParameter("need workers >= 2, watchers >= 1 and positive durations")
-    if quick:
-        steady_s, changes, ring_keys = (
-            min(steady_s, 8.0),
-            min(changes, 6),
-            min(ring_keys, 1_000_000),
-        )
-    cfg = ScaleConfig(
-        workers, watchers, heartbeat_s, steady_s, changes, ring_keys=ring_keys, ha=ha, unary=unary
-    )
-    console = Console()
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                   console=console, transient=True)  # fmt: skip
-    with bar:
-        task = bar.add_task("ring", total=None)
-
-        def say(msg: str) -> None:
-            bar.update(task, description=msg)
-
-        say(f"ring: {workers} workers, {ring_keys:,} keys")
-        ring = ring_figures(workers, ring_keys, cfg.fail_fraction)
-        runs = run_scale(cfg, modes=("single", "ha") if ha else ("single",), say=say)
-    for r in runs:
-        r.update(heartbeat_s=heartbeat_s, watchers=watchers)
-    st = report.stamp()
-    console.print(report.table(f"kvstore bench scale ({report.command_line()})",
-                               ["figure", "measured", "goal"], _rows(runs, ring)))  # fmt: skip
-    doc = {"config": asdict(cfg), "runs": runs, "ring": ring, "command": report.command_line()}
-    path = report.write_json(report.results_path(out, "scale", st, ".json"), doc)
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        report.write_json(json_path, doc)
-    console.print(f"JSON: {path}")
-    if not no_plots:
-        for p in _plots(runs, ring, out, st):
-            console.print(f"plot: {p}")

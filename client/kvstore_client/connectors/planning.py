@@ -288,8 +288,13 @@ class RequestTracker:
         return refs
 
     def mark_missing(self, indices: Iterable[int]) -> None:
-        """Blocks that failed to load are not in the store (so they get written)."""
+        """Blocks that failed to load are not in the store (so they get written), and
+        the hit ends before the first of them: vLLM schedules the request again, and
+        the lookup's answer is reused for the same tokens, so a hit left as it was
+        would load the missing blocks again, fail again, and so on."""
         indices = list(indices)
+        if indices:
+            self.hit_blocks = min(self.hit_blocks, min(indices))
         for i in indices:
             if i < len(self.present):
                 self.present[i] = False

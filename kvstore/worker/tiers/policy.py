@@ -25,10 +25,16 @@ Sessions (hints from the engine, bookkept by :class:`~kvstore.worker.sessions.Se
   session's blocks are evicted only when nothing else is left to evict;
 - an ended session's blocks that no live session holds go to the evicting end of
   the DRAM and SSD LRU orders (first eviction candidates);
+- retention yields to writes: when DRAM has no other room for a new block, the most
+  recently retained blocks (the newest paused session's, its tail first) go back to
+  the evicting end of the LRU list (``NeedDramRoom``), so a large ``retain_budget``
+  never makes a put fail, and the sessions retained longest keep their prefix;
 - a paused session's chain is reordered in DRAM's LRU, last block first, so that
   eviction takes its tail before its head (a prefix match stops at the first gap);
 - when a paused session resumes (an ``active`` hint, or a lookup of its blocks) its
-  blocks on SSD only are prefetched into DRAM (up to ``retain_budget`` bytes).
+  blocks on SSD only are prefetched into DRAM (up to ``retain_budget`` bytes), and its
+  retained blocks stay retained while its turn runs (the engine reads them after its
+  lookup, often after waiting in its queue); they are released when it ends or expires.
 
 The tiers are inclusive: a promoted block keeps its SSD copy, so demoting it
 again costs nothing.
@@ -43,9 +49,9 @@ from dataclasses import dataclass, field
 from kvstore_client.errors import InvalidArgument
 
 from ..sessions import Change, SessionTable
+from .ssdindex import SsdIndex
 
 PROMOTE_MODES = ("always", "second-hit", "never")
-SPARE_SCAN = 1 << 16  # SSD keys examined, newest first, for the paused sessions' share
 
 
 @dataclass(slots=True)
@@ -92,104 +98,6 @@ class Promoter:
         while len(self._seen) > self.max_tracked:
             self._seen.popitem(last=False)
         return False
-
-
-@dataclass(slots=True)
-class SsdEntry:
-    size: int  # payload bytes
-    stored: int  # bytes on disk (header + payload)
-
-
-class SsdIndex:
-    """What the SSD holds, in LRU order, with byte accounting and pinned namespaces."""
-
-    def __init__(self, capacity: int, pinned: Iterable[str] = ()) -> None:
-        self.capacity = capacity
-        self.pinned = set(pinned)
-        self.entries: OrderedDict[tuple[str, bytes], SsdEntry] = OrderedDict()
-        self.used_bytes = 0
-        self.evictions = 0
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def __contains__(self, k: tuple[str, bytes]) -> bool:
-        return k in self.entries
-
-    def get(self, ns: str, key: bytes) -> SsdEntry | None:
-        return self.entries.get((ns, key))
-
-    def add(self, ns: str, key: bytes, size: int, stored: int) -> None:
-        k = (ns, key)
-        old = self.entries.pop(k, None)
-        if old is not None:
-            self.used_bytes -= old.stored
-        self.entries[k] = SsdEntry(size, stored)
-        self.used_bytes += stored
-
-    def touch(self, ns: str, key: bytes) -> None:
-        k = (ns, key)
-        if k in self.entries:
-            self.entries.move_to_end(k)
-
-    def remove(self, ns: str, key: bytes) -> SsdEntry | None:
-        e = self.entries.pop((ns, key), None)
-        if e is not None:
-            self.used_bytes -= e.stored
-        return e
-
-    def keys_of(self, ns: str) -> list[bytes]:
-        return [k for n, k in self.entries if n == ns]
-
-    def namespaces(self) -> set[str]:
-        return {n for n, _ in self.entries}
-
-    def victims(
-        self,
-        nbytes: int,
-        keep: Callable[[str, bytes], bool] | None = None,
-        keep_bytes: int = 0,
-    ) -> list[tuple[str, bytes]]:
-        """Least recently used unpinned keys whose removal frees at least ``nbytes``.
-
-        The most recently used ``keep_bytes`` of keys for which ``keep(ns, key)`` holds
-        (a paused session's; its chain ordered tail first, so these are the chain's
-        leading blocks) are passed over, and taken, least recently used first, only
-        if the others are not enough. Finding them looks at most SPARE_SCAN keys from
-        the most recently used end."""
-        spared: set[tuple[str, bytes]] = set()
-        if keep is not None and keep_bytes > 0:
-            held = 0
-            for n, (k, e) in enumerate(reversed(self.entries.items())):
-                if held >= keep_bytes or n >= SPARE_SCAN:
-                    break
-                if k[0] not in self.pinned and held + e.stored <= keep_bytes and keep(*k):
-                    spared.add(k)
-                    held += e.stored
-        out: list[tuple[str, bytes]] = []
-        kept: list[tuple[str, bytes]] = []
-        freed = 0
-        for k, e in self.entries.items():
-            if freed >= nbytes:
-                return out
-            if k[0] in self.pinned:
-                continue
-            if k in spared:
-                kept.append(k)
-                continue
-            out.append(k)
-            freed += e.stored
-        for k in kept:
-            if freed >= nbytes:
-                break
-            out.append(k)
-            freed += self.entries[k].stored
-        return out
-
-    def make_oldest(self, ns: str, key: bytes) -> None:
-        """Move a key to the evicting end of the LRU order."""
-        if (ns, key) in self.entries:
-            self.entries.move_to_end((ns, key), last=False)
 
 
 class QuotaBook:
@@ -323,6 +231,13 @@ class NeedSsdRoom:
 
 
 @dataclass(frozen=True, slots=True)
+class NeedDramRoom:
+    """DRAM could not find room for a new block of ``nbytes``: give up retained blocks."""
+
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     """Periodic: how full DRAM is."""
 
@@ -395,6 +310,7 @@ Event = (
     | SsdHit
     | SsdBad
     | NeedSsdRoom
+    | NeedDramRoom
     | Tick
     | SessionHint
     | SessionKeys
@@ -483,6 +399,7 @@ class PolicyCounters:
     evicted_lost: int = 0  # DRAM evictions that left no SSD copy (ended sessions' too)
     retain_refused: int = 0  # paused sessions' DRAM blocks over the retain budget
     share_declined: int = 0  # new blocks of a session already holding its share
+    retain_yielded: int = 0  # retained DRAM blocks given back to make room for writes
 
 
 class TierPolicy:
@@ -603,6 +520,8 @@ class TierPolicy:
                 )
                 self.ssd.evictions += len(victims)
                 return self._drop_ssd(victims)
+        elif isinstance(ev, NeedDramRoom):
+            return self._yield_retained(ev.nbytes)
         elif isinstance(ev, Tick) and self.has_ssd:
             excess = self.dram_marks.excess(ev.dram_used, ev.dram_capacity)
             if excess > 0:
@@ -626,12 +545,41 @@ class TierPolicy:
             return self._changes(self.sessions.tick(ev.now))
         return []
 
+    def _yield_retained(self, nbytes: int) -> list[Instruction]:
+        """Un-retain at least ``nbytes`` of DRAM blocks, newest retained first: the
+        last session to pause gives up its tail first, and the blocks go to the
+        evicting end of the LRU order (Release, then EvictFirst, tail last so that it
+        is evicted first)."""
+        by_ns: dict[str, list[bytes]] = {}
+        freed = 0
+        while freed < nbytes and self.retained:
+            (ns, k), size = self.retained.popitem()
+            self.retained_bytes -= size
+            self.counters.retain_yielded += 1
+            freed += size
+            by_ns.setdefault(ns, []).append(k)
+        out: list[Instruction] = []
+        for ns, keys in by_ns.items():
+            keys.reverse()  # chain order: head ... tail
+            out += [Release(ns, tuple(keys)), EvictFirst(ns, tuple(keys))]
+        return out
+
     def _changes(self, changes: Sequence[Change]) -> list[Instruction]:
         """Session changes -> retain / release / evict-first / prefetch instructions."""
         out: list[Instruction] = []
         for ch in changes:
             ns = ch.ns
-            released = [k for k in ch.unprotect if self._unretain(ns, k)]
+            # A resumed session keeps what it retained while its turn runs: the engine
+            # reads the blocks after its lookup, often after waiting in its queue, and
+            # on the LRU list meanwhile they would be the next writes' victims. They
+            # go back when the session ends or expires (below), or yield to a write.
+            running = set(ch.resumed)
+            gone = set(ch.orphaned)
+            released = [
+                k
+                for k in (*ch.unprotect, *ch.orphaned)
+                if (k in gone or k not in running) and self._unretain(ns, k)
+            ]
             if released:
                 out.append(Release(ns, tuple(released)))
             keep: list[bytes] = []
