@@ -492,3 +492,32 @@ def test_urls() -> None:
     with pytest.raises(ValueError):
         ucx.parse_ucx_url("tcp://h:1")
     assert HASH_LEN == 16
+
+
+UCX_CONFIG = """
+import json, sys
+from kvstore_client.transport import ucx
+ucx.UcxRuntime.get()
+import ucxx
+print(json.dumps(ucxx.get_config()))
+"""
+
+
+@pytest.mark.parametrize(
+    ("env", "want"), [({}, "put_zcopy"), ({"UCX_RNDV_SCHEME": "auto"}, "auto")]
+)
+def test_runtime_uses_put_zcopy_unless_the_environment_says(env: dict[str, str], want: str) -> None:
+    """kvstore's UCP context writes big messages straight into the receiver's buffer
+    (the rendezvous that made ucx:// as fast as tcp:// here); a UCX_* variable wins,
+    and the option is the context's, not the process environment's."""
+    base = {k: v for k, v in os.environ.items() if k != "UCX_RNDV_SCHEME"}
+    out = subprocess.run(
+        [sys.executable, "-c", UCX_CONFIG],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    config = json.loads(out.stdout.strip().splitlines()[-1])
+    assert config["RNDV_SCHEME"] == want

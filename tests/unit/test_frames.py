@@ -250,6 +250,7 @@ def test_body_lengths() -> None:
     assert FrameCore.body_len(h(wire.OP_PUT, 3)) == 3 * 28
     assert FrameCore.body_len(h(wire.OP_PUT, 3, wire.FLAG_PARTS)) == 3 * 32
     assert FrameCore.body_len(h(wire.OP_GET, 3, wire.FLAG_PARTS)) == 3 * 20
+    assert FrameCore.body_len(h(wire.OP_GET, 3)) == 3 * 16
     assert FrameCore.body_len(h(wire.OP_EXISTS, 3, wire.FLAG_PREFIX)) == 3 * 16
     assert FrameCore.body_len(h(wire.OP_PUT_LOC, 3, wire.FLAG_LATE_SUM)) == 3 * 28
     assert FrameCore.body_len(h(wire.OP_PUT_COMMIT, 3)) == 3

@@ -27,7 +27,14 @@ from typing import Any
 
 from kvstore_client import wire
 from kvstore_client.errors import KVStoreError, ProtocolError, Unavailable
-from kvstore_client.transport.ucx import UcxRuntime, abort, recv_all, send_all, slices
+from kvstore_client.transport.ucx import (
+    UcxRuntime,
+    abort,
+    recv_all,
+    recv_blocks,
+    send_all,
+    slices,
+)
 
 from ...auth import Tenants
 from ..requests import RequestCore
@@ -259,15 +266,22 @@ class UcxTransferServer:
         try:
             # The whole frame lands at once (UCX tag messages): it reserves within the
             # worker's budget for ucx:// senders, or is refused as full.
-            lands: list[memoryview] = []
-            for i, dest in enumerate(plan.reserve(len(plan.entries))):
+            lands: list[list[memoryview]] = []
+            slots: list[memoryview | None] = plan.reserve(len(plan.entries))
+            for i, dest in enumerate(slots):
                 if dest is None:
                     dest = self._discard_buffer(plan.sizes[i])
                 if parts is not None and len(parts[i]) > 1:
-                    lands.extend(slices(dest, parts[i]))
+                    lands.append(slices(dest, parts[i]))
                 else:
-                    lands.append(dest)
-            await recv_all(ep, lands)
+                    lands.append([dest])
+
+            def landed(i: int) -> None:  # checked while the next blocks arrive
+                slot = slots[i]
+                if slot is not None:
+                    plan.landed(i, slot)
+
+            await recv_blocks(ep, lands, landed)
             plan.finish()
         except BaseException:
             # The sender vanished or stalled mid-frame: cancel what UCX still has
