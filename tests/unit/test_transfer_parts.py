@@ -4,6 +4,7 @@ whole value's, scatter reads fill parts exactly, and ucx:// part tables are chec
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
 
@@ -43,6 +44,34 @@ def test_recv_into_parts_scatters_across_partial_reads() -> None:
         sender = threading.Thread(
             target=lambda: [a.sendall(value[i : i + 999]) for i in range(0, len(value), 999)]
         )
+        sender.start()
+        wire.recv_into_parts(b, dest)
+        sender.join()
+    finally:
+        a.close()
+        b.close()
+    assert b"".join(bytes(d) for d in dest) == value
+
+
+def test_many_small_parts_round_trip_exactly() -> None:
+    """More parts than IOV_MAX and more bytes than the socket buffers hold: sent with
+    send_buffers in one split, received with recv_into_parts in another (empty parts
+    included), the bytes come back exactly."""
+    value = os.urandom((8 << 20) + 12_345)
+    rng = random.Random(24)
+
+    def split(n: int) -> list[int]:
+        sizes: list[int] = []
+        while sum(sizes) < n:
+            sizes.append(min(rng.choice([0, 1, 100, 4096, 16384]), n - sum(sizes)))
+        return sizes
+
+    send_parts = cut(value, split(len(value)))
+    dest = [memoryview(bytearray(n)) for n in split(len(value))]
+    assert len(send_parts) > wire.IOV_MAX and len(dest) > wire.IOV_MAX
+    a, b = socket.socketpair()
+    try:
+        sender = threading.Thread(target=wire.send_buffers, args=(a, send_parts))
         sender.start()
         wire.recv_into_parts(b, dest)
         sender.join()
