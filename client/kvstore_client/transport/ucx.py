@@ -24,6 +24,12 @@ exactly that size: payloads land straight in their destination (an arena slot on
 the worker, the caller's buffer on the client), never in an intermediate copy.
 Only PUT, GET, EXISTS and REMOVE are served; the shm:// ops are not.
 
+Packed payloads (wire.FLAG_PACKED, :func:`packs`): a frame of many small payload
+messages sends them back to back as one message instead (a PUT with the flag; a GET
+answer tagged TAG_PACKED when the client asked and the hits fit in wire.MAX_PACKED),
+copied through a per-endpoint :class:`Staging` area: each message costs a rendezvous
+and the event loop's hand-offs, a copy of a small block much less (docs/UCX.md).
+
 Threads. ucxx is asyncio-based; one daemon thread per process runs an event loop that
 owns the UCX context (:class:`UcxRuntime`, shared by the client and the worker's server
 in the same process). UCX progress defaults to ucxx's ``thread`` mode with Python
@@ -47,7 +53,6 @@ import concurrent.futures as cf
 import contextlib
 import os
 import socket
-import struct
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
@@ -65,12 +70,23 @@ from ..errors import (
 from ..keys import from_bitmap
 from .pins import Remote
 from .tcp import GetResult
+from .ucxcodec import (
+    ERROR_MAX,
+    MAX_PART_ENTRIES,
+    PACK_BELOW,
+    Staging,
+    copy_into,
+    packs,
+    part_tables,
+    read_part_counts,
+    slices,
+    split_sizes,
+)
 
 R = TypeVar("R")
 Buffer = bytes | bytearray | memoryview
 
 SCHEME = "ucx://"
-ERROR_MAX = 4096  # bytes of an error message a peer may send
 # In thread mode ucxx reports a refused first connection only when the handshake times
 # out, so bound the handshake, and fail fast for a while after a failure.
 CONNECT_TIMEOUT = 5.0  # ucxx's own default handshake timeout
@@ -88,55 +104,6 @@ UCX_OPTIONS: Mapping[str, str] = {"RNDV_SCHEME": "put_zcopy"}
 
 _import_lock = threading.Lock()
 _import_error: str | None = None
-
-
-MAX_PART_ENTRIES = 1 << 20  # parts in one frame
-
-
-def part_tables(blocks: Sequence[wire.Block | None]) -> tuple[bytes, bytes]:
-    """The two part tables of a FLAG_PARTS frame: a u32 part count per block (ends the
-    body), and the u32 size of every part (the message after the body). ``None`` (no
-    destination) and a whole buffer count as one part."""
-    counts = bytearray(len(blocks) * 4)
-    sizes: list[int] = []
-    for i, b in enumerate(blocks):
-        if isinstance(b, list):
-            wire.PART_COUNT.pack_into(counts, 4 * i, len(b))
-            sizes.extend(p.nbytes for p in b)
-        else:
-            wire.PART_COUNT.pack_into(counts, 4 * i, 1)
-            sizes.append(0 if b is None else wire.block_size(b))
-    return bytes(counts), struct.pack(f"<{len(sizes)}I", *sizes)
-
-
-def read_part_counts(raw: memoryview | bytes) -> list[int]:
-    """Per block its part count (the tail of a FLAG_PARTS body); ProtocolError when a
-    count is 0, above wire.MAX_PARTS, or the frame has too many parts in all."""
-    counts = list(struct.unpack(f"<{len(raw) // 4}I", raw))
-    if any(c < 1 or c > wire.MAX_PARTS for c in counts) or sum(counts) > MAX_PART_ENTRIES:
-        raise ProtocolError("bad part counts in a FLAG_PARTS frame")
-    return counts
-
-
-def split_sizes(counts: Sequence[int], raw: bytes | bytearray) -> list[list[int]]:
-    """Per block the sizes of its parts, from the part-size table."""
-    sizes = struct.unpack(f"<{len(raw) // 4}I", raw)
-    out: list[list[int]] = []
-    at = 0
-    for c in counts:
-        out.append(list(sizes[at : at + c]))
-        at += c
-    return out
-
-
-def slices(view: memoryview, sizes: Sequence[int]) -> list[memoryview]:
-    """``view`` cut into consecutive slices of ``sizes`` (which add up to its size)."""
-    out: list[memoryview] = []
-    at = 0
-    for n in sizes:
-        out.append(view[at : at + n])
-        at += n
-    return out
 
 
 def _import_ucxx() -> Any:
@@ -367,6 +334,7 @@ class UcxConnection:
         self.ep = ep
         self._req = 0
         self._scratch = bytearray(0)
+        self._stage = Staging()
 
     @classmethod
     async def open(
@@ -456,20 +424,32 @@ class UcxConnection:
         session: int = 0,
     ) -> bytes:
         """Send one PUT frame; returns one wire.PUT_* status byte per block. Blocks given
-        as several parts go as one message per part (wire.FLAG_PARTS frame).
+        as several parts go as one message per part (wire.FLAG_PARTS frame); many small
+        messages (:func:`packs`) go packed into one instead (wire.FLAG_PACKED).
         ``session``: wire.FLAG_SESSION or 0."""
         self._req += 1
         entries = bytearray(len(hashes) * wire.PUT_ENTRY.size)
         for i, (key, v, c) in enumerate(zip(hashes, values, checksums, strict=True)):
             wire.PUT_ENTRY.pack_into(entries, i * wire.PUT_ENTRY.size, key, wire.block_size(v), c)
-        parts = wire.FLAG_PARTS if _has_parts(values) else 0
-        flags = parts | (session & wire.FLAG_SESSION)
-        head = wire.HEADER.pack(wire.REQ_MAGIC, wire.OP_PUT, flags, len(ns), len(hashes), self._req)
-        msgs: list[Buffer] = [head, ns + entries]
-        if parts:
-            counts, sizes = part_tables(values)
-            msgs = [head, ns + entries + counts, sizes]
-        h = await self._exchange(wire.OP_PUT, [*msgs, *wire.flat_buffers(values)])
+        payloads = wire.flat_buffers(values)
+        if packs(payloads):  # many small messages: one copy into one message instead
+            flags = wire.FLAG_PACKED | (session & wire.FLAG_SESSION)
+            head = wire.HEADER.pack(
+                wire.REQ_MAGIC, wire.OP_PUT, flags, len(ns), len(hashes), self._req
+            )
+            blob = self._stage.pack(payloads)
+            h = await self._exchange(wire.OP_PUT, [head, ns + entries, blob])
+        else:
+            parts = wire.FLAG_PARTS if _has_parts(values) else 0
+            flags = parts | (session & wire.FLAG_SESSION)
+            head = wire.HEADER.pack(
+                wire.REQ_MAGIC, wire.OP_PUT, flags, len(ns), len(hashes), self._req
+            )
+            msgs: list[Buffer] = [head, ns + entries]
+            if parts:
+                counts, sizes = part_tables(values)
+                msgs = [head, ns + entries + counts, sizes]
+            h = await self._exchange(wire.OP_PUT, [*msgs, *payloads])
         if h.count != len(hashes):
             raise ProtocolError(f"{h.count} statuses for {len(hashes)} blocks")
         return bytes(await self._body(h.count))
@@ -483,20 +463,26 @@ class UcxConnection:
         """One GET frame. With ``buffers``, hits land in them (a hit whose size differs
         from its buffer is received and dropped, and reported as a miss). Blocks given
         as several parts: a FLAG_PARTS frame, so the worker sends a hit of the parts'
-        total size as one message per part, landing in the parts directly."""
+        total size as one message per part, landing in the parts directly. Many small
+        blocks or parts (:func:`packs`): a FLAG_PACKED frame, whose hits the worker
+        may send back to back in one message (TAG_PACKED), copied out here."""
+        packed = wire.FLAG_PACKED if buffers is not None and packs(buffers) else 0
         if buffers is not None and _has_parts(buffers):
             self._req += 1
             counts, sizes = part_tables(buffers)
+            flags = wire.FLAG_PARTS | packed  # the tables serve an answer not packed
             head = wire.HEADER.pack(
-                wire.REQ_MAGIC, wire.OP_GET, wire.FLAG_PARTS, len(ns), len(hashes), self._req
+                wire.REQ_MAGIC, wire.OP_GET, flags, len(ns), len(hashes), self._req
             )
             body = b"".join([ns, *hashes, counts])
             h = await self._exchange(wire.OP_GET, [head, body, sizes])
         else:
-            h = await self._simple(wire.OP_GET, ns, hashes)
+            h = await self._simple(wire.OP_GET, ns, hashes, packed)
         if h.count != len(hashes):
             raise ProtocolError(f"{h.count} entries for {len(hashes)} hashes")
         meta = await self._body(h.count * wire.GET_ENTRY.size)
+        if h.ns_len == wire.TAG_PACKED:
+            return await self._unpack(list(wire.GET_ENTRY.iter_unpack(meta)), buffers)
         found = [False] * h.count
         values: list[bytearray | None] = [None] * h.count
         landing: list[Sequence[memoryview | bytearray]] = []  # per hit, its messages
@@ -541,6 +527,36 @@ class UcxConnection:
         await recv_blocks(self.ep, landing, landed)
         return GetResult(found, values, total)
 
+    async def _unpack(
+        self,
+        entries: list[tuple[int, int, int]],
+        buffers: Sequence[memoryview | list[memoryview]] | None,
+    ) -> GetResult:
+        """The hits of a TAG_PACKED answer: one message, back to back, copied into
+        their buffers (a hit whose size differs from its buffer is dropped)."""
+        total = sum(size for status, size, _ in entries if status == wire.GET_HIT)
+        if total > wire.MAX_PACKED:
+            raise ProtocolError(f"a packed answer of {total} bytes")
+        blob = self._stage.view(total)
+        await recv_all(self.ep, [blob])
+        found = [False] * len(entries)
+        values: list[bytearray | None] = [None] * len(entries)
+        at = 0
+        for i, (status, size, checksum) in enumerate(entries):
+            if status != wire.GET_HIT:
+                continue
+            src, at = blob[at : at + size], at + size
+            if buffers is None:
+                values[i] = bytearray(src)
+            elif wire.block_size(buffers[i]) != size:
+                continue
+            else:
+                copy_into(buffers[i], src)
+            found[i] = wire.block_checksum(src) == checksum
+            if not found[i]:
+                values[i] = None
+        return GetResult(found, values, total)
+
     async def exists(self, ns: bytes, hashes: Sequence[bytes]) -> list[bool]:
         """One EXISTS frame: per hash, whether the worker holds it."""
         h = await self._simple(wire.OP_EXISTS, ns, hashes)
@@ -553,9 +569,11 @@ class UcxConnection:
         """One REMOVE frame; returns how many of the hashes were present."""
         return (await self._simple(wire.OP_REMOVE, ns, hashes)).count
 
-    async def _simple(self, op: int, ns: bytes, hashes: Sequence[bytes]) -> wire.Header:
+    async def _simple(
+        self, op: int, ns: bytes, hashes: Sequence[bytes], flags: int = 0
+    ) -> wire.Header:
         self._req += 1
-        head = wire.HEADER.pack(wire.REQ_MAGIC, op, 0, len(ns), len(hashes), self._req)
+        head = wire.HEADER.pack(wire.REQ_MAGIC, op, flags, len(ns), len(hashes), self._req)
         return await self._exchange(op, [head, b"".join([ns, *hashes])])
 
 
@@ -698,12 +716,18 @@ def find_ucx_url(endpoints: Sequence[str]) -> str:
 
 
 __all__ = [
+    "ERROR_MAX",
+    "MAX_PART_ENTRIES",
+    "PACK_BELOW",
     "GetResult",
+    "Staging",
     "UcxConnection",
     "UcxPool",
     "UcxRuntime",
     "available",
+    "copy_into",
     "find_ucx_url",
+    "packs",
     "parse_ucx_url",
     "part_tables",
     "read_part_counts",
