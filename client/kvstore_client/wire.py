@@ -130,7 +130,14 @@ FLAG_PREFIX = 1
 # Request flag (PUT_LOC and its PUT_COMMIT): the checksums come with the commit.
 FLAG_LATE_SUM = 4
 SUMS = struct.Struct("<Q")
+# Request flag (ucx:// PUT and GET): the frame's payloads travel packed, one message
+# of at most MAX_PACKED bytes (PUT: the blocks back to back, not with FLAG_PARTS; GET:
+# the hits back to back, when the worker answers with TAG_PACKED). Per message UCX
+# pays a rendezvous, so many small blocks or parts cost far more than a copy.
+FLAG_PACKED = 8
+MAX_PACKED = 64 << 20
 TAG_RUN = 1
+TAG_PACKED = 2  # a GET answer (ucx://) whose hits follow as one packed message
 PART_COUNT = struct.Struct("<I")
 
 

@@ -120,6 +120,14 @@ def _mooncake_missing() -> str | None:
 MOONCAKE_MISSING = _mooncake_missing()
 
 
+def test_quick_ucx(tmp_path: Path) -> None:
+    """--transport ucx is measured in the same grid as tcp:// (the worker serves it)."""
+    pytest.importorskip("ucxx")
+    result = run_bench(tmp_path, "--transport", "tcp,ucx")
+    assert not [n for n in result["notes"] if "ucx" in n], result["notes"]
+    check_points(result, [("kvstore", "tcp"), ("kvstore", "ucx")])
+
+
 @pytest.mark.skipif(MOONCAKE_MISSING is not None, reason=str(MOONCAKE_MISSING))
 def test_quick_vs_mooncake(tmp_path: Path) -> None:
     result = run_bench(tmp_path, "--transport", "tcp", "--vs", "mooncake")
@@ -150,6 +158,23 @@ def test_targets_and_plan_logic() -> None:
         "put 1 MiB x32 vs Mooncake": (2.0, False),
         "put 1 MiB x32 vs bare socket": (0.5, False),
         "batch_exists x1024 vs batch_is_exist": (1.5, True),
+    }
+    # ucx:// is judged against tcp:// of the same run as well, at every target point.
+    ucx = [
+        Point("kvstore", "ucx", "get", 1 << 20, 32, 1, 1, 1, 1.0, 3.3, 1, 0, 1, 1, 0, 0, 0),
+        Point("kvstore", "ucx", "put", 64 << 10, 32, 1, 1, 1, 1.0, 0.5, 1, 0, 1, 1, 0, 0, 0),
+        pt("kvstore", "put", 64 << 10, 1.0),
+    ]
+    got = {
+        t["name"]: (round(t["value"], 3), t["met"])
+        for t in evaluate_targets(points + ucx, [], 4.0)
+        if t["transport"] == "ucx"
+    }
+    assert got == {
+        "get 1 MiB x32 vs Mooncake": (3.3, True),
+        "get 1 MiB x32 vs bare socket": (0.825, True),
+        "get 1 MiB x32 vs tcp://": (1.1, True),
+        "put 64 KiB x32 vs tcp://": (0.5, False),
     }
     plan = Plan([4 << 10, 16 << 20], [1, 128], [1, 4], 1 << 30, 1.0, 1 << 30)
     assert plan.combos(4 << 10) == [(1, 1), (1, 4), (128, 1), (128, 4)]

@@ -273,6 +273,15 @@ HOSTILE = {
         NS + wire.PUT_ENTRY.pack(b"k" * HASH_LEN, MIB + 1, 0),
     ],
     "namespace length 0": [_hdr(wire.OP_GET, 1, ns=b"")],
+    # ucx:// reads the body and refuses it; tcp:// does not know the flag at all.
+    "packed PUT over its bound": [
+        _hdr(wire.OP_PUT, wire.MAX_PACKED // MIB + 1, wire.FLAG_PACKED),
+        NS
+        + b"".join(
+            wire.PUT_ENTRY.pack(i.to_bytes(HASH_LEN, "little"), MIB, 0)
+            for i in range(wire.MAX_PACKED // MIB + 1)
+        ),
+    ],
 }
 
 
@@ -492,3 +501,62 @@ def test_urls() -> None:
     with pytest.raises(ValueError):
         ucx.parse_ucx_url("tcp://h:1")
     assert HASH_LEN == 16
+
+
+UCX_CONFIG = """
+import json, sys
+from kvstore_client.transport import ucx
+ucx.UcxRuntime.get()
+import ucxx
+print(json.dumps(ucxx.get_config()))
+"""
+
+
+@pytest.mark.parametrize(
+    ("env", "want"), [({}, "put_zcopy"), ({"UCX_RNDV_SCHEME": "auto"}, "auto")]
+)
+def test_runtime_uses_put_zcopy_unless_the_environment_says(env: dict[str, str], want: str) -> None:
+    """kvstore's UCP context writes big messages straight into the receiver's buffer
+    (the rendezvous that made ucx:// as fast as tcp:// here); a UCX_* variable wins,
+    and the option is the context's, not the process environment's."""
+    base = {k: v for k, v in os.environ.items() if k != "UCX_RNDV_SCHEME"}
+    out = subprocess.run(
+        [sys.executable, "-c", UCX_CONFIG],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    config = json.loads(out.stdout.strip().splitlines()[-1])
+    assert config["RNDV_SCHEME"] == want
+
+
+def test_packed_frames_round_trip_exactly(pool: ucx.UcxPool) -> None:
+    """Many small blocks (and parts) go packed into one message each way: bytes come
+    back exactly, misses and wrong-size buffers are misses, empty values are values."""
+    keys = [key(i, "packed") for i in range(40)]
+    vals = [value_for(k, 1 + 997 * i) for i, k in enumerate(keys)]
+    vals[7] = b""
+    assert ucx.packs([memoryview(v) for v in vals])
+    assert pool.put(T, NS, keys, vals, _sums(vals)) == bytes([wire.PUT_STORED] * 40)
+    absent = key(0, "packed-absent")
+    bufs: list[memoryview | list[memoryview]] = [memoryview(bytearray(len(v))) for v in vals]
+    bufs[3] = memoryview(bytearray(len(vals[3]) + 1))  # wrong size: a miss
+    whole = bytearray(len(vals[5]))
+    bufs[5] = [memoryview(whole)[:10], memoryview(whole)[10:]]  # parts
+    got = pool.get(T, NS, [*keys, absent], [*bufs, memoryview(bytearray(8))])
+    want = [True] * 40 + [False]
+    want[3] = False
+    assert got.found == want
+    for i, (b, v) in enumerate(zip(bufs, vals, strict=True)):
+        if i == 5:
+            assert bytes(whole) == v
+        elif i != 3:
+            assert isinstance(b, memoryview) and b.tobytes() == v, i
+    # Parts of one block, written packed and read back whole.
+    pk = key(0, "packed-parts")
+    value = value_for(pk, 64 * 1024)
+    parts = [memoryview(value)[j : j + 1024] for j in range(0, len(value), 1024)]
+    assert pool.put(T, NS, [pk], [parts], [xxhash.xxh3_64_intdigest(value)]) == bytes([0])
+    assert [bytes(v or b"") for v in pool.get(T, NS, [pk], None).values] == [value]

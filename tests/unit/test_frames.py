@@ -151,12 +151,19 @@ def test_flags_by_op_and_transport(store: BlockStore) -> None:
         (tcp, wire.OP_PUT_LOC, wire.FLAG_SESSION | wire.FLAG_LATE_SUM),
         (tcp, wire.OP_PUT_COMMIT, wire.FLAG_LATE_SUM),
         (ucx, wire.OP_PUT, wire.FLAG_PARTS | wire.FLAG_SESSION),
+        (ucx, wire.OP_PUT, wire.FLAG_PACKED | wire.FLAG_SESSION),
         (ucx, wire.OP_GET, wire.FLAG_PARTS),
+        (ucx, wire.OP_GET, wire.FLAG_PACKED),
         (ucx, wire.OP_EXISTS, wire.FLAG_PREFIX),
     ]
     for frames, op, flags in ok:
         assert frames.header(frames.peer("c"), head(op, flags=flags)).flags_or_code == flags
-    for frames, op, flags in [(tcp, wire.OP_PUT, wire.FLAG_PARTS), (tcp, wire.OP_GET, 1)]:
+    for frames, op, flags in [
+        (tcp, wire.OP_PUT, wire.FLAG_PARTS),
+        (tcp, wire.OP_GET, 1),
+        (tcp, wire.OP_PUT, wire.FLAG_PACKED),  # packing is ucx://'s (one message per frame)
+        (tcp, wire.OP_GET, wire.FLAG_PACKED),
+    ]:
         with pytest.raises(Refused, match="flags"):
             frames.header(frames.peer("c"), head(op, flags=flags))
 
@@ -250,6 +257,7 @@ def test_body_lengths() -> None:
     assert FrameCore.body_len(h(wire.OP_PUT, 3)) == 3 * 28
     assert FrameCore.body_len(h(wire.OP_PUT, 3, wire.FLAG_PARTS)) == 3 * 32
     assert FrameCore.body_len(h(wire.OP_GET, 3, wire.FLAG_PARTS)) == 3 * 20
+    assert FrameCore.body_len(h(wire.OP_GET, 3)) == 3 * 16
     assert FrameCore.body_len(h(wire.OP_EXISTS, 3, wire.FLAG_PREFIX)) == 3 * 16
     assert FrameCore.body_len(h(wire.OP_PUT_LOC, 3, wire.FLAG_LATE_SUM)) == 3 * 28
     assert FrameCore.body_len(h(wire.OP_PUT_COMMIT, 3)) == 3
@@ -431,3 +439,49 @@ def test_shm_server_reserve_commit_and_close(store: BlockStore) -> None:
     assert store.tier.used_bytes > used
     shm.close(st)
     assert store.tier.used_bytes == used and st.holder.bytes == 0 and not st.open
+
+
+def test_packed_put_is_bounded_and_has_no_part_tables(store: BlockStore) -> None:
+    """A packed PUT (ucx://: every payload in one message) lands like any other; it
+    carries no part tables and at most wire.MAX_PACKED bytes (INVALID_ARGUMENT)."""
+    ucx = FrameCore(store, core_for(store), UCX_OPS, "ucx")
+    p = ucx.peer("c")
+    h = ucx.header(p, head(wire.OP_PUT, 2, flags=wire.FLAG_PACKED))
+    ks, vals = keys(2, "packed"), [b"a" * 3000, b""]
+    plan = ucx.put_plan(p, h, "m/x", entries(ks, vals))
+    for i, d in enumerate(plan.reserve(2)):
+        assert d is not None
+        d[:] = vals[i]
+    plan.finish()
+    assert bytes(plan.answer()[1]) == bytes([wire.PUT_STORED] * 2)
+    both = ucx.header(p, head(wire.OP_PUT, 1, flags=wire.FLAG_PACKED | wire.FLAG_PARTS))
+    with pytest.raises(Refused, match="no part tables"):
+        ucx.put_plan(p, both, "m/x", entries(keys(1, "pp"), [b"x" * 10]), [[10]])
+    n = wire.MAX_PACKED // MAX_VALUE + 1
+    over = wire.Header(wire.OP_PUT, wire.FLAG_PACKED, len(NS), n, 7)  # (past the batch check)
+    big = b"".join(wire.PUT_ENTRY.pack(k, MAX_VALUE, 0) for k in keys(n, "big"))
+    with pytest.raises(Refused, match="at most") as e:
+        ucx.put_plan(p, over, "m/x", big)
+    assert isinstance(e.value.error, InvalidArgument)
+
+
+def test_packed_get_answer_is_tagged_and_unsliced_within_its_bound(store: BlockStore) -> None:
+    """FLAG_PACKED: an answer whose hits fit in wire.MAX_PACKED is TAG_PACKED with the
+    hits whole (the transport sends them as one message, part tables or not)."""
+    ks = keys(2, "pget")
+    vals = [b"1" * 3000, b"2" * 5000]
+    store.put_bytes("m/x", ks, vals)
+    ucx = FrameCore(store, core_for(store), UCX_OPS, "ucx")
+    flags = wire.FLAG_PACKED | wire.FLAG_PARTS
+    answer = ucx.get_answer(
+        wire.Header(wire.OP_GET, flags, 3, 2, 1), "m/x", b"".join(ks), [[1000, 2000], [5000]]
+    )
+    head_, _, *views = answer.buffers
+    assert answer.packed and wire.decode_header(head_, wire.ANS_MAGIC).ns_len == wire.TAG_PACKED
+    assert [bytes(v) for v in views] == vals
+    answer.close()
+    plain = ucx.get_answer(wire.Header(wire.OP_GET, 0, 3, 2, 1), "m/x", b"".join(ks))
+    assert not plain.packed
+    assert wire.decode_header(plain.buffers[0], wire.ANS_MAGIC).ns_len == 0
+    plain.close()
+    assert pins(store) == 0

@@ -1,7 +1,7 @@
 """Same-host points of ``kvstore bench transfer``: multi-part blocks (``--parts``) and
 prefix-lookup latency (``--match-prefix``).
 
-``--parts 1,8,80``: per transport (tcp, shm) and part count, ``batch_put_parts`` of fresh
+``--parts 1,8,80``: per transport (tcp, shm, ucx) and part count, ``batch_put_parts`` of fresh
 keys and ``batch_get_into_parts`` of a stored working set, each block split into N near-equal
 views of one pre-faulted engine-like buffer (no staging copies). Reports GiB/s, that
 against the one-part point, and CPU seconds per GiB (this process plus the workers,
@@ -36,6 +36,7 @@ from kvstore_client.routing import FRAME_BYTES
 
 from ..peers import MooncakeServer, MooncakeStoreAdapter, PeerUnavailable, cpu_seconds
 from . import ceilings
+from .systems import worker_args
 
 GIB = float(1 << 30)
 NS = "bench/samehost/b0/tp0of1"
@@ -231,7 +232,8 @@ def main(
     if parts:
         # One worker, one client thread: a batch goes out in FRAME_BYTES frames at once.
         ceil = result["ceilings"] = ceilings_3x(total, -(-block * batch // FRAME_BYTES))
-        with LocalCluster(workers=1, dram_size=dram or "1GiB") as cluster:
+        extra = worker_args(transports)
+        with LocalCluster(workers=1, dram_size=dram or "1GiB", extra_worker_args=extra) as cluster:
             pts = result["parts"] = parts_points(cluster, transports, parts, block, batch, total)
         if "mooncake" in vs:
             try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .run import Point
+    from .points import Point
 
 __all__ = ["TARGETS", "evaluate_targets"]
 
@@ -15,6 +15,7 @@ TARGETS = [  # name, op, block, batch, goal vs Mooncake, goal vs the bare socket
     ("get 64 KiB x32", "get", 64 << 10, 32, 2.0, None),
     ("put 64 KiB x32", "put", 64 << 10, 32, 2.0, None),
 ]
+UCX_VS_TCP = 1.0  # ucx:// at least as fast as tcp:// in the same run (issue 24)
 
 
 def evaluate_targets(
@@ -23,7 +24,8 @@ def evaluate_targets(
     socket_gib_s: float,
     socket_range: tuple[float, float] | None = None,
 ) -> list[dict[str, Any]]:
-    """The goals (concurrency 1, one worker) for each kvstore transport.
+    """The goals (concurrency 1, one worker) for each kvstore transport; ucx:// is also
+    judged against tcp:// in the same run (``vs tcp://``, goal :data:`UCX_VS_TCP`).
 
     ``socket_gib_s`` is the median of the bare-socket runs and ``socket_range`` their
     (min, max): a goal against the socket is "yes" only if met even against the fastest
@@ -52,6 +54,9 @@ def evaluate_targets(
                 lo_s, hi_s = socket_range or (socket_gib_s, socket_gib_s)
                 span = (kv.gib_s / hi_s, kv.gib_s / lo_s) if lo_s > 0 else None
                 add(tr, f"{name} vs bare socket", kv.gib_s / socket_gib_s, vs_sock, span)
+            tcp = by.get(("kvstore", "tcp", (op, block, batch, 1, 1)))
+            if tr == "ucx" and kv is not None and tcp is not None and tcp.gib_s > 0:
+                add(tr, f"{name} vs tcp://", kv.gib_s / tcp.gib_s, UCX_VS_TCP)
         kv_ex, mc_ex = ex.get(("kvstore", tr, 1)), ex.get(("mooncake", "tcp", 1))
         if kv_ex and mc_ex:
             r = kv_ex["keys_per_s"] / mc_ex["keys_per_s"]

@@ -24,6 +24,12 @@ exactly that size: payloads land straight in their destination (an arena slot on
 the worker, the caller's buffer on the client), never in an intermediate copy.
 Only PUT, GET, EXISTS and REMOVE are served; the shm:// ops are not.
 
+Packed payloads (wire.FLAG_PACKED, :func:`packs`): a frame of many small payload
+messages sends them back to back as one message instead (a PUT with the flag; a GET
+answer tagged TAG_PACKED when the client asked and the hits fit in wire.MAX_PACKED),
+copied through a per-endpoint :class:`Staging` area: each message costs a rendezvous
+and the event loop's hand-offs, a copy of a small block much less (docs/UCX.md).
+
 Threads. ucxx is asyncio-based; one daemon thread per process runs an event loop that
 owns the UCX context (:class:`UcxRuntime`, shared by the client and the worker's server
 in the same process). UCX progress defaults to ucxx's ``thread`` mode with Python
@@ -31,6 +37,12 @@ futures in client processes (nothing polls; about half the CPU per GiB of the ot
 modes here) and to ``blocking`` mode in a process that serves ucx:// (ucxx's thread
 mode can crash when a listener closes); see :func:`progress_settings`. Blocking callers
 hand coroutines to the loop and wait for them with a deadline.
+
+Transfers. kvstore's UCP context uses UCX's ``put_zcopy`` rendezvous
+(:data:`UCX_OPTIONS`; a ``UCX_*`` variable of the same name wins): a big message is
+written from the sender's buffer straight into the receiver's. A receiver posts all
+of a frame's payload receives at once and checks each block (xxh3) as soon as its
+messages have landed, while the later ones still arrive (:func:`recv_blocks`).
 """
 
 from __future__ import annotations
@@ -41,7 +53,6 @@ import concurrent.futures as cf
 import contextlib
 import os
 import socket
-import struct
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
@@ -56,83 +67,43 @@ from ..errors import (
     from_code,
     from_transport_error,
 )
-from ..keys import HASH_LEN, from_bitmap
+from ..keys import from_bitmap
 from .pins import Remote
 from .tcp import GetResult
+from .ucxcodec import (
+    ERROR_MAX,
+    MAX_PART_ENTRIES,
+    PACK_BELOW,
+    Staging,
+    copy_into,
+    packs,
+    part_tables,
+    read_part_counts,
+    slices,
+    split_sizes,
+)
 
 R = TypeVar("R")
 Buffer = bytes | bytearray | memoryview
 
 SCHEME = "ucx://"
-ERROR_MAX = 4096  # bytes of an error message a peer may send
 # In thread mode ucxx reports a refused first connection only when the handshake times
 # out, so bound the handshake, and fail fast for a while after a failure.
 CONNECT_TIMEOUT = 5.0  # ucxx's own default handshake timeout
 DOWN_FOR = 1.0
-SERVED_OPS = frozenset({wire.OP_PUT, wire.OP_GET, wire.OP_EXISTS, wire.OP_REMOVE})
 CLIENT_PROGRESS_MODE = "thread"  # with Python futures: nothing polls
 SERVER_PROGRESS_MODE = "blocking"  # see progress_settings
+# Options of kvstore's own UCP context (not the process environment: an engine's own
+# UCX, e.g. NIXL's, keeps its defaults); a UCX_* variable of the same name wins.
+# Measured against tcp:// on one host over UCX's tcp transport (docs/UCX.md): with
+# UCX's default rendezvous (fragmented copy-in copy-out through bounce buffers) ucx://
+# moved 1 MiB blocks at 0.5-0.7x tcp:// for about twice its CPU per GiB; with
+# put_zcopy (the sender writes straight from its buffer into the receiver's) it moved
+# them at about tcp://'s speed for half that CPU. On RDMA it is a zero-copy RDMA write.
+UCX_OPTIONS: Mapping[str, str] = {"RNDV_SCHEME": "put_zcopy"}
 
 _import_lock = threading.Lock()
 _import_error: str | None = None
-
-
-def body_len(op: int, count: int, flags: int = 0) -> int:
-    """Bytes of a request body after the namespace, for a served op and a count
-    (with wire.FLAG_PARTS, PUT and GET bodies end with a u32 part count per block)."""
-    per = wire.PART_COUNT.size if flags & wire.FLAG_PARTS else 0
-    if op == wire.OP_PUT:
-        return count * (wire.PUT_ENTRY.size + per)
-    return count * (HASH_LEN + per)  # GET, EXISTS, REMOVE: the hashes
-
-
-MAX_PART_ENTRIES = 1 << 20  # parts in one frame
-
-
-def part_tables(blocks: Sequence[wire.Block | None]) -> tuple[bytes, bytes]:
-    """The two part tables of a FLAG_PARTS frame: a u32 part count per block (ends the
-    body), and the u32 size of every part (the message after the body). ``None`` (no
-    destination) and a whole buffer count as one part."""
-    counts = bytearray(len(blocks) * 4)
-    sizes: list[int] = []
-    for i, b in enumerate(blocks):
-        if isinstance(b, list):
-            wire.PART_COUNT.pack_into(counts, 4 * i, len(b))
-            sizes.extend(p.nbytes for p in b)
-        else:
-            wire.PART_COUNT.pack_into(counts, 4 * i, 1)
-            sizes.append(0 if b is None else wire.block_size(b))
-    return bytes(counts), struct.pack(f"<{len(sizes)}I", *sizes)
-
-
-def read_part_counts(raw: memoryview | bytes) -> list[int]:
-    """Per block its part count (the tail of a FLAG_PARTS body); ProtocolError when a
-    count is 0, above wire.MAX_PARTS, or the frame has too many parts in all."""
-    counts = list(struct.unpack(f"<{len(raw) // 4}I", raw))
-    if any(c < 1 or c > wire.MAX_PARTS for c in counts) or sum(counts) > MAX_PART_ENTRIES:
-        raise ProtocolError("bad part counts in a FLAG_PARTS frame")
-    return counts
-
-
-def split_sizes(counts: Sequence[int], raw: bytes | bytearray) -> list[list[int]]:
-    """Per block the sizes of its parts, from the part-size table."""
-    sizes = struct.unpack(f"<{len(raw) // 4}I", raw)
-    out: list[list[int]] = []
-    at = 0
-    for c in counts:
-        out.append(list(sizes[at : at + c]))
-        at += c
-    return out
-
-
-def slices(view: memoryview, sizes: Sequence[int]) -> list[memoryview]:
-    """``view`` cut into consecutive slices of ``sizes`` (which add up to its size)."""
-    out: list[memoryview] = []
-    at = 0
-    for n in sizes:
-        out.append(view[at : at + n])
-        at += n
-    return out
 
 
 def _import_ucxx() -> Any:
@@ -241,7 +212,12 @@ class UcxRuntime:
         if make_context is not None:
             progress_mod._create_context = _no_cuda_context  # type: ignore[union-attr]
         try:
-            self.ucxx.init(progress_mode=mode, enable_python_future=futures)
+            self.ucxx.init(
+                options=dict(UCX_OPTIONS),
+                env_takes_precedence=True,
+                progress_mode=mode,
+                enable_python_future=futures,
+            )
         except RuntimeError:
             pass  # the application initialised ucxx already: share its context
         finally:
@@ -304,6 +280,34 @@ async def recv_all(ep: Any, buffers: Sequence[memoryview | bytearray]) -> None:
     _raise_first(results)
 
 
+async def recv_blocks(
+    ep: Any, blocks: Sequence[Sequence[memoryview | bytearray]], landed: Callable[[int], None]
+) -> None:
+    """Receive every block's messages (one per non-empty buffer, all posted at once, in
+    order) and call ``landed(i)`` as soon as block ``i``'s have all arrived, while the
+    later ones are still coming: the caller checks a block (xxh3) during the transfer
+    instead of after it. On an error or a cancellation the receives still posted are
+    cancelled and settled, then it is raised (the caller aborts the endpoint)."""
+    tasks: list[asyncio.Future[Any]] = []
+    ends: list[int] = []
+    for parts in blocks:
+        tasks.extend(asyncio.ensure_future(ep.recv(b)) for b in parts if len(b))
+        ends.append(len(tasks))
+    at = 0
+    try:
+        for i, end in enumerate(ends):
+            while at < end:
+                await tasks[at]
+                at += 1
+            landed(i)
+    except BaseException:
+        rest = tasks[at:]
+        for t in rest:
+            t.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+        raise
+
+
 def _raise_first(results: Sequence[object]) -> None:
     for r in results:
         if isinstance(r, BaseException):
@@ -330,6 +334,7 @@ class UcxConnection:
         self.ep = ep
         self._req = 0
         self._scratch = bytearray(0)
+        self._stage = Staging()
 
     @classmethod
     async def open(
@@ -419,20 +424,32 @@ class UcxConnection:
         session: int = 0,
     ) -> bytes:
         """Send one PUT frame; returns one wire.PUT_* status byte per block. Blocks given
-        as several parts go as one message per part (wire.FLAG_PARTS frame).
+        as several parts go as one message per part (wire.FLAG_PARTS frame); many small
+        messages (:func:`packs`) go packed into one instead (wire.FLAG_PACKED).
         ``session``: wire.FLAG_SESSION or 0."""
         self._req += 1
         entries = bytearray(len(hashes) * wire.PUT_ENTRY.size)
         for i, (key, v, c) in enumerate(zip(hashes, values, checksums, strict=True)):
             wire.PUT_ENTRY.pack_into(entries, i * wire.PUT_ENTRY.size, key, wire.block_size(v), c)
-        parts = wire.FLAG_PARTS if _has_parts(values) else 0
-        flags = parts | (session & wire.FLAG_SESSION)
-        head = wire.HEADER.pack(wire.REQ_MAGIC, wire.OP_PUT, flags, len(ns), len(hashes), self._req)
-        msgs: list[Buffer] = [head, ns + entries]
-        if parts:
-            counts, sizes = part_tables(values)
-            msgs = [head, ns + entries + counts, sizes]
-        h = await self._exchange(wire.OP_PUT, [*msgs, *wire.flat_buffers(values)])
+        payloads = wire.flat_buffers(values)
+        if packs(payloads):  # many small messages: one copy into one message instead
+            flags = wire.FLAG_PACKED | (session & wire.FLAG_SESSION)
+            head = wire.HEADER.pack(
+                wire.REQ_MAGIC, wire.OP_PUT, flags, len(ns), len(hashes), self._req
+            )
+            blob = self._stage.pack(payloads)
+            h = await self._exchange(wire.OP_PUT, [head, ns + entries, blob])
+        else:
+            parts = wire.FLAG_PARTS if _has_parts(values) else 0
+            flags = parts | (session & wire.FLAG_SESSION)
+            head = wire.HEADER.pack(
+                wire.REQ_MAGIC, wire.OP_PUT, flags, len(ns), len(hashes), self._req
+            )
+            msgs: list[Buffer] = [head, ns + entries]
+            if parts:
+                counts, sizes = part_tables(values)
+                msgs = [head, ns + entries + counts, sizes]
+            h = await self._exchange(wire.OP_PUT, [*msgs, *payloads])
         if h.count != len(hashes):
             raise ProtocolError(f"{h.count} statuses for {len(hashes)} blocks")
         return bytes(await self._body(h.count))
@@ -446,29 +463,36 @@ class UcxConnection:
         """One GET frame. With ``buffers``, hits land in them (a hit whose size differs
         from its buffer is received and dropped, and reported as a miss). Blocks given
         as several parts: a FLAG_PARTS frame, so the worker sends a hit of the parts'
-        total size as one message per part, landing in the parts directly."""
+        total size as one message per part, landing in the parts directly. Many small
+        blocks or parts (:func:`packs`): a FLAG_PACKED frame, whose hits the worker
+        may send back to back in one message (TAG_PACKED), copied out here."""
+        packed = wire.FLAG_PACKED if buffers is not None and packs(buffers) else 0
         if buffers is not None and _has_parts(buffers):
             self._req += 1
             counts, sizes = part_tables(buffers)
+            flags = wire.FLAG_PARTS | packed  # the tables serve an answer not packed
             head = wire.HEADER.pack(
-                wire.REQ_MAGIC, wire.OP_GET, wire.FLAG_PARTS, len(ns), len(hashes), self._req
+                wire.REQ_MAGIC, wire.OP_GET, flags, len(ns), len(hashes), self._req
             )
             body = b"".join([ns, *hashes, counts])
             h = await self._exchange(wire.OP_GET, [head, body, sizes])
         else:
-            h = await self._simple(wire.OP_GET, ns, hashes)
+            h = await self._simple(wire.OP_GET, ns, hashes, packed)
         if h.count != len(hashes):
             raise ProtocolError(f"{h.count} entries for {len(hashes)} hashes")
         meta = await self._body(h.count * wire.GET_ENTRY.size)
-        found: list[bool] = []
-        values: list[bytearray | None] = []
-        dests: list[memoryview | bytearray] = []
-        checks: list[tuple[int, wire.Block, int]] = []  # (index, landed, xxh3)
+        if h.ns_len == wire.TAG_PACKED:
+            return await self._unpack(list(wire.GET_ENTRY.iter_unpack(meta)), buffers)
+        found = [False] * h.count
+        values: list[bytearray | None] = [None] * h.count
+        landing: list[Sequence[memoryview | bytearray]] = []  # per hit, its messages
+        checks: list[tuple[int, wire.Block, int] | None] = []  # (index, block, xxh3)
         total = 0
+        entries = list(wire.GET_ENTRY.iter_unpack(meta))
         biggest_drop = max(
             (
                 size
-                for i, (status, size, _) in enumerate(wire.GET_ENTRY.iter_unpack(meta))
+                for i, (status, size, _) in enumerate(entries)
                 if status == wire.GET_HIT
                 and buffers is not None
                 and wire.block_size(buffers[i]) != size
@@ -476,31 +500,60 @@ class UcxConnection:
             default=0,
         )
         drop = self._discard_buffer(biggest_drop)
-        for i, (status, size, checksum) in enumerate(wire.GET_ENTRY.iter_unpack(meta)):
-            found.append(False)
-            values.append(None)
+        for i, (status, size, checksum) in enumerate(entries):
             if status != wire.GET_HIT:
                 continue
             total += size
             if buffers is None:
-                buf = bytearray(size)
-                dests.append(buf)
+                buf = values[i] = bytearray(size)
+                landing.append([buf])
                 checks.append((i, buf, checksum))
-                values[i] = buf
             elif wire.block_size(buffers[i]) != size:
-                dests.append(drop[:size])  # dropped: concurrent landings do not matter
+                landing.append([drop[:size]])  # dropped: concurrent landings do not matter
+                checks.append(None)
             else:
                 dest = buffers[i]
-                if isinstance(dest, list):
-                    dests.extend(dest)
-                else:
-                    dests.append(dest)
+                landing.append(dest if isinstance(dest, list) else [dest])
                 checks.append((i, dest, checksum))
-        await recv_all(self.ep, dests)
-        for i, landed, checksum in checks:
-            ok = wire.block_checksum(landed) == checksum
-            found[i] = ok
-            if not ok:
+
+        def landed(k: int) -> None:  # a hit is checked while the next ones arrive
+            check = checks[k]
+            if check is not None:
+                i, block, checksum = check
+                found[i] = wire.block_checksum(block) == checksum
+                if not found[i]:
+                    values[i] = None
+
+        await recv_blocks(self.ep, landing, landed)
+        return GetResult(found, values, total)
+
+    async def _unpack(
+        self,
+        entries: list[tuple[int, int, int]],
+        buffers: Sequence[memoryview | list[memoryview]] | None,
+    ) -> GetResult:
+        """The hits of a TAG_PACKED answer: one message, back to back, copied into
+        their buffers (a hit whose size differs from its buffer is dropped)."""
+        total = sum(size for status, size, _ in entries if status == wire.GET_HIT)
+        if total > wire.MAX_PACKED:
+            raise ProtocolError(f"a packed answer of {total} bytes")
+        blob = self._stage.view(total)
+        await recv_all(self.ep, [blob])
+        found = [False] * len(entries)
+        values: list[bytearray | None] = [None] * len(entries)
+        at = 0
+        for i, (status, size, checksum) in enumerate(entries):
+            if status != wire.GET_HIT:
+                continue
+            src, at = blob[at : at + size], at + size
+            if buffers is None:
+                values[i] = bytearray(src)
+            elif wire.block_size(buffers[i]) != size:
+                continue
+            else:
+                copy_into(buffers[i], src)
+            found[i] = wire.block_checksum(src) == checksum
+            if not found[i]:
                 values[i] = None
         return GetResult(found, values, total)
 
@@ -516,9 +569,11 @@ class UcxConnection:
         """One REMOVE frame; returns how many of the hashes were present."""
         return (await self._simple(wire.OP_REMOVE, ns, hashes)).count
 
-    async def _simple(self, op: int, ns: bytes, hashes: Sequence[bytes]) -> wire.Header:
+    async def _simple(
+        self, op: int, ns: bytes, hashes: Sequence[bytes], flags: int = 0
+    ) -> wire.Header:
         self._req += 1
-        head = wire.HEADER.pack(wire.REQ_MAGIC, op, 0, len(ns), len(hashes), self._req)
+        head = wire.HEADER.pack(wire.REQ_MAGIC, op, flags, len(ns), len(hashes), self._req)
         return await self._exchange(op, [head, b"".join([ns, *hashes])])
 
 
@@ -661,17 +716,23 @@ def find_ucx_url(endpoints: Sequence[str]) -> str:
 
 
 __all__ = [
+    "ERROR_MAX",
+    "MAX_PART_ENTRIES",
+    "PACK_BELOW",
     "GetResult",
+    "Staging",
     "UcxConnection",
     "UcxPool",
     "UcxRuntime",
     "available",
-    "body_len",
+    "copy_into",
     "find_ucx_url",
+    "packs",
     "parse_ucx_url",
     "part_tables",
     "read_part_counts",
     "recv_all",
+    "recv_blocks",
     "send_all",
     "slices",
     "split_sizes",

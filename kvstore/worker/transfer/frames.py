@@ -48,7 +48,7 @@ from kvstore_client.errors import (
     to_grpc_code,
 )
 from kvstore_client.keys import HASH_LEN, split_hashes, to_bitmap
-from kvstore_client.transport.ucx import ERROR_MAX, read_part_counts, slices, split_sizes
+from kvstore_client.transport.ucxcodec import ERROR_MAX, read_part_counts, slices, split_sizes
 
 from ...auth import Tenant, Tenants
 from ..requests import Holder, Limits, RequestCore, put_status
@@ -67,8 +67,8 @@ TCP_OPS: Mapping[int, int] = {
     wire.OP_PUT_COMMIT: wire.FLAG_LATE_SUM,
 }
 UCX_OPS: Mapping[int, int] = {
-    wire.OP_PUT: wire.FLAG_PARTS | wire.FLAG_SESSION,
-    wire.OP_GET: wire.FLAG_PARTS,
+    wire.OP_PUT: wire.FLAG_PARTS | wire.FLAG_SESSION | wire.FLAG_PACKED,
+    wire.OP_GET: wire.FLAG_PARTS | wire.FLAG_PACKED,
     wire.OP_EXISTS: wire.FLAG_PREFIX,
     wire.OP_REMOVE: 0,
 }
@@ -291,6 +291,11 @@ class FrameCore:
             self.core.check_sizes([e[1] for e in got])
             if parts is not None and any(sum(q) != e[1] for q, e in zip(parts, got, strict=True)):
                 raise InvalidArgument("part sizes do not add up to their block's size")
+            if h.flags_or_code & wire.FLAG_PACKED:
+                if h.flags_or_code & wire.FLAG_PARTS:
+                    raise InvalidArgument("a packed PUT has no part tables")
+                if sum(e[1] for e in got) > wire.MAX_PACKED:
+                    raise InvalidArgument(f"a packed PUT carries at most {wire.MAX_PACKED} bytes")
         return PutPlan(self, p.holder, h, ns, got)
 
     def get_answer(
@@ -302,7 +307,9 @@ class FrameCore:
     ) -> GetAnswer:
         """The answer of a GET whose hashes were read (pins what it sends until
         :meth:`GetAnswer.close`); INVALID_ARGUMENT (Refused) for an answer over
-        ``max_transfer_answer_bytes``."""
+        ``max_transfer_answer_bytes``. With FLAG_PACKED and hits of at most
+        wire.MAX_PACKED bytes the answer is :attr:`GetAnswer.packed` (TAG_PACKED): the
+        transport sends the payload views as one message."""
         return GetAnswer(self, h, ns, split_hashes(body), parts)
 
 
@@ -422,8 +429,9 @@ class PutPlan:
 
 class GetAnswer:
     """A GET's answer: :attr:`buffers` to send (header, entries, payload views) and
-    :attr:`nbytes` of payload. The views are pinned until :meth:`close`, which the
-    transport calls once the send is done or abandoned."""
+    :attr:`nbytes` of payload; :attr:`packed`: the payload views go as one message.
+    The views are pinned until :meth:`close`, which the transport calls once the send
+    (or the packing copy) is done or abandoned."""
 
     def __init__(
         self,
@@ -447,6 +455,10 @@ class GetAnswer:
         meta, views, self.nbytes = wire.encode_get_entries(
             [(x.view, x.checksum) if x is not None else None for x in held]
         )
+        self.packed = bool(h.flags_or_code & wire.FLAG_PACKED) and self.nbytes <= wire.MAX_PACKED
+        if self.packed:  # the hits back to back in one message: no part slicing
+            self.buffers: Buffers = [ok_answer(h, h.count, wire.TAG_PACKED), meta, *views]
+            return
         if parts is not None:  # a hit of the reader's part sizes goes out one view a part
             views = []
             for x, q in zip(held, parts, strict=True):
@@ -454,7 +466,7 @@ class GetAnswer:
                     continue
                 v = memoryview(x.view).cast("B")
                 views.extend(slices(v, q) if len(q) > 1 and sum(q) == v.nbytes else [v])
-        self.buffers: Buffers = [ok_answer(h, h.count), meta, *views]
+        self.buffers = [ok_answer(h, h.count), meta, *views]
 
     def close(self) -> None:
         self._store.done(self._reading)

@@ -27,12 +27,20 @@ from typing import Any
 
 from kvstore_client import wire
 from kvstore_client.errors import KVStoreError, ProtocolError, Unavailable
-from kvstore_client.transport.ucx import UcxRuntime, abort, recv_all, send_all, slices
+from kvstore_client.transport.ucx import (
+    Staging,
+    UcxRuntime,
+    abort,
+    recv_all,
+    recv_blocks,
+    send_all,
+    slices,
+)
 
 from ...auth import Tenants
 from ..requests import RequestCore
 from ..store import BlockStore
-from .frames import UCX_OPS, FrameCore, Peer, Refused, observe_frame, own_core
+from .frames import UCX_OPS, FrameCore, Peer, PutPlan, Refused, observe_frame, own_core
 
 log = logging.getLogger(__name__)
 
@@ -176,18 +184,19 @@ class UcxTransferServer:
         # Budget per endpoint; ucxx does not tell the peer's address, so all ucx://
         # endpoints share one client account.
         p = self.frames.peer("ucx://")
+        stage = Staging()  # this endpoint's packed payloads (wire.FLAG_PACKED)
         try:
             assert self._started is not None
             await self._started.wait()
             if self.tenants is not None:  # AUTH within frame_timeout
                 head = bytearray(wire.HEADER_LEN)
                 await asyncio.wait_for(ep.recv(head), self.frame_timeout)
-                await asyncio.wait_for(self._frame(ep, p, head), self.frame_timeout)
+                await asyncio.wait_for(self._frame(ep, p, stage, head), self.frame_timeout)
             while not self._stopping:
                 head = bytearray(wire.HEADER_LEN)
                 await asyncio.wait_for(ep.recv(head), self.idle_timeout)
                 self._eps[ep] = True
-                await asyncio.wait_for(self._frame(ep, p, head), self.frame_timeout)
+                await asyncio.wait_for(self._frame(ep, p, stage, head), self.frame_timeout)
                 self._eps[ep] = False
         except ProtocolError as e:
             self.store.counters.bad_frames += 1
@@ -209,7 +218,7 @@ class UcxTransferServer:
             p.holder.close()
             abort(ep)
 
-    async def _frame(self, ep: Any, p: Peer, head: bytearray) -> None:
+    async def _frame(self, ep: Any, p: Peer, stage: Staging, head: bytearray) -> None:
         """Serve one frame whose header was read (checks in the frame core's order)."""
         h = self.frames.header(p, head)
         if h.op == wire.OP_AUTH:
@@ -229,9 +238,9 @@ class UcxTransferServer:
                 await recv_all(ep, [table])
                 parts = self.frames.part_sizes(counts, table)
             if h.op == wire.OP_PUT:
-                await self._put(ep, p, h, ns, rest, parts)
+                await self._put(ep, p, stage, h, ns, rest, parts)
             elif h.op == wire.OP_GET:
-                await self._get(ep, h, ns, rest, parts)
+                await self._get(ep, stage, h, ns, rest, parts)
             elif h.op == wire.OP_EXISTS:
                 await send_all(ep, self.frames.exists(h, ns, rest))
             else:  # OP_REMOVE
@@ -248,26 +257,38 @@ class UcxTransferServer:
         self,
         ep: Any,
         p: Peer,
+        stage: Staging,
         h: wire.Header,
         ns: str,
         raw: memoryview,
         parts: list[list[int]] | None,
     ) -> None:
         """PUT; with ``parts`` (per block its part sizes, adding up to its size) each
-        block arrives as one message per part, landing in consecutive slot slices."""
+        block arrives as one message per part, landing in consecutive slot slices;
+        packed (wire.FLAG_PACKED), every block in one message, copied into the slots."""
         plan = self.frames.put_plan(p, h, ns, raw, parts)
+        if h.flags_or_code & wire.FLAG_PACKED:
+            await self._put_packed(ep, stage, plan)
+            return
         try:
             # The whole frame lands at once (UCX tag messages): it reserves within the
             # worker's budget for ucx:// senders, or is refused as full.
-            lands: list[memoryview] = []
-            for i, dest in enumerate(plan.reserve(len(plan.entries))):
+            lands: list[list[memoryview]] = []
+            slots: list[memoryview | None] = plan.reserve(len(plan.entries))
+            for i, dest in enumerate(slots):
                 if dest is None:
                     dest = self._discard_buffer(plan.sizes[i])
                 if parts is not None and len(parts[i]) > 1:
-                    lands.extend(slices(dest, parts[i]))
+                    lands.append(slices(dest, parts[i]))
                 else:
-                    lands.append(dest)
-            await recv_all(ep, lands)
+                    lands.append([dest])
+
+            def landed(i: int) -> None:  # checked while the next blocks arrive
+                slot = slots[i]
+                if slot is not None:
+                    plan.landed(i, slot)
+
+            await recv_blocks(ep, lands, landed)
             plan.finish()
         except BaseException:
             # The sender vanished or stalled mid-frame: cancel what UCX still has
@@ -278,14 +299,43 @@ class UcxTransferServer:
         self._count("rx", plan.total)
         await send_all(ep, plan.answer())
 
+    async def _put_packed(self, ep: Any, stage: Staging, plan: PutPlan) -> None:
+        try:
+            slots = plan.reserve(len(plan.entries))
+            blob = stage.view(sum(plan.sizes))
+            await recv_all(ep, [blob])
+            at = 0
+            for i, (slot, size) in enumerate(zip(slots, plan.sizes, strict=True)):
+                if slot is not None:  # a refused block's bytes are skipped
+                    slot[:] = blob[at : at + size]
+                    plan.landed(i, slot)
+                at += size
+            plan.finish()
+        except BaseException:
+            abort(ep)  # the packed message may still be landing in the staging area
+            plan.abort()
+            raise
+        self._count("rx", plan.total)
+        await send_all(ep, plan.answer())
+
     async def _get(
-        self, ep: Any, h: wire.Header, ns: str, raw: memoryview, parts: list[list[int]] | None
+        self,
+        ep: Any,
+        stage: Staging,
+        h: wire.Header,
+        ns: str,
+        raw: memoryview,
+        parts: list[list[int]] | None,
     ) -> None:
         """GET; with ``parts`` (the reader's part sizes per block) a hit whose size is
-        their sum goes out as one message per part, any other hit as one message."""
+        their sum goes out as one message per part, any other hit as one message; a
+        packed answer (the frame core's decision) sends the hits as one message."""
         answer = self.frames.get_answer(h, ns, raw, parts)
         try:
-            await send_all(ep, answer.buffers)
+            buffers = answer.buffers
+            if answer.packed:
+                buffers = [*buffers[:2], stage.pack(buffers[2:])]
+            await send_all(ep, buffers)
         except BaseException:
             abort(ep)  # no send may still read the views once they are released
             raise
