@@ -405,12 +405,15 @@ class Client:
         read, then ``recv`` each answer: one round trip to the slowest worker, no
         threads. Per group its answer, or None where the worker failed (a miss); a
         caller's error (bad namespace, auth) is raised once every answer is in.
-        ``local(via, keys)`` answers a group without the socket when it can (not None)."""
+        ``local(via, keys)`` answers a group without the socket when it can (not None):
+        same-host groups go last, while the others' answers are on their way."""
         rows = np.frombuffer(packed, dtype=_KEY)
         answers: list[Any] = [None] * len(groups)
         sent: list[tuple[int, TcpPool, TcpConnection, np.ndarray]] = []
         deadline = time.monotonic() + self.timeout
-        for g, (w, idx) in enumerate(groups):
+        order = sorted(range(len(groups)), key=lambda g: view.workers[groups[g][0]].via.local)
+        for g in order:
+            w, idx = groups[g]
             pool = view.workers[w].pool
             body = packed if len(groups) == 1 else rows[idx].tobytes()
             if local is not None and (got := local(view.workers[w].via, body)) is not None:
