@@ -225,3 +225,41 @@ def test_many_threads_read_and_look_up_through_the_index_at_once(
         for t in threads:
             t.join(60)
     assert not errors, errors[0]
+
+
+def test_an_arena_closed_under_running_calls_fails_none_of_them(
+    make_cluster: MakeCluster,
+) -> None:
+    """Found by the fault-injection test: a map change closed an arena while another
+    thread's put was copying through it ("operation forbidden on released memoryview").
+    Calls in flight finish; later ones go over tcp://."""
+    cluster = make_cluster(workers=1, dram_size="8MiB", max_value_size="1MiB")
+    errors: list[BaseException] = []
+    with Client(cluster.address, transport="shm") as c:
+        view = c._view
+        assert view is not None
+        via = view.workers[0].via
+        assert isinstance(via, ShmTransfer)
+        stop = threading.Event()
+
+        def work(t: int) -> None:
+            i = 0
+            try:
+                while not stop.is_set():
+                    ks = [key(i * 8 + j, f"closed-{t}") for j in range(8)]
+                    assert all(c.batch_put(NS, ks, [value_for(k, SIZE) for k in ks]))
+                    assert c.batch_get(NS, ks[:2]) == [value_for(k, SIZE) for k in ks[:2]]
+                    i += 1
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        via.arena.close()  # as the client does when its map drops the mapping
+        time.sleep(0.5)
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not errors, repr(errors[0])

@@ -148,12 +148,12 @@ class ShmArena:
         if self._link is not None:
             self._link.close()  # the worker drops our hazard page: nothing stays pinned
             self._link = None
-        # Calls in flight on other threads keep their Local (its mappings go with the
-        # last of them); new calls take the socket path.
+        # New calls take the socket path; calls in flight on other threads keep the
+        # arrays and views they hold (releasing the view under them failed a put with
+        # "operation forbidden on released memoryview"), and the mapping goes with the
+        # last of them.
+        self.stale = True
         self.local = None
-        self.array = np.empty(0, dtype=np.uint8)
-        with contextlib.suppress(BufferError):
-            self.view.release()
         with contextlib.suppress(BufferError):
             self._mm.close()
 
