@@ -28,7 +28,6 @@ Control frames travel over the tcp:// connection (codec in kvstore_client.wire).
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import socket
@@ -101,11 +100,13 @@ class ShmArena:
     def __init__(self, fd: int, arena_id: str, size: int) -> None:
         # MAP_POPULATE: fault the whole mapping in now, not one page per first touch.
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        self._mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        # Only the array and the view hold the mapping (and the descriptor mmap keeps):
+        # it goes when the last of them does, see close().
+        mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         self.id = arena_id
         self.tag = int(arena_id[:4], 16)
-        self.array = np.frombuffer(self._mm, dtype=np.uint8)
-        self.view = memoryview(self._mm)  # small per-part copies: slice assignment
+        self.array = np.frombuffer(mm, dtype=np.uint8)
+        self.view = memoryview(mm)  # small per-part copies: slice assignment
         self.stale = False
         self.local: shmlocal.Local | None = None
         self._link: socket.socket | None = None
@@ -148,14 +149,15 @@ class ShmArena:
         if self._link is not None:
             self._link.close()  # the worker drops our hazard page: nothing stays pinned
             self._link = None
-        # New calls take the socket path; calls in flight on other threads keep the
-        # arrays and views they hold (releasing the view under them failed a put with
-        # "operation forbidden on released memoryview"), and the mapping goes with the
-        # last of them.
+        # New calls take the socket path. The mappings (arena, index, hazard page) and
+        # the descriptors mmap keeps for them go as soon as nothing holds them: now,
+        # or when the calls in flight on other threads (and leases) let go of the
+        # arrays and views they took. Releasing the view under them failed a put with
+        # "operation forbidden on released memoryview".
         self.stale = True
         self.local = None
-        with contextlib.suppress(BufferError):
-            self._mm.close()
+        self.array = np.empty(0, dtype=np.uint8)
+        self.view = memoryview(b"")
 
 
 def try_map(endpoints: Sequence[str], timeout: float = 2.0) -> ShmArena | None:
