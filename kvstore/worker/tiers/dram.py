@@ -375,6 +375,11 @@ class DramTier(SlotIndex):
         sh = self.shared
         if sh is None:
             return
+        self._shared_reads(sh)
+        sh.reap(self.release)
+
+    def _shared_reads(self, sh: SharedIndex) -> None:
+        """The reads same-host clients logged: up the LRU, counted as hits / misses."""
         for s, g in sh.drain():
             if s < 0:  # a count of misses
                 self.counters.misses += min(g, 1 << 16)
@@ -383,7 +388,6 @@ class DramTier(SlotIndex):
                 if not self.pins[s] and not self.lst[s] & 1:
                     self._unlink(s)
                     self._link(s)
-        sh.reap(self.release)
 
     def make_oldest(self, ns: str, key: bytes) -> bool:
         """Move an evictable, unpinned block to the evicting end of its LRU list."""
@@ -691,7 +695,8 @@ class DramTier(SlotIndex):
     def _make_room(self, c: int) -> None:
         """Free a slot of class ``c``, or a slab it can take (ResourceExhausted if none
         can be: every block that could make room is pinned or being written)."""
-        self.shared_upkeep()  # same-host reads count in the LRU before anything goes
+        if self.shared is not None:  # same-host reads count in the LRU before anything goes
+            self._shared_reads(self.shared)
         if self.free_slabs:
             self._assign(self.free_slabs.pop(), c)
         elif self.empty_slabs:  # an emptied slab of another class: no eviction
@@ -714,6 +719,8 @@ class DramTier(SlotIndex):
                 self._evict(own)
             else:
                 slab = self._any_movable_slab(c)
+                if slab < 0 and self.shared is not None and self.shared.reap(self.release):
+                    return  # slots clients let go of since the last upkeep: try again
                 if slab < 0:
                     raise ResourceExhausted(
                         f"no free {self.class_sizes[c]}-byte slot: every block that could "
