@@ -91,6 +91,11 @@ def parse_shm_url(url: str) -> ShmEndpoint:
     )
 
 
+class ArenaClosed(Unavailable):
+    """The mapping was closed (or went stale) before a call used it: nothing was sent,
+    the call can go over tcp://."""
+
+
 class ShmArena:
     """A read-write mapping of a worker's arena, from the descriptor it handed over,
     and (when the worker handed them too) its same-host index and this client's
@@ -121,6 +126,15 @@ class ShmArena:
         self.local = shmlocal.Local(self.array, self.view, index, shmindex.HazardPage(page_fd))
         link.setblocking(False)
         self._link = link
+
+    def maps(self) -> tuple[np.ndarray, memoryview]:
+        """The mapping as an array and a view, for one call to copy through; raises
+        ArenaClosed once :meth:`close` ran (it marks the arena stale before it drops
+        them, so what this returns while not stale is the live mapping)."""
+        arr, mv = self.array, self.view
+        if self.stale:
+            raise ArenaClosed("the shm mapping was closed: use tcp://")
+        return arr, mv
 
     def usable(self) -> shmlocal.Local | None:
         """The index and hazard page while the worker that handed them is alive (it
@@ -270,6 +284,7 @@ def get(
     """Read blocks through the mapping (inline for blocks outside the arena); a block
     given as parts gets one copy per part. Pipelined: every piece's GET_LOC is sent at
     once, and each piece is released (one-way RELEASE) as soon as it is copied."""
+    maps = arena.maps()  # before anything is sent
     n = len(hashes)
     sizes: list[int] = []
     if buffers is not None:
@@ -292,13 +307,14 @@ def get(
     values: list[bytearray | None] = [None] * n
     total = 0
     for (a, b), req in zip(cuts, reqs, strict=True):
-        total += _get_piece(conn, arena, ns, req, a, b - a, buffers, sizes, found, values)
+        total += _get_piece(conn, arena, maps, ns, req, a, b - a, buffers, sizes, found, values)
     return GetResult(found, values, total)
 
 
 def _get_piece(
     conn: TcpConnection,
     arena: ShmArena,
+    maps: tuple[np.ndarray, memoryview],
     ns: bytes,
     req: int,
     first: int,
@@ -345,8 +361,7 @@ def _get_piece(
             else:
                 wire.recv_into_exact(sock, dest)
                 found[i] = xxhash.xxh3_64_intdigest(dest) == checksum
-        src = arena.array
-        mv = arena.view
+        src, mv = maps
         limit = len(src)
         for j, (status, size, checksum, off) in enumerate(entries):
             if status != wire.LOC_ARENA or off + size > limit:
@@ -385,6 +400,7 @@ def put(
     the commit), so a put reads the caller's bytes once. Pipelined: every piece's
     PUT_LOC is sent at once; each piece is copied and committed as its slots arrive,
     and the commit answers are read at the end."""
+    dst, mv = arena.maps()  # before anything is sent
     sizes = [wire.block_size(v) for v in values]
     cuts = pieces(sizes)
     sock = conn.sock
@@ -399,8 +415,6 @@ def put(
             wire.PUT_ENTRY.pack_into(entries, (j - a) * wire.PUT_ENTRY.size, hashes[j], sizes[j], 0)
         out += [wire.encode_request_header(wire.OP_PUT_LOC, ns, b - a, conn._req, late), entries]
     wire.send_buffers(sock, out)
-    dst = arena.array
-    mv = arena.view
     digest = xxhash.xxh3_64_intdigest
     all_locs: list[tuple[int, int]] = []
     for (a, b), req in zip(cuts, reqs, strict=True):
@@ -618,7 +632,10 @@ class ShmTransfer(TcpTransfer):
         vs = [v if isinstance(v, list | memoryview) else memoryview(v) for v in values]
         out = bytearray()
         for a, b in wire.runs([wire.block_size(v) for v in vs], self.put_limit):
-            out += self.pool.call(timeout, put, self.arena, ns, hashes[a:b], vs[a:b], flags)
+            try:
+                out += self.pool.call(timeout, put, self.arena, ns, hashes[a:b], vs[a:b], flags)
+            except ArenaClosed:  # closed meanwhile: the rest over tcp://
+                return bytes(out) + self.put(timeout, ns, hashes[a:], values[a:], checksums, flags)
         return bytes(out)
 
     def get(
@@ -628,13 +645,9 @@ class ShmTransfer(TcpTransfer):
         hashes: Sequence[bytes],
         buffers: Sequence[memoryview | list[memoryview]] | None,
     ) -> GetResult:
-        if self.arena.stale:
-            return super().get(timeout, ns, hashes, buffers)
         loc = self.arena.usable()
         if loc is None:
-            if self.arena.stale:
-                return super().get(timeout, ns, hashes, buffers)
-            return self.pool.call(timeout, get, self.arena, ns, hashes, buffers)
+            return self._socket_get(timeout, ns, hashes, buffers)
         # Through the index first (no round trip); the keys it cannot answer (and the
         # blocks that moved meanwhile) over the socket.
         n = len(hashes)
@@ -645,10 +658,8 @@ class ShmTransfer(TcpTransfer):
             loc, ns, b"".join(hashes), buffers, sizes, found, values, _bounce
         )
         if left:
-            sub = self.pool.call(
+            sub = self._socket_get(
                 timeout,
-                get,
-                self.arena,
                 ns,
                 [hashes[i] for i in left],
                 [buffers[i] for i in left] if buffers is not None else None,
@@ -658,6 +669,21 @@ class ShmTransfer(TcpTransfer):
                 values[i] = sub.values[j]
             total += sub.bytes_received
         return GetResult(found, values, total)
+
+    def _socket_get(
+        self,
+        timeout: float,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        buffers: Sequence[memoryview | list[memoryview]] | None,
+    ) -> GetResult:
+        """GET_LOC and copies through the mapping; tcp:// once it is stale or closed."""
+        if not self.arena.stale:
+            try:
+                return self.pool.call(timeout, get, self.arena, ns, hashes, buffers)
+            except ArenaClosed:
+                pass  # closed meanwhile, before anything was sent
+        return super().get(timeout, ns, hashes, buffers)
 
     def exists(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> list[bool]:
         flags = self.present(ns, b"".join(hashes))
