@@ -359,7 +359,7 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
 @click.option("--pin", multiple=True, help="Pinned namespace, NS or NS=QUOTA (repeatable).")
 @click.option("--drain-timeout", default=None, help="SIGTERM: bound on drain + demotion [30s].")
 @click.option(
-    "--session-budget", type=float, default=None, help="DRAM share for paused sessions [0.25]."
+    "--session-budget", type=float, default=None, help="DRAM share for live sessions [0.25]."
 )
 @click.option(
     "--session-share",

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -269,6 +269,15 @@ class Worker:
     def stats(self) -> StoreStats:
         return self.store.stats()
 
+    def totals(self) -> dict[str, object]:
+        """The store's and its policy's counters, for the log line at exit."""
+        p = self.store.policy
+        return {
+            **asdict(self.stats()),
+            "policy": asdict(p.counters),
+            "sessions": asdict(p.sessions.counters),
+        }
+
     def start(self) -> None:
         if self.events is not None:  # a clean slate, then what the SSD tier still holds
             self.events.start(cleared=True)
@@ -372,6 +381,7 @@ def run(cfg: WorkerConfig) -> int:
     t0 = time.monotonic()
     w.stop()
     log.info("worker %s stopped in %.2fs", w.id, time.monotonic() - t0)
+    log.info("worker %s totals: %s", w.id, json.dumps(w.totals(), sort_keys=True))
     sys.stdout.flush()
     if w.fatal:
         raise IdInUse(w.fatal)

@@ -84,10 +84,17 @@ class Change:
     orphaned: list[bytes] = field(default_factory=list)  # no live session holds them now
     resumed: list[bytes] = field(default_factory=list)  # a paused session resumed: prefetch
     tail_first: list[bytes] = field(default_factory=list)  # paused: its chain, last block first
+    live: list[bytes] = field(default_factory=list)  # joined an active session: retain them
+    session: str = ""  # the session whose transition this is
 
     def __bool__(self) -> bool:
         return bool(
-            self.protect or self.unprotect or self.orphaned or self.resumed or self.tail_first
+            self.protect
+            or self.unprotect
+            or self.orphaned
+            or self.resumed
+            or self.tail_first
+            or self.live
         )
 
 
@@ -197,7 +204,7 @@ class SessionTable:
         else:
             self.sessions.move_to_end((ns, name))
         s.last = now
-        ch = Change(ns)
+        ch = Change(ns, session=name)
         if s.moving is not None:  # the previous change is still moving: finish it
             self._step(s, None, ch)
         self._add(s, keys, ch)
@@ -223,7 +230,7 @@ class SessionTable:
         s = self.sessions.get((ns, name))
         if s is None:
             s = self._new(ns, name, now, out)
-        ch = Change(ns)
+        ch = Change(ns, session=name)
         self._add(s, keys, ch)
         if ch:
             out.append(ch)
@@ -235,7 +242,7 @@ class SessionTable:
         s = self.sessions.get((ns, name))
         if s is None or s.moving is None:
             return []
-        ch = Change(ns)
+        ch = Change(ns, session=name)
         self._step(s, n, ch)
         return [ch] if ch else []
 
@@ -245,7 +252,7 @@ class SessionTable:
         if not self.dropping:
             return []
         s = self.dropping[0]
-        ch = Change(s.ns)
+        ch = Change(s.ns, session=s.name)
         self._step(s, n, ch)
         if s.moving is None:
             self.dropping.popleft()
@@ -336,7 +343,7 @@ class SessionTable:
         """The session leaves the table (expired, or pushed out). A long chain's keys
         are given up later, a slice at a time (:meth:`drain`); its id stays taken
         until then."""
-        ch = Change(s.ns)
+        ch = Change(s.ns, session=s.name)
         if s.moving is not None:
             self._step(s, None, ch)
         del self.sessions[(s.ns, s.name)]
@@ -417,6 +424,8 @@ class SessionTable:
             self.refs.pop(key, None)
             if orphan:
                 ch.orphaned.append(k)
+        if state == "active" and sign > 0:
+            ch.live.append(k)
         if state == "paused":
             p = self.paused_refs.get(key, 0) + sign
             if p > 0:

@@ -6,17 +6,16 @@ I/O. The policy (:class:`~kvstore.worker.tiers.policy.TierPolicy`) decides
 placement and quotas; this class feeds it events under the lock and executes the
 instructions it returns after the lock is released:
 
-- an on-demand DRAM eviction copies the victim's bytes under the lock (the slot is
-  about to be reused) into a *staged* copy that readers can still hit, and writes
-  it to LMDB outside the lock;
+- an on-demand DRAM eviction copies the victim's bytes under the lock into a
+  *staged* copy that readers can still hit, and writes it to LMDB outside the lock;
 - the background demoter pins the blocks it moves, writes them outside the lock,
   and drops their DRAM copies only if nobody removed them meanwhile;
 - a promotion copies an SSD hit into DRAM while the read transaction is live and
   commits it only if the block is still on SSD (a removal in between wins).
 
 Big requests are cut into slices of ``slice_keys`` keys, each under its own hold of
-the lock, which is granted first come, first served (:mod:`.fairlock`): one client's
-65,536-key batch cannot stall everyone else's lookups.
+the lock (first come, first served, :mod:`.fairlock`): one client's 65,536-key
+batch cannot stall everyone else's lookups.
 
 Reads look in DRAM, the staged copies, then SSD. A read pins what it returns until
 :meth:`BlockStore.done`: DRAM blocks by a pin count, SSD blocks by an open LMDB
@@ -24,11 +23,10 @@ read transaction whose memory-mapped views go straight to the socket.
 
 CHAIN ORDER. A batch of keys is a run of one prefix chain, head first (the
 connector and the client's prefix calls send them so), and a prefix match stops at
-the first gap: a chain whose head is evicted is worth nothing, however much of its
-tail is kept. So every batch touches its keys last one first (reads unpin, SSD hits
-and commits run in reverse), leaving the block nearest the head the most recently
-used in both tiers: eviction then shortens a chain from its tail instead of cutting
-its head. A paused session's whole chain is reordered the same way (TailFirst).
+the first gap: a chain whose head is evicted is worth nothing. So every batch
+touches its keys last one first (reads unpin, SSD hits and commits run in reverse),
+leaving the block nearest the head the most recently used in both tiers: eviction
+shortens a chain from its tail. A paused session's chain is reordered the same way.
 """
 
 from __future__ import annotations
@@ -367,12 +365,15 @@ class BlockStore:
         good = list(ok)
         for s in reversed(list(self._slices(len(blocks)))):
             with self.lock:
+                live = self.policy.sessions.refs  # hinted sessions retain their new blocks
                 for i in range(s.stop - 1, s.start - 1, -1):
                     b = blocks[i]
                     if good[i] and checksums is not None:
                         good[i] = self.tier.set_checksum(b, checksums[i])
                     if good[i]:
                         self.tier.commit(b)
+                        if live:
+                            self._queue(self.policy.committed(b.ns, b.key))
                     else:
                         self.tier.abort(b)
                         self.policy.handle(Aborted(b.ns, b.size))

@@ -63,15 +63,15 @@ def hint(p: TierPolicy, sid: str, state: str, keys: tuple[bytes, ...] = (), now:
     return p.handle(SessionHint(NS, sid, state, keys, None, now))
 
 
-def test_pause_retains_leading_blocks_within_the_budget() -> None:
+def test_a_live_session_retains_leading_blocks_within_the_budget() -> None:
     a = ks("a", 4)
     p = policy({(NS, k): 300 for k in a}, budget=700)
-    assert hint(p, "s1", "active", a) == []
-    out = hint(p, "s1", "paused")
-    assert out == [TailFirst(NS, tuple(reversed(a))), Retain(NS, a[:2])], (
-        "the chain reordered tail first; its leading blocks retained, up to 700 bytes"
+    assert hint(p, "s1", "active", a) == [Retain(NS, a[:2])], (
+        "an active session's leading blocks retained, up to 700 bytes"
     )
-    assert p.retained_bytes == 600 and p.counters.retain_refused == 2
+    out = hint(p, "s1", "paused")
+    assert out == [TailFirst(NS, tuple(reversed(a)))], "paused: the chain tail first, kept"
+    assert p.retained_bytes == 600 and p.counters.retain_refused == 4
     assert p.sessions.is_protected(NS, a[3]), "over-budget blocks stay protected on SSD"
 
 
@@ -294,10 +294,9 @@ def test_store_keeps_a_paused_session_in_dram_and_prefetches_on_resume(tmp_path:
         assert st.stats().retained_bytes == 3 * (MiB // 2)
         st.session_hint(NS, "s1", "active", mine, None)
         assert st.stats().retained_bytes == 3 * (MiB // 2), "kept while its turn runs"
-        # A session that was never retained (its blocks written while it ran, then
-        # pushed out by other traffic) is demoted, not lost ...
+        # Blocks written before their session hinted them (plain LRU blocks), then
+        # pushed out by other traffic, are demoted, not lost ...
         yours = ks("yours", 3)
-        st.session_hint(NS, "s2", "active", yours, None)
         for k in yours:
             st.put_bytes(NS, [k], [value_for(k, MiB // 2)])
         for i in range(40, 80):
@@ -388,3 +387,61 @@ def test_a_session_over_its_share_gets_no_new_blocks() -> None:
     p.session_share = 0
     hint(p, "s2", "active", ks("b", 2))
     assert p.session_admits(NS, ks("b", 2)[1], 10**9), "share 0: no cap"
+
+
+def test_active_sessions_yield_before_paused_ones_and_shared_blocks_last() -> None:
+    """The yield order: active sessions (least recently hinted first), then paused
+    ones (most recently paused first), each from its tail; a block several live
+    sessions share (a system prompt) only when nothing else is left."""
+    shared = ks("sys", 1)
+    a, b, c = ks("a", 2), ks("b", 2), ks("c", 2)
+    p = policy({(NS, k): 100 for k in shared + a + b + c}, budget=10_000)
+    for sid, chain in (("sa", a), ("sb", b), ("sc", c)):
+        hint(p, sid, "active", shared + chain)
+    hint(p, "sa", "paused")
+    hint(p, "sb", "paused")  # sb paused last; sc is running
+    assert p.retained_bytes == 700
+    assert p.handle(NeedDramRoom(150)) == [Release(NS, c), EvictFirst(NS, c)], "the running one"
+    assert p.handle(NeedDramRoom(100)) == [Release(NS, b[1:]), EvictFirst(NS, b[1:])]
+    out = p.handle(NeedDramRoom(250))
+    # b's head, then a's chain (made oldest in this order: b's head is evicted first)
+    assert out == [Release(NS, a + b[:1]), EvictFirst(NS, a + b[:1])]
+    assert p.retained == {(NS, shared[0]): 100}, "the shared prompt held last"
+    assert p.handle(NeedDramRoom(1)) == [Release(NS, shared), EvictFirst(NS, shared)]
+
+
+def test_a_live_sessions_new_block_is_retained_when_committed() -> None:
+    """A block an active session listed is retained as soon as it is written: on the
+    LRU list until the session's ``paused`` hint, a turn's new blocks were the first
+    victims of other sessions' writes. Blocks no live session listed are not."""
+    a = ks("a", 2)
+    dram: dict[tuple[str, bytes], int] = {}
+    p = policy(dram, budget=10_000)
+    assert hint(p, "sa", "active", a) == [], "nothing written yet"
+    dram[(NS, a[0])] = 100
+    assert p.committed(NS, a[0]) == [Retain(NS, a[:1])]
+    assert p.committed(NS, a[0]) == [], "once"
+    stranger = key(1, "stranger")
+    dram[(NS, stranger)] = 100
+    assert p.committed(NS, stranger) == []
+    hint(p, "sa", "ended")
+    dram[(NS, a[1])] = 100
+    assert p.committed(NS, a[1]) == [] and p.retained_bytes == 0
+
+
+def test_store_retains_an_active_sessions_blocks_as_they_are_written() -> None:
+    arena = Arena(4 * MiB)
+    st = BlockStore(arena, MiB, sessions=SessionTable(), retain_budget=4 * MiB)
+    try:
+        mine = ks("mine", 3)
+        st.session_hint(NS, "s1", "active", mine, None)
+        for k in mine:
+            st.put_bytes(NS, [k], [value_for(k, MiB // 2)])
+        for i in range(20):  # 10 MiB of unhinted traffic through a 4 MiB arena
+            k = key(i, "flood")
+            st.put_bytes(NS, [k], [value_for(k, MiB // 2)])
+        assert st.get_bytes(NS, list(mine)) == [value_for(k, MiB // 2) for k in mine]
+        assert st.stats().retained_bytes == 3 * (MiB // 2)
+    finally:
+        st.close()
+        arena.close()

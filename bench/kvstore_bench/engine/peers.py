@@ -171,11 +171,13 @@ def _kvstore(ctx: Context, extra: dict[str, Any] | None = None, name: str = "kvs
     ssd_note = ""
     try:
         for i in range(workers):
-            args: list[str] = []
+            # An agents-only store: every block belongs to a hinted session, so
+            # sessions may hold all of DRAM (the default keeps 3/4 for plain LRU).
+            args: list[str] = ["--session-budget", "1.0"] if ctx.session_hints else []
             if ctx.ssd:  # LMDB pages: the tier's size is what its values may occupy
                 ssd_each = (ctx.memory_bytes - dram) // workers
                 path = ctx.work_dir / f"ssd{i}"
-                args = ["--ssd-path", str(path), "--ssd-size", str(ssd_each)]
+                args += ["--ssd-path", str(path), "--ssd-size", str(ssd_each)]
                 ssd_note = f" + {ssd_each:,} B SSD"
             cluster.add_worker(*args)
         cluster.wait_for_workers(workers)

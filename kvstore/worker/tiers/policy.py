@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from kvstore_client.errors import InvalidArgument
 
 from ..sessions import Change, SessionTable
+from .retention import Retention
 from .ssdindex import SsdIndex
 
 PROMOTE_MODES = ("always", "second-hit", "never")
@@ -438,15 +439,26 @@ class TierPolicy:
         self.in_dram = in_dram
         self.counters = PolicyCounters()
         self.sessions = sessions if sessions is not None else SessionTable()
-        self.retain_budget = retain_budget
+        self.retention = Retention(retain_budget)
         self.ssd_retain_budget = ssd_retain_budget  # SSD bytes of paused sessions spared
         self.dram_size = dram_size  # payload bytes of a block in DRAM, 0 when not there
         self.session_share = session_share  # bytes one hinted session may hold; 0: no limit
-        self.retained: dict[tuple[str, bytes], int] = {}  # DRAM blocks kept off the LRU
-        self.retained_bytes = 0
         self.orphans: set[tuple[str, bytes]] = set()  # ended sessions' DRAM-only blocks
 
     # ---- queries -----------------------------------------------------------------
+
+    @property
+    def retain_budget(self) -> int:
+        return self.retention.budget
+
+    @property
+    def retained(self) -> dict[tuple[str, bytes], int]:
+        """DRAM blocks live sessions keep off the LRU lists -> their bytes."""
+        return self.retention.blocks
+
+    @property
+    def retained_bytes(self) -> int:
+        return self.retention.nbytes
 
     def admits(self, ns: str, size: int) -> bool:
         """Would a new block of ``size`` bytes in ``ns`` fit every quota?"""
@@ -546,23 +558,42 @@ class TierPolicy:
         return []
 
     def _yield_retained(self, nbytes: int) -> list[Instruction]:
-        """Un-retain at least ``nbytes`` of DRAM blocks, newest retained first: the
-        last session to pause gives up its tail first, and the blocks go to the
-        evicting end of the LRU order (Release, then EvictFirst, tail last so that it
-        is evicted first)."""
-        by_ns: dict[str, list[bytes]] = {}
-        freed = 0
-        while freed < nbytes and self.retained:
-            (ns, k), size = self.retained.popitem()
-            self.retained_bytes -= size
-            self.counters.retain_yielded += 1
-            freed += size
-            by_ns.setdefault(ns, []).append(k)
+        """Un-retain at least ``nbytes`` of DRAM blocks (the order is
+        :class:`~.retention.Retention`'s: the most recently paused session first, its
+        tail first); they go to the evicting end of the LRU order (Release, then
+        EvictFirst, tail last so that it is evicted first)."""
         out: list[Instruction] = []
-        for ns, keys in by_ns.items():
-            keys.reverse()  # chain order: head ... tail
+        for ns, keys in self.retention.give_way(nbytes, self.sessions).items():
+            self.counters.retain_yielded += len(keys)
             out += [Release(ns, tuple(keys)), EvictFirst(ns, tuple(keys))]
         return out
+
+    def committed(self, ns: str, key: bytes) -> list[Instruction]:
+        """A new block is ready in DRAM: a live session that listed it retains it (a
+        turn's new blocks are the next turn's prefix)."""
+        sessions = self.sessions
+        if (ns, key) not in sessions.refs or (ns, key) in self.retention:
+            return []
+        s = sessions.by_sid.get(sessions.owner.get((ns, key), -1))
+        if s is None or s.state == "ended":
+            return []
+        kept = self._retain(ns, (key,), (s.ns, s.name))
+        return [Retain(ns, tuple(kept))] if kept else []
+
+    def _retain(self, ns: str, keys: Iterable[bytes], holder: tuple[str, str]) -> list[bytes]:
+        """Retain those of ``keys`` in DRAM and not retained yet, within the budget."""
+        kept: list[bytes] = []
+        r = self.retention
+        for k in keys:
+            size = self.dram_size(ns, k)
+            if not size or (ns, k) in r:
+                continue
+            if not r.fits(size):
+                self.counters.retain_refused += 1
+                continue
+            r.keep((ns, k), size, holder)
+            kept.append(k)
+        return kept
 
     def _changes(self, changes: Sequence[Change]) -> list[Instruction]:
         """Session changes -> retain / release / evict-first / prefetch instructions."""
@@ -582,17 +613,7 @@ class TierPolicy:
             ]
             if released:
                 out.append(Release(ns, tuple(released)))
-            keep: list[bytes] = []
-            for k in ch.protect:
-                size = self.dram_size(ns, k)
-                if not size or (ns, k) in self.retained:
-                    continue
-                if self.retained_bytes + size > self.retain_budget:
-                    self.counters.retain_refused += 1
-                    continue
-                self.retained[(ns, k)] = size
-                self.retained_bytes += size
-                keep.append(k)
+            keep = self._retain(ns, (*ch.protect, *ch.live), (ns, ch.session))
             if ch.tail_first:
                 # The SSD order too: a prefix match stops at the first gap, so a
                 # chain's tail must leave either tier before its head.
@@ -682,11 +703,7 @@ class TierPolicy:
         self.orphans.discard((ns, key))
 
     def _unretain(self, ns: str, key: bytes) -> bool:
-        size = self.retained.pop((ns, key), None)
-        if size is None:
-            return False
-        self.retained_bytes -= size
-        return True
+        return self.retention.drop((ns, key))
 
     def _drop_ssd(self, keys: Sequence[tuple[str, bytes]]) -> list[Instruction]:
         gone: list[tuple[str, bytes]] = []
