@@ -25,10 +25,12 @@ Sessions (hints from the engine, bookkept by :class:`~kvstore.worker.sessions.Se
   session's blocks are evicted only when nothing else is left to evict;
 - an ended session's blocks that no live session holds go to the evicting end of
   the DRAM and SSD LRU orders (first eviction candidates);
-- retention yields to writes: when DRAM has no other room for a new block, the most
-  recently retained blocks (the newest paused session's, its tail first) go back to
-  the evicting end of the LRU list (``NeedDramRoom``), so a large ``retain_budget``
-  never makes a put fail, and the sessions retained longest keep their prefix;
+- an active session's blocks are retained too, as soon as they are written
+  (:meth:`TierPolicy.committed`) or listed, within the same budget;
+- retention yields to writes: when DRAM has no other room for a new block, retained
+  blocks go back to the evicting end of the LRU list (``NeedDramRoom``), a session at
+  a time, each from its tail, in :mod:`.retention`'s order (active sessions first,
+  then the most recently paused), so a large ``retain_budget`` never makes a put fail;
 - a paused session's chain is reordered in DRAM's LRU, last block first, so that
   eviction takes its tail before its head (a prefix match stops at the first gap);
 - when a paused session resumes (an ``active`` hint, or a lookup of its blocks) its
