@@ -560,10 +560,10 @@ class TierPolicy:
         return []
 
     def _yield_retained(self, nbytes: int) -> list[Instruction]:
-        """Un-retain at least ``nbytes`` of DRAM blocks (the order is
-        :class:`~.retention.Retention`'s: the most recently paused session first, its
-        tail first); they go to the evicting end of the LRU order (Release, then
-        EvictFirst, tail last so that it is evicted first)."""
+        """Un-retain at least ``nbytes`` of DRAM blocks in :mod:`.retention`'s order
+        (active sessions, then the most recently paused, each chain from its tail);
+        they go to the evicting end of the LRU order (Release, then EvictFirst, tail
+        last so that it is evicted first)."""
         out: list[Instruction] = []
         for ns, keys in self.retention.give_way(nbytes, self.sessions).items():
             self.counters.retain_yielded += len(keys)

@@ -20,7 +20,8 @@ that loses its tail keeps its head's hits):
    turns, the one that paused last is, as a rule, the last to come back (plain LRU
    evicts each session of a cycle larger than DRAM just before its turn; this keeps
    most of them whole);
-3. blocks whose sessions left the table, oldest first.
+3. blocks several live sessions share (a system prompt), and blocks whose sessions
+   left the table, oldest first.
 
 Measured on engine runs (docs/BENCHMARKS.md, "Memory as the axis"): at a quarter of
 the working set this order took the token hit rate from about 31% to 42-46%.
@@ -28,7 +29,7 @@ the working set this order took the token hit rate from about 31% to 42-46%.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..sessions import Session, SessionTable
@@ -121,6 +122,3 @@ class Retention:
         live = [s for s in table.sessions.values() if (s.ns, s.name) in self._held]
         yield from (s for s in live if s.state == "active")
         yield from (s for s in reversed(live) if s.state == "paused")
-
-    def holders(self) -> Iterable[Holder]:
-        return self._held.keys()
