@@ -200,7 +200,8 @@ def test_a_session_past_its_share_keeps_its_head_and_spares_the_others(
 ) -> None:
     """A hinted session whose chain outgrows the worker: with a share, its deeper
     blocks are declined (reported not stored, no error) and everyone's blocks stay;
-    without one (0), it pushes the other session out under LRU."""
+    without one (0), its tail pushes its own head out under LRU (the other session,
+    live, is retained)."""
     port = free_port()
     c = make_cluster(
         workers=1,
@@ -220,7 +221,10 @@ def test_a_session_past_its_share_keeps_its_head_and_spares_the_others(
             stored += cl.batch_put(NS, big[i : i + 8], [value_for(k, size) for k in big[i : i + 8]])
         if share == "0":
             assert all(stored)
-            assert cl.match_prefix(NS, other) < 16, "LRU: the other session was pushed out"
+            # The other (live) session's blocks are retained; the big one's are over the
+            # retention budget, so its tail pushes its own head out under LRU.
+            assert cl.match_prefix(NS, other) == 16, "the other session is retained"
+            assert cl.match_prefix(NS, big) == 0, "LRU: its head was pushed out by its tail"
             return
         assert stored == [True] * 32 + [False] * 32, "2 MiB admitted, the rest declined"
         assert cl.match_prefix(NS, big) == 32, "its head is kept"
