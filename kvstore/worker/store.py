@@ -41,11 +41,12 @@ import xxhash
 
 from kvstore_client.errors import QuotaExceeded, ResourceExhausted, SessionShareFull
 
-from . import session_ops, storerecords
+from . import session_ops, ssdwrites, storerecords
 from .arena import Arena
 from .events import DRAM, SSD, EventSink
 from .fairlock import FairLock
 from .sessions import SessionTable
+from .ssdwrites import DEMOTE_BATCH_BYTES
 from .storerecords import Held, Reading, StoreCounters, StoreStats, _Staged, _Todo, snapshot
 from .tiers.blocks import Block
 from .tiers.dram import DramTier
@@ -58,7 +59,6 @@ from .tiers.policy import (
     EvictFirst,
     Instruction,
     Lookup,
-    NeedSsdRoom,
     Prefetch,
     Promote,
     Promoter,
@@ -70,8 +70,6 @@ from .tiers.policy import (
     SessionTick,
     SsdBad,
     SsdHit,
-    SsdWriteFailed,
-    SsdWritten,
     TailFirst,
     Tick,
     TierPolicy,
@@ -82,7 +80,6 @@ from .tiers.ssd import SsdStore
 
 log = logging.getLogger(__name__)
 
-DEMOTE_BATCH_BYTES = 64 << 20
 SLICE_KEYS = 256
 _SCALAR_KEYS = 16  # shorter lookups probe key by key (cheaper than one numpy pass)
 
@@ -617,65 +614,7 @@ class BlockStore:
             self._write_staged()
 
     def _write_staged(self) -> None:
-        with self.lock:
-            batch = [(k, st) for k, st in self._staged.items() if not st.writing]
-            for _, st in batch:
-                st.writing = True
-        if not batch:
-            return
-        items = [(ns, key, memoryview(st.data), st.checksum) for (ns, key), st in batch]
-        written = self._write_ssd(items)
-        with self.lock:
-            if written is None:
-                self._queue(
-                    self.policy.handle(
-                        SsdWriteFailed(tuple((ns, k, len(st.data)) for (ns, k), st in batch), True)
-                    )
-                )
-                for (ns, key), st in batch:
-                    if self._staged.get((ns, key)) is st:
-                        del self._staged[(ns, key)]
-            else:
-                done = []
-                for (ns, key, size, stored), ((_, _), st) in zip(written, batch, strict=True):
-                    live = self._staged.get((ns, key)) is st
-                    if live:
-                        del self._staged[(ns, key)]
-                    done.append((ns, key, size, stored, live))
-                self._queue(self.policy.handle(SsdWritten(tuple(done))))
-                self._ev(True, SSD, [(d[0], d[1]) for d in done if d[4]])
-                self.counters.demotions += len(done)
-        self._execute()
-
-    def _write_ssd(
-        self, items: list[tuple[str, bytes, memoryview, int]]
-    ) -> list[tuple[str, bytes, int, int]] | None:
-        """Write to LMDB (outside the lock), making room first; None when it failed."""
-        assert self.ssd is not None
-        need = sum(self.ssd.footprint(len(v)) for _, _, v, _ in items)
-        for attempt in range(3):
-            room = NeedSsdRoom(max(need, self.ssd.size // 10), force=True) if attempt else None
-            with self.lock:
-                before = self.ssd_index.evictions
-                self._queue(self.policy.handle(room or NeedSsdRoom(need)))
-                freed = self.ssd_index.evictions > before
-            self._execute_deletes()
-            if attempt and not freed:
-                return None  # nothing left to evict: the disk is full of pinned blocks
-            try:
-                return [(ns, key, n, stored) for ns, key, n, stored in self.ssd.put_many(items)]
-            except ResourceExhausted:
-                continue
-            except Exception:
-                log.exception("SSD write failed")
-                return None
-        return None
-
-    def _execute_deletes(self) -> None:
-        with self.lock:
-            deletes, self._todo.deletes = self._todo.deletes, []
-        if deletes and self.ssd is not None:
-            self.ssd.delete_many(deletes)
+        ssdwrites.write_staged(self)
 
     # ---- SSD tier: demotion, recovery ------------------------------------------
 
@@ -684,50 +623,7 @@ class BlockStore:
 
         ``everything`` includes pinned namespaces (shutdown: nothing may be lost).
         """
-        if self.ssd is None:
-            return 0
-        moved = 0
-        while moved < nbytes and not self._stop.is_set():
-            with self.lock:
-                batch = self.tier.oldest(
-                    min(nbytes - moved, DEMOTE_BATCH_BYTES), include_pinned_ns=everything
-                )
-                batch = [b for b in batch if self.tier.pin(b)]
-                dead = {b.slot for b in batch if self.policy.dead(b.ns, b.key)}  # no copy
-                todo = [b for b in batch if not (b.slot in dead or self.policy.on_ssd(b.ns, b.key))]
-            if not batch:
-                break
-            rows = [(b.ns, b.key, self.view(b), b.checksum) for b in todo]
-            written = self._write_ssd(rows) if todo else []
-            with self.lock:
-                if written is None:
-                    failed = tuple((b.ns, b.key, b.size) for b in todo)
-                    self._queue(self.policy.handle(SsdWriteFailed(failed, False)))
-                else:
-                    live = [b.ready and not b.doomed for b in todo]
-                    done = tuple(
-                        (ns, key, size, stored, ok)
-                        for (ns, key, size, stored), ok in zip(written, live, strict=True)
-                    )
-                    self._queue(self.policy.handle(SsdWritten(done)))
-                    self._ev(True, SSD, [(d[0], d[1]) for d in done if d[4]])
-                    self.counters.demotions += sum(live)
-                for b in batch:
-                    self.tier.release(b)
-                    gone = b.slot in dead and self.policy.dead(b.ns, b.key)  # evict, no copy
-                    skip = not gone and (b.slot in dead or written is None)
-                    if skip or not b.ready or b.doomed:
-                        continue
-                    if gone:
-                        self._queue(self.policy.handle(Evicted(b.ns, b.key, b.size)))
-                    self.policy.forget(b.ns, b.key)
-                    self.tier.remove(b.ns, b.key)  # now on SSD (or dead): not a removal
-                    self._ev(False, DRAM, [(b.ns, b.key)])
-                    moved += b.size
-            self._execute()
-            if written is None:
-                break
-        return moved
+        return ssdwrites.demote(self, nbytes, everything=everything)
 
     def _demote_loop(self) -> None:
         while not self._stop.is_set():

@@ -1,0 +1,139 @@
+"""The SSD tier's writes, outside the store's lock: staged copies of evicted blocks,
+demotion of the least recently used DRAM blocks, and making room on SSD first.
+
+Functions of :class:`~kvstore.worker.store.BlockStore` (it calls them; they take the
+store's lock for its bookkeeping and do the LMDB I/O without it).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from kvstore_client.errors import ResourceExhausted
+
+from .events import DRAM, SSD
+from .tiers.policy import Evicted, NeedSsdRoom, SsdWriteFailed, SsdWritten
+
+if TYPE_CHECKING:
+    from .store import BlockStore
+
+log = logging.getLogger(__name__)
+
+DEMOTE_BATCH_BYTES = 64 << 20
+
+
+def write_staged(store: BlockStore) -> None:
+    """Write the staged copies of evicted blocks to LMDB (outside the lock)."""
+    with store.lock:
+        batch = [(k, st) for k, st in store._staged.items() if not st.writing]
+        for _, st in batch:
+            st.writing = True
+    if not batch:
+        return
+    items = [(ns, key, memoryview(st.data), st.checksum) for (ns, key), st in batch]
+    written = write_ssd(store, items)
+    with store.lock:
+        if written is None:
+            store._queue(
+                store.policy.handle(
+                    SsdWriteFailed(tuple((ns, k, len(st.data)) for (ns, k), st in batch), True)
+                )
+            )
+            for (ns, key), st in batch:
+                if store._staged.get((ns, key)) is st:
+                    del store._staged[(ns, key)]
+        else:
+            done = []
+            for (ns, key, size, stored), ((_, _), st) in zip(written, batch, strict=True):
+                live = store._staged.get((ns, key)) is st
+                if live:
+                    del store._staged[(ns, key)]
+                done.append((ns, key, size, stored, live))
+            store._queue(store.policy.handle(SsdWritten(tuple(done))))
+            store._ev(True, SSD, [(d[0], d[1]) for d in done if d[4]])
+            store.counters.demotions += len(done)
+    store._execute()
+
+
+def write_ssd(
+    store: BlockStore, items: list[tuple[str, bytes, memoryview, int]]
+) -> list[tuple[str, bytes, int, int]] | None:
+    """Write to LMDB (outside the lock), making room first; None when it failed."""
+    assert store.ssd is not None
+    need = sum(store.ssd.footprint(len(v)) for _, _, v, _ in items)
+    for attempt in range(3):
+        room = NeedSsdRoom(max(need, store.ssd.size // 10), force=True) if attempt else None
+        with store.lock:
+            before = store.ssd_index.evictions
+            store._queue(store.policy.handle(room or NeedSsdRoom(need)))
+            freed = store.ssd_index.evictions > before
+        execute_deletes(store)
+        if attempt and not freed:
+            return None  # nothing left to evict: the disk is full of pinned blocks
+        try:
+            return [(ns, key, n, stored) for ns, key, n, stored in store.ssd.put_many(items)]
+        except ResourceExhausted:
+            continue
+        except Exception:
+            log.exception("SSD write failed")
+            return None
+    return None
+
+
+def execute_deletes(store: BlockStore) -> None:
+    with store.lock:
+        deletes, store._todo.deletes = store._todo.deletes, []
+    if deletes and store.ssd is not None:
+        store.ssd.delete_many(deletes)
+
+
+def demote(store: BlockStore, nbytes: int, *, everything: bool = False) -> int:
+    """Move up to ``nbytes`` of least recently used DRAM blocks to SSD; returns bytes.
+
+    ``everything`` includes pinned namespaces (shutdown: nothing may be lost).
+    """
+    if store.ssd is None:
+        return 0
+    moved = 0
+    while moved < nbytes and not store._stop.is_set():
+        with store.lock:
+            batch = store.tier.oldest(
+                min(nbytes - moved, DEMOTE_BATCH_BYTES), include_pinned_ns=everything
+            )
+            batch = [b for b in batch if store.tier.pin(b)]
+            dead = {b.slot for b in batch if store.policy.dead(b.ns, b.key)}  # no copy
+            todo = [b for b in batch if not (b.slot in dead or store.policy.on_ssd(b.ns, b.key))]
+        if not batch:
+            break
+        rows = [(b.ns, b.key, store.view(b), b.checksum) for b in todo]
+        written = write_ssd(store, rows) if todo else []
+        with store.lock:
+            if written is None:
+                failed = tuple((b.ns, b.key, b.size) for b in todo)
+                store._queue(store.policy.handle(SsdWriteFailed(failed, False)))
+            else:
+                live = [b.ready and not b.doomed for b in todo]
+                done = tuple(
+                    (ns, key, size, stored, ok)
+                    for (ns, key, size, stored), ok in zip(written, live, strict=True)
+                )
+                store._queue(store.policy.handle(SsdWritten(done)))
+                store._ev(True, SSD, [(d[0], d[1]) for d in done if d[4]])
+                store.counters.demotions += sum(live)
+            for b in batch:
+                store.tier.release(b)
+                gone = b.slot in dead and store.policy.dead(b.ns, b.key)  # evict, no copy
+                skip = not gone and (b.slot in dead or written is None)
+                if skip or not b.ready or b.doomed:
+                    continue
+                if gone:
+                    store._queue(store.policy.handle(Evicted(b.ns, b.key, b.size)))
+                store.policy.forget(b.ns, b.key)
+                store.tier.remove(b.ns, b.key)  # now on SSD (or dead): not a removal
+                store._ev(False, DRAM, [(b.ns, b.key)])
+                moved += b.size
+        store._execute()
+        if written is None:
+            break
+    return moved
