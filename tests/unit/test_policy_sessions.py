@@ -445,3 +445,21 @@ def test_store_retains_an_active_sessions_blocks_as_they_are_written() -> None:
     finally:
         st.close()
         arena.close()
+
+
+def test_a_session_giving_way_block_by_block_goes_tail_first_and_sees_new_blocks() -> None:
+    """Yields one block at a time walk a chain from its tail once (not from the tail
+    each time), and a block the session retains again afterwards is found again."""
+    a = ks("a", 6)
+    p = policy({(NS, k): 100 for k in a}, budget=10_000)
+    hint(p, "sa", "active", a)
+    hint(p, "sa", "paused")
+    order = []
+    for _ in range(3):
+        _, evict = p.handle(NeedDramRoom(100))
+        assert isinstance(evict, EvictFirst)
+        order += list(evict.keys)
+    assert order == [a[5], a[4], a[3]]
+    hint(p, "sa", "active")  # resumed: its blocks still in DRAM are retained again
+    assert p.retained_bytes == 600
+    assert p.handle(NeedDramRoom(100)) == [Release(NS, a[5:]), EvictFirst(NS, a[5:])]

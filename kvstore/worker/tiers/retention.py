@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 
 from ..sessions import Session, SessionTable
 
@@ -45,6 +46,10 @@ class Retention:
     nbytes: int = 0
     _holder: dict[Key, Holder] = field(default_factory=dict)
     _held: dict[Holder, int] = field(default_factory=dict)  # blocks per holder (upper bound)
+    # holder -> (its chain's length then, keys from the chain's end that hold nothing it
+    # may yield): a session giving way a block at a time is not walked again from its
+    # tail each time (forgotten when the holder retains a block again)
+    _walked: dict[Holder, tuple[int, int]] = field(default_factory=dict)
 
     def __contains__(self, key: Key) -> bool:
         return key in self.blocks
@@ -58,6 +63,7 @@ class Retention:
         self.nbytes += size
         self._holder[key] = holder
         self._held[holder] = self._held.get(holder, 0) + 1
+        self._walked.pop(holder, None)
 
     def drop(self, key: Key) -> bool:
         """Stop retaining ``key``; False when it was not retained."""
@@ -72,6 +78,7 @@ class Retention:
                 self._held[h] = n
             else:
                 self._held.pop(h, None)
+                self._walked.pop(h, None)
         return True
 
     def give_way(self, nbytes: int, table: SessionTable) -> dict[str, list[bytes]]:
@@ -86,22 +93,24 @@ class Retention:
             if freed >= nbytes:
                 break
             holder = (s.ns, s.name)
+            n = len(s.keys)
+            at, skip = self._walked.get(holder, (n, 0))
+            skip = skip if at == n else 0  # its chain grew: walk it from its new end
+            if skip >= n:
+                continue
             gone: list[bytes] = []
-            for k in reversed(s.keys):
+            walked = 0
+            for k in islice(reversed(s.keys), skip, None):
                 if freed >= nbytes or holder not in self._held:
                     break
+                walked += 1
                 key = (s.ns, k)
                 if self._holder.get(key) != holder or refs.get(key, 0) > 1:
                     continue  # another's, or shared (a system prompt): yields last
                 freed += self.blocks[key]
                 self.drop(key)
                 gone.append(k)
-            if (
-                holder in self._held
-                and freed < nbytes
-                and not any(refs.get((s.ns, k), 0) > 1 for k in s.keys)
-            ):
-                self._held.pop(holder)  # a stale count: none of its chain is left here
+            self._walked[holder] = (n, n if holder not in self._held else skip + walked)
             if gone:
                 gone.reverse()
                 groups.append((s.ns, gone))
