@@ -2,28 +2,63 @@
 demotion of the least recently used DRAM blocks, and making room on SSD first.
 
 Functions of :class:`~kvstore.worker.store.BlockStore` (it calls them; they take the
-store's lock for its bookkeeping and do the LMDB I/O without it).
+store's lock for its bookkeeping and do the LMDB I/O without it). They see the store as
+an :class:`SsdHost`, which BlockStore is structurally, so this module does not import
+the store (no import circle).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+import threading
+from collections.abc import Sequence
+from typing import Protocol
 
 from kvstore_client.errors import ResourceExhausted
 
 from .events import DRAM, SSD
-from .tiers.policy import Evicted, NeedSsdRoom, SsdWriteFailed, SsdWritten
+from .fairlock import FairLock
+from .storerecords import StoreCounters, _Staged, _Todo
+from .tiers.blocks import Block
+from .tiers.dram import DramTier
+from .tiers.policy import (
+    Evicted,
+    Instruction,
+    NeedSsdRoom,
+    SsdWriteFailed,
+    SsdWritten,
+    TierPolicy,
+)
+from .tiers.ssd import SsdStore
+from .tiers.ssdindex import SsdIndex
 
-if TYPE_CHECKING:
-    from .store import BlockStore
+
+class SsdHost(Protocol):
+    """What the SSD writes need of a BlockStore: its lock, state machines and tiers,
+    its staged copies, and the two halves of its instruction loop."""
+
+    lock: FairLock
+    policy: TierPolicy
+    tier: DramTier
+    ssd: SsdStore | None
+    ssd_index: SsdIndex
+    counters: StoreCounters
+    _staged: dict[tuple[str, bytes], _Staged]
+    _todo: _Todo
+    _stop: threading.Event
+
+    def view(self, b: Block) -> memoryview: ...
+    def _queue(self, instructions: Sequence[Instruction]) -> None: ...
+    def _execute(self) -> None: ...
+    def _ev(self, stored: bool, medium: str, items: Sequence[tuple[str, bytes]]) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
 DEMOTE_BATCH_BYTES = 64 << 20
 
 
-def write_staged(store: BlockStore) -> None:
+def write_staged(store: SsdHost) -> None:
     """Write the staged copies of evicted blocks to LMDB (outside the lock)."""
     with store.lock:
         batch = [(k, st) for k, st in store._staged.items() if not st.writing]
@@ -57,7 +92,7 @@ def write_staged(store: BlockStore) -> None:
 
 
 def write_ssd(
-    store: BlockStore, items: list[tuple[str, bytes, memoryview, int]]
+    store: SsdHost, items: list[tuple[str, bytes, memoryview, int]]
 ) -> list[tuple[str, bytes, int, int]] | None:
     """Write to LMDB (outside the lock), making room first; None when it failed."""
     assert store.ssd is not None
@@ -81,14 +116,14 @@ def write_ssd(
     return None
 
 
-def execute_deletes(store: BlockStore) -> None:
+def execute_deletes(store: SsdHost) -> None:
     with store.lock:
         deletes, store._todo.deletes = store._todo.deletes, []
     if deletes and store.ssd is not None:
         store.ssd.delete_many(deletes)
 
 
-def demote(store: BlockStore, nbytes: int, *, everything: bool = False) -> int:
+def demote(store: SsdHost, nbytes: int, *, everything: bool = False) -> int:
     """Move up to ``nbytes`` of least recently used DRAM blocks to SSD; returns bytes.
 
     ``everything`` includes pinned namespaces (shutdown: nothing may be lost).
