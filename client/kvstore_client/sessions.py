@@ -15,6 +15,15 @@ how many leading hashes every worker took and the last of them; a later hint who
 chain starts with that prefix sends only the hashes after it. The whole chain is sent
 again when the chain changed, a worker missed the previous hint, or ``FULL_EVERY``
 seconds passed (a worker may have dropped the session meanwhile).
+
+Chain cuts: each hash goes with its depth in the chain. A worker that loses a live
+session's block for good (evicted, no SSD copy) drops that session's deeper blocks
+(a prefix match cannot reach them until the chain is written again) and returns a
+notice in its next hint answer; the client carries it to every worker in its next
+hint of that namespace, and each drops its own deeper blocks of the session unless
+the session has had an ``active`` hint since (a new turn rewrites the chain). With
+chains spread over workers, the room goes to chains that can still hit instead of
+tails no lookup reaches.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ STATES = ("active", "paused", "ended")
 MAX_SESSION_ID_BYTES = 256
 MAX_REMEMBERED = 4096  # sessions whose sent prefix the client remembers
 FULL_EVERY = 60.0  # seconds after which a hint carries the whole chain again
+MAX_CUTS = 4096  # cut notices one hint carries (a worker refuses more)
 
 
 def check_hint(session_id: str, state: str, ttl: float | None) -> None:
@@ -67,6 +77,28 @@ class SessionHints:
         self._lock = threading.Lock()
         # (ns, session) -> (hashes every worker took, the last of them, when sent in full)
         self._sent: OrderedDict[tuple[str, str], tuple[int, bytes, float]] = OrderedDict()
+        # cut notices workers returned, for the next hint of their namespace:
+        # (ns, session) -> (depth, turn)
+        self._cuts: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
+
+    def _take_cuts(self, ns: str) -> list[store_pb2.SessionCut]:
+        with self._lock:
+            mine = [k for k in self._cuts if k[0] == ns][:MAX_CUTS]
+            got = [(k[1], *self._cuts.pop(k)) for k in mine]
+        return [
+            store_pb2.SessionCut(namespace=ns, session_id=n, depth=d, turn=t) for n, d, t in got
+        ]
+
+    def _keep_cuts(self, cuts: Sequence[store_pb2.SessionCut]) -> None:
+        """Merge notices: per session the latest turn's shallowest cut."""
+        with self._lock:
+            for c in cuts:
+                k = (c.namespace, c.session_id)
+                old = self._cuts.get(k)
+                if old is None or c.turn > old[1] or (c.turn == old[1] and c.depth < old[0]):
+                    self._cuts[k] = (c.depth, c.turn)
+            while len(self._cuts) > MAX_REMEMBERED:
+                self._cuts.popitem(last=False)
 
     def _new_part(self, ns: str, session_id: str, hashes: list[bytes], now: float) -> int:
         """How many leading ``hashes`` the workers already hold for this session."""
@@ -119,7 +151,9 @@ class SessionHints:
         """Send the hint to every worker; returns how many workers took it.
 
         Only the hashes past the prefix this session's earlier hints delivered are sent
-        (see the module docstring); the workers add them to what they hold.
+        (see the module docstring), with their depths in the chain; the workers add
+        them to what they hold. The hint carries the cut notices workers returned to
+        this client's earlier hints in ``ns`` (see the module docstring).
         Blocks until every worker answered or the client's timeout passed. Raises
         InvalidArgument / PermissionDenied for a hint the caller got wrong; an
         unreachable worker is skipped (hints are advice), so the result may be short.
@@ -135,7 +169,8 @@ class SessionHints:
         new = hashes[skip:]
         owned = {w: idx for w, idx in groups}
         empty = np.zeros(0, dtype=np.int64)
-        tasks: list[Callable[[], int]] = []
+        cuts = self._take_cuts(ns)
+        tasks: list[Callable[[], store_pb2.SessionHintResponse]] = []
         for w, link in enumerate(view.workers):
             idx = owned.get(w, empty)
             req = store_pb2.SessionHintRequest(
@@ -144,6 +179,8 @@ class SessionHints:
                 state=state,
                 hashes=b"".join(new[i] for i in idx),
                 ttl_seconds=ttl or 0.0,
+                depths=(idx + skip).tolist(),
+                cuts=cuts,
             )
             tasks.append(self._task(link.info.grpc, req))
         errors: list[KVStoreError] = []
@@ -151,20 +188,27 @@ class SessionHints:
         def on_error(_: int, e: KVStoreError) -> None:
             errors.append(e)
 
-        took = sum(1 for r in d.fan_out(tasks, on_error) if r is not None)
+        answers = [r for r in d.fan_out(tasks, on_error) if r is not None]
+        took = len(answers)
+        for r in answers:
+            if r.cuts:
+                self._keep_cuts(r.cuts)
         self._remember(ns, session_id, state, hashes, skip, took == len(tasks), now)
         for e in errors:
             if isinstance(e, InvalidArgument | PermissionDenied | Unauthenticated):
                 raise e
         return took
 
-    def _task(self, address: str, req: store_pb2.SessionHintRequest) -> Callable[[], int]:
-        def call() -> int:
+    def _task(
+        self, address: str, req: store_pb2.SessionHintRequest
+    ) -> Callable[[], store_pb2.SessionHintResponse]:
+        def call() -> store_pb2.SessionHintResponse:
             try:
-                self._stub(address).SessionHint(req, timeout=self._d.timeout, metadata=self._d.md)
+                return self._stub(address).SessionHint(  # type: ignore[no-any-return]
+                    req, timeout=self._d.timeout, metadata=self._d.md
+                )
             except grpc.RpcError as e:
                 raise from_rpc_error(e) from e
-            return 1
 
         return call
 

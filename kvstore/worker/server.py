@@ -40,7 +40,7 @@ from .servicer import StoreServicer
 from .sessions import SessionTable
 from .store import BlockStore
 from .storerecords import StoreStats, stats_message
-from .tiers.policy import Promoter, QuotaBook, Watermarks, parse_pins
+from .tiers.budgets import Promoter, QuotaBook, Watermarks, parse_pins
 from .tiers.shared import SharedIndex
 from .tiers.ssd import SsdStore
 from .transfer.shm import ArenaShare

@@ -20,6 +20,7 @@ from ..auth import Tenant, bearer
 from ..errors import InvalidArgument, Unavailable, abort, to_grpc_code
 from . import removal
 from .requests import RequestCore
+from .sessions import check_hint
 from .store import BlockStore
 from .storerecords import StoreStats, stats_message
 
@@ -164,12 +165,19 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
                 raise InvalidArgument(
                     f"ttl_seconds must not be negative, got {request.ttl_seconds}"
                 )
-            matched = self.store.session_hint(ns, request.session_id, request.state, keys, ttl)
+            depths, cuts = session_cuts(ns, request, len(keys))
+            matched = self.store.session_hint(
+                ns, request.session_id, request.state, keys, ttl, depths, cuts
+            )
             with self.store.lock:
                 table = self.store.policy.sessions
                 closed, table.closed_rates = table.closed_rates, []
             metrics.observe_session_hit_ratios(closed)
-            return store_pb2.SessionHintResponse(matched=matched)
+            out = [
+                store_pb2.SessionCut(namespace=request.namespace, session_id=n, depth=d, turn=t)
+                for n, d, t in self.store.take_cuts(ns)
+            ]
+            return store_pb2.SessionHintResponse(matched=matched, cuts=out)
 
         return self._run("session_hint", context, go)
 
@@ -212,3 +220,27 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
 
 def _name(tenant: Tenant | None) -> str:
     return tenant.name if tenant is not None else ""
+
+
+MAX_CUTS = 4096  # cut notices one hint may carry
+
+
+def session_cuts(
+    ns: str, request: store_pb2.SessionHintRequest, n_keys: int
+) -> tuple[list[int], list[tuple[str, int, int]]]:
+    """A hint's depths (none, or one per hash) and the cut notices it carries (every
+    one of the hint's namespace, with a valid session id), else InvalidArgument."""
+    depths = list(request.depths)
+    if depths and len(depths) != n_keys:
+        raise InvalidArgument(f"{len(depths)} depths for {n_keys} hashes")
+    if len(request.cuts) > MAX_CUTS:
+        raise InvalidArgument(f"a hint carries at most {MAX_CUTS} cuts, got {len(request.cuts)}")
+    cuts: list[tuple[str, int, int]] = []
+    for c in request.cuts:
+        if c.namespace != request.namespace:
+            raise InvalidArgument(
+                f"a cut of namespace {c.namespace!r} in a hint of {request.namespace!r}"
+            )
+        check_hint(c.session_id, "paused", None)
+        cuts.append((c.session_id, c.depth, c.turn))
+    return depths, cuts

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import xxhash
 
-from kvstore_client.errors import ResourceExhausted
+from kvstore_client.errors import InvalidArgument, ResourceExhausted
 
 from .fairlock import FairLock
 from .sessions import check_hint
@@ -28,6 +28,7 @@ from .tiers.policy import (
     Instruction,
     NeedDramRoom,
     SessionAdvance,
+    SessionCut,
     SessionDrain,
     SessionHint,
     SessionKeys,
@@ -80,7 +81,14 @@ def reserve_yielding(
 
 
 def hint(
-    store: SessionHost, ns: str, session: str, state: str, keys: Sequence[bytes], ttl: float | None
+    store: SessionHost,
+    ns: str,
+    session: str,
+    state: str,
+    keys: Sequence[bytes],
+    ttl: float | None,
+    depths: Sequence[int] = (),
+    cuts: Sequence[tuple[str, int, int]] = (),
 ) -> int:
     """Apply a session hint (see :mod:`kvstore.worker.sessions`). For ``active``,
     returns how many leading blocks of the session's whole chain here (every key it
@@ -94,8 +102,19 @@ def hint(
     measured over its chain slice by slice, and the chain's prefix match is sliced
     too; a state change of a long chain (SessionTable.move_slice) moves its keys a
     slice at a time. Another client's lookup waits for one slice at most, not the
-    whole chain."""
+    whole chain.
+
+    ``depths`` (empty, or one per key) are the keys' depths in the whole chain;
+    ``cuts`` are other workers' cut notices the client carries, ``(session, depth,
+    turn)`` of this namespace, applied first (TierPolicy.take_cuts)."""
     check_hint(session, state, ttl)
+    if depths and len(depths) != len(keys):
+        raise InvalidArgument(f"{len(depths)} depths for {len(keys)} hashes")
+    for name, depth, turn in cuts:
+        with store.lock:
+            store._queue(store.policy.handle(SessionCut(ns, name, depth, turn)))
+    if cuts:
+        store._execute()
     if store._demoter is None and time.monotonic() >= store._next_tick:
         store.session_tick(time.monotonic())  # no demoter thread to expire sessions
     step = store.slice_keys * LOOKUP_SLICES
@@ -108,12 +127,15 @@ def hint(
         cut = cut if known else 0  # an unknown session's end does nothing
     for i in range(0, cut, step):
         with store.lock:
-            part = tuple(keys[i : min(i + step, cut)])
-            store._queue(store.policy.handle(SessionKeys(ns, session, part, now)))
+            j = min(i + step, cut)
+            ev = SessionKeys(ns, session, tuple(keys[i:j]), now, tuple(depths[i:j]))
+            store._queue(store.policy.handle(ev))
         store._execute()
     with store.lock:
-        ev = SessionHint(ns, session, state, tuple(keys[cut:]), ttl, now, measure=False)
-        store._queue(store.policy.handle(ev))
+        last = SessionHint(
+            ns, session, state, tuple(keys[cut:]), ttl, now, False, tuple(depths[cut:])
+        )
+        store._queue(store.policy.handle(last))
     store._execute()
     _advance(store, ns, session, step)
     drain(store)  # sessions this hint pushed out of a full table

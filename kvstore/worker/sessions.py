@@ -29,6 +29,11 @@ any client) sends hints: ``(namespace, session id, state, block hashes, ttl)``.
   :meth:`SessionTable.advance` / :meth:`SessionTable.drain` (the store calls them
   with its lock released in between), so no hint or expiry holds the lock for a
   whole chain.
+- Each key may come with its depth in the session's whole chain (this worker holds
+  only its share). When a live session's block is lost, :meth:`SessionTable.cut`
+  names its deeper blocks: a prefix match cannot reach them until the next turn
+  (``turn``: the session's count of ``active`` hints, alike on every worker) writes
+  the chain again.
 
 Every call returns :class:`Change` records saying which blocks changed protection,
 which were orphaned and which belong to a session that just resumed (to prefetch);
@@ -40,11 +45,13 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 from kvstore_client.errors import InvalidArgument
 from kvstore_client.sessions import MAX_SESSION_ID_BYTES, STATES
 
 MAX_TTL = 7 * 86400.0
+NO_CUT = 1 << 62
 
 Key = tuple[str, bytes]
 
@@ -56,11 +63,16 @@ class Session:
     ns: str
     state: str
     expires: float  # paused: end of its TTL; active: idle timeout; ended: leaves the table
-    keys: dict[bytes, None] = field(default_factory=dict)  # ordered set of its block hashes
+    # its block hashes in chain order -> each one's depth in the whole chain (hints carry
+    # it: a worker holds only its share of a chain), -1 when the hint did not say
+    keys: dict[bytes, int] = field(default_factory=dict)
     hit_blocks: int = 0  # over its active hints: leading blocks present ...
     lookup_blocks: int = 0  # ... of the blocks asked about
     last: float = 0.0  # last hint
     room: int = -1  # bytes it may still add within its share (-1: no limit known)
+    turn: int = 0  # active hints so far (not lookups' resumes): alike on every worker
+    cut: int = NO_CUT  # the shallowest depth its chain lost this turn, since keys were added
+    cut_skip: int = 0  # keys from the chain's end already given up by that cut
     account: str = ""  # the tenant its namespace belongs to ("" without tenants)
     # A state change of a long chain moves its keys a slice at a time (advance): the
     # keys of ``moving`` from ``moving_at`` on are still counted under ``moving_from``.
@@ -187,8 +199,13 @@ class SessionTable:
         keys: Sequence[bytes] = (),
         ttl: float | None = None,
         now: float = 0.0,
+        depths: Sequence[int] = (),
+        *,
+        sent: bool = True,
     ) -> list[Change]:
-        """Apply a hint: add ``keys`` to the session, then move it to ``state``.
+        """Apply a hint: add ``keys`` (at ``depths`` in the whole chain, when given) to
+        the session, then move it to ``state``. ``sent`` False: not a client's hint
+        but a lookup's resume (this worker's alone: it does not count as a turn).
 
         InvalidArgument for an unknown state, an empty or oversized id or a TTL out of
         range. An ``ended`` hint for an unknown session does nothing.
@@ -204,10 +221,13 @@ class SessionTable:
         else:
             self.sessions.move_to_end((ns, name))
         s.last = now
+        if state == "active" and sent:  # a new turn: the engine writes its chain again
+            s.turn += 1
+            s.cut, s.cut_skip = NO_CUT, 0
         ch = Change(ns, session=name)
         if s.moving is not None:  # the previous change is still moving: finish it
             self._step(s, None, ch)
-        self._add(s, keys, ch)
+        self._add(s, keys, ch, depths)
         if state != s.state or state == "paused":  # paused: its chain tail first, again
             self._begin(s, state, orphan=True)
             if not (self.move_slice and len(s.keys) > self.move_slice):
@@ -221,7 +241,9 @@ class SessionTable:
         out.append(ch)
         return out
 
-    def add_keys(self, ns: str, name: str, keys: Sequence[bytes], now: float) -> list[Change]:
+    def add_keys(
+        self, ns: str, name: str, keys: Sequence[bytes], now: float, depths: Sequence[int] = ()
+    ) -> list[Change]:
         """Add ``keys`` to the session in its current state (a new one starts
         ``active``), with no state change: a long hint is fed in slices this way, its
         last slice as a :meth:`hint`. InvalidArgument for an empty or oversized id."""
@@ -231,7 +253,7 @@ class SessionTable:
         if s is None:
             s = self._new(ns, name, now, out)
         ch = Change(ns, session=name)
-        self._add(s, keys, ch)
+        self._add(s, keys, ch, depths)
         if ch:
             out.append(ch)
         return out
@@ -264,13 +286,13 @@ class SessionTable:
         s = self.sessions.get((ns, name))
         return s is not None and s.moving is not None
 
-    def _add(self, s: Session, keys: Sequence[bytes], ch: Change) -> None:
+    def _add(self, s: Session, keys: Sequence[bytes], ch: Change, depths: Sequence[int]) -> None:
         if s.state == "ended":
             return  # an ended session holds no blocks
         ns = s.ns
         room = self.max_blocks - self._blocks_of.get(s.account, 0)
         added = 0
-        for k in keys:
+        for i, k in enumerate(keys):
             if k in s.keys:
                 continue
             if room <= 0:
@@ -278,12 +300,36 @@ class SessionTable:
                 continue
             room -= 1
             added += 1
-            s.keys[k] = None
+            s.keys[k] = depths[i] if depths else -1
             self.owner[(ns, k)] = s.sid
             self._ref(s.state, ns, k, +1, ch, orphan=False)
         if added:
+            s.cut, s.cut_skip = NO_CUT, 0  # its chain grew: a new cut walks it from its end
             self.blocks += added
             self._blocks_of[s.account] = self._blocks_of.get(s.account, 0) + added
+
+    def cut(self, s: Session, depth: int) -> list[bytes]:
+        """The session's chain lost its block at ``depth`` (on this worker or another):
+        a prefix match stops there, so its blocks deeper than that are of no use until
+        the chain is written again, and they take room that chains which can still hit
+        could use. Returns those of them that no other live session holds (the caller
+        drops them); [] for an ended session or a cut no shallower than an earlier one
+        since the chain last grew. Keys are in chain order, so a cut walks back from
+        the chain's end and each key is walked once until the chain grows."""
+        if s.state == "ended" or depth >= s.cut:
+            return []
+        out: list[bytes] = []
+        walked = 0
+        refs = self.refs
+        for k in islice(reversed(s.keys), s.cut_skip, None):
+            d = s.keys[k]
+            if 0 <= d <= depth:
+                break
+            walked += 1
+            if d > depth and refs.get((s.ns, k), 0) <= 1:
+                out.append(k)
+        s.cut, s.cut_skip = depth, s.cut_skip + walked
+        return out
 
     def record(self, ns: str, name: str, hits: int, lookups: int) -> None:
         """Count a lookup of the session's chain: ``hits`` leading blocks of ``lookups``."""
@@ -306,7 +352,7 @@ class SessionTable:
             s = self.by_sid.get(self.owner.get((ns, k), 0))
             if s is not None and s.state == "paused" and s.ns == ns and s.moving is None:
                 self.counters.resumed_by_lookup += 1
-                return self.hint(ns, s.name, "active", (), None, now)
+                return self.hint(ns, s.name, "active", (), None, now, sent=False)
         return []
 
     def tick(self, now: float) -> list[Change]:

@@ -49,11 +49,13 @@ from .sessions import SessionTable
 from .ssdwrites import DEMOTE_BATCH_BYTES
 from .storerecords import Held, Reading, StoreCounters, StoreStats, _Staged, _Todo, snapshot
 from .tiers.blocks import Block
+from .tiers.budgets import Promoter, QuotaBook, Watermarks
 from .tiers.dram import DramTier
 from .tiers.policy import (
     Aborted,
     DeleteSsd,
     Demote,
+    Drop,
     Event,
     Evicted,
     EvictFirst,
@@ -61,8 +63,6 @@ from .tiers.policy import (
     Lookup,
     Prefetch,
     Promote,
-    Promoter,
-    QuotaBook,
     Release,
     Removed,
     Reserved,
@@ -73,7 +73,6 @@ from .tiers.policy import (
     TailFirst,
     Tick,
     TierPolicy,
-    Watermarks,
     WriteSsd,
 )
 from .tiers.ssd import SsdStore
@@ -202,10 +201,22 @@ class BlockStore:
         self._execute()
 
     def session_hint(
-        self, ns: str, session: str, state: str, keys: Sequence[bytes], ttl: float | None
+        self,
+        ns: str,
+        session: str,
+        state: str,
+        keys: Sequence[bytes],
+        ttl: float | None,
+        depths: Sequence[int] = (),
+        cuts: Sequence[tuple[str, int, int]] = (),
     ) -> int:
         """Apply a session hint; see :func:`kvstore.worker.session_ops.hint`."""
-        return session_ops.hint(self, ns, session, state, keys, ttl)
+        return session_ops.hint(self, ns, session, state, keys, ttl, depths, cuts)
+
+    def take_cuts(self, ns: str) -> list[tuple[str, int, int]]:
+        """Chains of ``ns`` cut here since the last call: (session, depth, turn)."""
+        with self.lock:
+            return self.policy.take_cuts(ns)
 
     def match_prefix(self, ns: str, keys: Sequence[bytes], state_ns: str = "") -> int:
         """Leading run of present keys; with ``state_ns`` the state at the last one too."""
@@ -573,6 +584,8 @@ class BlockStore:
                 # Copy now: the slot is handed to the new block as soon as this returns.
                 self._staged[(b.ns, b.key)] = _Staged(bytes(self.view(b)), b.checksum)
                 self._todo.write_staged = True
+            elif isinstance(ins, Drop):  # not in the middle of a reservation: later
+                self._todo.drops.append((ins.ns, ins.keys))
 
     def _ev(self, stored: bool, medium: str, items: Sequence[tuple[str, bytes]]) -> None:
         """Report blocks stored in / removed from a tier to the KV-event publisher
@@ -599,6 +612,8 @@ class BlockStore:
             elif isinstance(ins, Prefetch):
                 self._todo.prefetch.append((ins.ns, ins.keys))
                 self._wake.set()
+            elif isinstance(ins, Drop):
+                self._todo.drops.append((ins.ns, ins.keys))
             elif isinstance(ins, WriteSsd | Promote):  # pragma: no cover - not queued
                 raise AssertionError(f"{ins} is handled where it is produced")
 
@@ -608,10 +623,13 @@ class BlockStore:
             deletes, self._todo.deletes = self._todo.deletes, []
             write = self._todo.write_staged
             self._todo.write_staged = False
+            drops, self._todo.drops = self._todo.drops, []
         if deletes and self.ssd is not None:
             self.ssd.delete_many(deletes)
         if write:
             self._write_staged()
+        for ns, keys in drops:
+            self.remove(ns, keys)
 
     def _write_staged(self) -> None:
         ssdwrites.write_staged(self)

@@ -93,6 +93,7 @@ class _Todo:
     deletes: list[tuple[str, bytes]] = field(default_factory=list)
     write_staged: bool = False
     prefetch: list[tuple[str, tuple[bytes, ...]]] = field(default_factory=list)
+    drops: list[tuple[str, tuple[bytes, ...]]] = field(default_factory=list)  # dead chain tails
 
 
 def snapshot(

@@ -234,3 +234,83 @@ def test_a_session_past_its_share_keeps_its_head_and_spares_the_others(
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         page = r.read().decode()
     assert "kvstore_session_declined_blocks_total 32.0" in page
+
+
+def test_a_chain_cut_on_one_worker_reaches_the_other_through_hints(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    """A paused session's chain spread over two workers; other traffic through one of
+    them evicts its share of the chain from the tail. That worker drops what it has
+    past the gap at once; the client's next hints carry its notice to the other worker,
+    which drops its blocks past the gap too (a prefix match cannot reach them). The
+    chain's head still reads back exactly."""
+    c = make_cluster(
+        workers=2,
+        dram_size="4MiB",
+        max_value_size="64KiB",
+        extra_worker_args=["--session-budget", "0"],
+    )
+    size = 64 << 10
+    with Client(c.address) as cl:
+        chain = [key(i, "cut") for i in range(24)]
+        cl.session_hint(NS, "agent", "active", hashes=chain)
+        assert all(cl.batch_put(NS, chain, [value_for(k, size) for k in chain]))
+        cl.session_hint(NS, "agent", "paused", hashes=chain)
+        _, groups = cl._d.groups(chain)
+        worker_of = {int(i): w for w, idx in groups for i in idx}
+        assert set(worker_of.values()) == {0, 1}
+        first = {w: min(d for d, x in worker_of.items() if x == w) for w in (0, 1)}
+        # Fill the worker that does not hold the chain's first block until half its
+        # share of the chain is evicted (its tail first: a paused chain's order).
+        w = 0 if first[0] > first[1] else 1
+        mine = sorted(d for d, x in worker_of.items() if x == w)
+        theirs = sorted(d for d, x in worker_of.items() if x != w)
+        with grpc.insecure_channel(cl.workers()[w].grpc) as ch:
+            st = store_pb2_grpc.StoreStub(ch).Stats(store_pb2.StatsRequest(), timeout=5)
+        room = st.capacity_bytes // size - st.keys
+        cand = [key(i, "flood") for i in range(4000)]
+        _, fg = cl._d.groups(cand)
+        flood = [cand[int(i)] for x, idx in fg if x == w for i in idx][: room + len(mine) // 2]
+        for i in range(0, len(flood), 8):
+            part = flood[i : i + 8]
+            assert all(cl.batch_put(NS, part, [value_for(k, size) for k in part]))
+        gone = [d for d in mine if not cl.batch_exists(NS, [chain[d]])[0]]
+        assert gone and len(gone) < len(mine), (gone, mine)
+        cut = min(gone)
+        assert cut > 0
+        assert not any(cl.batch_exists(NS, [chain[d] for d in mine if d > cut]))
+        deeper = [chain[d] for d in theirs if d > cut]
+        assert deeper and all(cl.batch_exists(NS, deeper)), "no notice has travelled yet"
+        cl.session_hint(NS, "another", "active")  # its answers bring the notice back
+        cl.session_hint(NS, "another", "paused")  # ... and this hint carries it
+        assert not any(cl.batch_exists(NS, deeper)), "the other worker dropped them"
+        head = chain[:cut]
+        assert cl.match_prefix(NS, chain) == cut
+        assert cl.batch_get(NS, head) == [value_for(k, size) for k in head]
+        with grpc.insecure_channel(cl.workers()[0].grpc) as ch:
+            stub = store_pb2_grpc.StoreStub(ch)
+            cut_msg = store_pb2.SessionCut(namespace=NS, session_id="agent", depth=1, turn=1)
+            for req in (
+                store_pb2.SessionHintRequest(
+                    namespace=NS, session_id="a", state="active", hashes=chain[0], depths=[0, 1]
+                ),
+                store_pb2.SessionHintRequest(
+                    namespace=NS,
+                    session_id="a",
+                    state="active",
+                    cuts=[store_pb2.SessionCut(namespace="other", session_id="agent")],
+                ),
+                store_pb2.SessionHintRequest(
+                    namespace=NS,
+                    session_id="a",
+                    state="active",
+                    cuts=[store_pb2.SessionCut(namespace=NS, session_id="")],
+                ),
+                store_pb2.SessionHintRequest(
+                    namespace=NS, session_id="a", state="active", cuts=[cut_msg] * 5000
+                ),
+            ):
+                with pytest.raises(grpc.RpcError) as ei:
+                    stub.SessionHint(req, timeout=5)
+                assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert cl.batch_get(NS, head) == [value_for(k, size) for k in head], "nothing lost"

@@ -14,8 +14,8 @@ import pytest
 from kvstore.worker.arena import Arena
 from kvstore.worker.store import BlockStore
 from kvstore.worker.tiers import slots
+from kvstore.worker.tiers.budgets import Promoter
 from kvstore.worker.tiers.dram import DramTier
-from kvstore.worker.tiers.policy import Promoter
 from kvstore.worker.tiers.ssd import SsdStore
 from kvstore_client.errors import InvalidArgument
 from kvstore_client.keys import check_hashes, split_hashes

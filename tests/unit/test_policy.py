@@ -11,6 +11,7 @@ import pytest
 from kvstore.worker.arena import Arena
 from kvstore.worker.requests import Budget, Limits
 from kvstore.worker.store import BlockStore
+from kvstore.worker.tiers.budgets import Promoter, QuotaBook, Watermarks
 from kvstore.worker.tiers.policy import (
     Aborted,
     DeleteSsd,
@@ -18,8 +19,6 @@ from kvstore.worker.tiers.policy import (
     Evicted,
     NeedSsdRoom,
     Promote,
-    Promoter,
-    QuotaBook,
     Removed,
     Reserved,
     SsdBad,
@@ -28,7 +27,6 @@ from kvstore.worker.tiers.policy import (
     SsdWritten,
     Tick,
     TierPolicy,
-    Watermarks,
     WriteSsd,
 )
 from kvstore.worker.tiers.ssd import SsdStore

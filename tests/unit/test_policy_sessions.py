@@ -15,6 +15,7 @@ import pytest
 from kvstore.worker.arena import Arena
 from kvstore.worker.sessions import SessionTable
 from kvstore.worker.store import BlockStore
+from kvstore.worker.tiers.budgets import Watermarks
 from kvstore.worker.tiers.dram import DramTier
 from kvstore.worker.tiers.policy import (
     Evicted,
@@ -31,7 +32,6 @@ from kvstore.worker.tiers.policy import (
     SsdWritten,
     TailFirst,
     TierPolicy,
-    Watermarks,
     WriteSsd,
 )
 from kvstore.worker.tiers.ssd import SsdStore

@@ -12,8 +12,9 @@ import xxhash
 
 from kvstore.worker.arena import Arena
 from kvstore.worker.store import BlockStore
-from kvstore.worker.tiers.policy import Promoter, QuotaBook, SsdIndex, Watermarks, parse_pins
+from kvstore.worker.tiers.budgets import Promoter, QuotaBook, Watermarks, parse_pins
 from kvstore.worker.tiers.ssd import HEADER_LEN, SsdStore, decode_header, encode_header
+from kvstore.worker.tiers.ssdindex import SsdIndex
 from kvstore_client.errors import InvalidArgument, ResourceExhausted
 from tests.helpers import key, value_for
 

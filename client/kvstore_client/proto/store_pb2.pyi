@@ -376,15 +376,52 @@ class StatsResponse(_message.Message):
 Global___StatsResponse: _TypeAlias = StatsResponse  # noqa: Y015
 
 @_typing.final
-class SessionHintRequest(_message.Message):
+class SessionCut(_message.Message):
     """A session hint (see kvstore/worker/sessions.py): the session `session_id` of
     `namespace` is now `state` ("active", "paused" or "ended"); `hashes` are its
     blocks that this worker owns (16*N bytes, the chain in order). ttl_seconds > 0
     overrides the worker's TTL of a paused session (or the idle timeout of an
     active one). Unknown state, an id over 256 bytes or a TTL over 7 days:
     INVALID_ARGUMENT. `matched`: leading hashes present (an active hint's hit count).
+
+    Chain cuts: `depths` (none, or one per hash) are the hashes' depths in the whole
+    chain (a worker gets only its share of it). When a worker loses a live session's
+    block at depth d (evicted with no copy left), the session's deeper blocks are of no
+    use until the chain is written again: it drops its own and returns a `cuts` notice
+    (session, depth, the session's count of `active` hints then) to the next client that
+    hints in that namespace; the client carries the notices in its next hints to every
+    worker, which drop theirs if the session has had no `active` hint since. More than
+    4096 cuts, a cut in another namespace or with a bad session id: INVALID_ARGUMENT.
     """
 
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    DEPTH_FIELD_NUMBER: _builtins.int
+    TURN_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    session_id: _builtins.str
+    depth: _builtins.int
+    turn: _builtins.int
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        depth: _builtins.int = ...,
+        turn: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["depth", b"depth", "namespace", b"namespace", "session_id", b"session_id", "turn", b"turn"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionCut: _TypeAlias = SessionCut  # noqa: Y015
+
+@_typing.final
+class SessionHintRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NAMESPACE_FIELD_NUMBER: _builtins.int
@@ -392,11 +429,17 @@ class SessionHintRequest(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     HASHES_FIELD_NUMBER: _builtins.int
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    DEPTHS_FIELD_NUMBER: _builtins.int
+    CUTS_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     session_id: _builtins.str
     state: _builtins.str
     hashes: _builtins.bytes
     ttl_seconds: _builtins.float
+    @_builtins.property
+    def depths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def cuts(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionCut]: ...
     def __init__(
         self,
         *,
@@ -405,10 +448,12 @@ class SessionHintRequest(_message.Message):
         state: _builtins.str = ...,
         hashes: _builtins.bytes = ...,
         ttl_seconds: _builtins.float = ...,
+        depths: _abc.Iterable[_builtins.int] | None = ...,
+        cuts: _abc.Iterable[Global___SessionCut] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "namespace", b"namespace", "session_id", b"session_id", "state", b"state", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuts", b"cuts", "depths", b"depths", "hashes", b"hashes", "namespace", b"namespace", "session_id", b"session_id", "state", b"state", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -419,15 +464,19 @@ class SessionHintResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MATCHED_FIELD_NUMBER: _builtins.int
+    CUTS_FIELD_NUMBER: _builtins.int
     matched: _builtins.int
+    @_builtins.property
+    def cuts(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionCut]: ...
     def __init__(
         self,
         *,
         matched: _builtins.int = ...,
+        cuts: _abc.Iterable[Global___SessionCut] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["matched", b"matched"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuts", b"cuts", "matched", b"matched"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -46,114 +46,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from kvstore_client.errors import InvalidArgument
-
-from ..sessions import Change, SessionTable
+from ..sessions import Change, Session, SessionTable
+from .budgets import Promoter, QuotaBook, Watermarks
 from .retention import Retention
 from .ssdindex import SsdIndex
 
-PROMOTE_MODES = ("always", "second-hit", "never")
-
-
-@dataclass(slots=True)
-class Watermarks:
-    high: float = 0.95
-    low: float = 0.85
-
-    def __post_init__(self) -> None:
-        if not 0 < self.low <= self.high <= 1:
-            raise InvalidArgument(
-                f"watermarks need 0 < low <= high <= 1, got {self.low}/{self.high}"
-            )
-
-    def excess(self, used: int, capacity: int) -> int:
-        """Bytes to move out now: 0 below the high mark, else down to the low mark."""
-        if capacity <= 0 or used <= self.high * capacity:
-            return 0
-        return int(used - self.low * capacity)
-
-
-@dataclass(slots=True)
-class Promoter:
-    """Decides whether an SSD hit is copied back into DRAM."""
-
-    mode: str = "second-hit"
-    window: float = 60.0
-    max_tracked: int = 1 << 20
-    _seen: OrderedDict[tuple[str, bytes], float] = field(default_factory=OrderedDict)
-
-    def __post_init__(self) -> None:
-        if self.mode not in PROMOTE_MODES:
-            raise InvalidArgument(f"promote must be one of {', '.join(PROMOTE_MODES)}")
-
-    def on_hit(self, ns: str, key: bytes, now: float) -> bool:
-        if self.mode == "always":
-            return True
-        if self.mode == "never":
-            return False
-        k = (ns, key)
-        last = self._seen.pop(k, None)
-        if last is not None and now - last <= self.window:
-            return True
-        self._seen[k] = now
-        while len(self._seen) > self.max_tracked:
-            self._seen.popitem(last=False)
-        return False
-
-
-class QuotaBook:
-    """Byte quotas, counted once whichever tiers hold a block.
-
-    ``key_of(ns)`` names the account a namespace is charged to (a pinned
-    namespace itself, or the tenant that owns it), or None for no quota.
-    """
-
-    def __init__(
-        self, quotas: dict[str, int], key_of: Callable[[str], str | None] | None = None
-    ) -> None:
-        self.quotas = dict(quotas)
-        self.used: dict[str, int] = dict.fromkeys(quotas, 0)
-        self._key_of = key_of or (lambda ns: ns if ns in self.quotas else None)
-
-    def is_pinned(self, ns: str) -> bool:
-        return ns in self.quotas
-
-    def tracks(self, ns: str) -> bool:
-        """Is ``ns`` charged to an account of this book (else admits is always True and
-        charge / refund do nothing)?"""
-        k = self._key_of(ns)
-        return k is not None and (k in self.quotas or k in self.used)
-
-    def admits(self, ns: str, size: int) -> bool:
-        k = self._key_of(ns)
-        return k is None or k not in self.quotas or self.used[k] + size <= self.quotas[k]
-
-    def charge(self, ns: str, size: int) -> None:
-        k = self._key_of(ns)
-        if k in self.used:
-            self.used[k] += size
-
-    def refund(self, ns: str, size: int) -> None:
-        k = self._key_of(ns)
-        if k in self.used:
-            self.used[k] = max(0, self.used[k] - size)
-
-
-def parse_pins(specs: Iterable[str]) -> dict[str, int]:
-    """``["sys=1GiB", "tools"]`` -> {"sys": 1 GiB, "tools": unlimited}."""
-    from kvstore_client.keys import check_namespace
-
-    from ...config import parse_size
-
-    out: dict[str, int] = {}
-    for spec in specs:
-        ns, _, quota = spec.partition("=")
-        check_namespace(ns)
-        out[ns] = parse_size(quota) if quota else 1 << 62
-    return out
-
+MAX_CUT_NOTICES = 4096  # chains cut here whose notices no client took yet
 
 # ---- the policy state machine ------------------------------------------------------
 # Events (the store reports what happened) ...
@@ -259,6 +159,7 @@ class SessionHint:
     ttl: float | None
     now: float
     measure: bool = True  # measure the session's room now (False: the caller does, in slices)
+    depths: tuple[int, ...] = ()  # each key's depth in the whole chain (empty: not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +186,18 @@ class SessionKeys:
     session: str
     keys: tuple[bytes, ...]
     now: float
+    depths: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SessionCut:
+    """Another worker lost the session's block at ``depth`` during its ``turn``-th
+    active hint (a cut notice a client carried here): its deeper blocks here are dead."""
+
+    ns: str
+    session: str
+    depth: int
+    turn: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,6 +232,7 @@ Event = (
     | SessionKeys
     | SessionAdvance
     | SessionDrain
+    | SessionCut
     | Lookup
     | SessionTick
 )
@@ -384,6 +298,15 @@ class TailFirst:
 
 
 @dataclass(frozen=True, slots=True)
+class Drop:
+    """Remove these blocks from every tier (a live session's chain lost a shallower
+    block: a prefix match cannot reach them; outside the lock)."""
+
+    ns: str
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Prefetch:
     """Copy these SSD-only blocks into DRAM (outside the lock)."""
 
@@ -392,7 +315,16 @@ class Prefetch:
 
 
 Instruction = (
-    WriteSsd | DeleteSsd | Promote | Demote | Retain | Release | EvictFirst | TailFirst | Prefetch
+    WriteSsd
+    | DeleteSsd
+    | Promote
+    | Demote
+    | Retain
+    | Release
+    | EvictFirst
+    | TailFirst
+    | Prefetch
+    | Drop
 )
 
 
@@ -403,6 +335,7 @@ class PolicyCounters:
     retain_refused: int = 0  # paused sessions' DRAM blocks over the retain budget
     share_declined: int = 0  # new blocks of a session already holding its share
     retain_yielded: int = 0  # retained DRAM blocks given back to make room for writes
+    cut_dropped: int = 0  # live sessions' blocks dropped: a shallower block was lost
 
 
 class TierPolicy:
@@ -446,6 +379,8 @@ class TierPolicy:
         self.dram_size = dram_size  # payload bytes of a block in DRAM, 0 when not there
         self.session_share = session_share  # bytes one hinted session may hold; 0: no limit
         self.orphans: set[tuple[str, bytes]] = set()  # ended sessions' DRAM-only blocks
+        # (ns, session) -> (depth, turn): chains cut here, for the other workers
+        self.cut_notices: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
 
     # ---- queries -----------------------------------------------------------------
 
@@ -493,6 +428,7 @@ class TierPolicy:
                 return [WriteSsd(ev.ns, ev.key)]
             self.counters.evicted_lost += 1
             self._charge(ev.ns, ev.size, -1)
+            return self._lost(ev.ns, ev.key)
         elif isinstance(ev, Removed):
             self._unretain(ev.ns, ev.key)
             self.orphans.discard((ev.ns, ev.key))
@@ -542,13 +478,19 @@ class TierPolicy:
                 return [Demote(excess)]
         elif isinstance(ev, SessionHint):
             out = self._changes(
-                self.sessions.hint(ev.ns, ev.session, ev.state, ev.keys, ev.ttl, ev.now)
+                self.sessions.hint(ev.ns, ev.session, ev.state, ev.keys, ev.ttl, ev.now, ev.depths)
             )
             if ev.measure:
                 self._measure_room(ev.ns, ev.session)
             return out
         elif isinstance(ev, SessionKeys):
-            return self._changes(self.sessions.add_keys(ev.ns, ev.session, ev.keys, ev.now))
+            return self._changes(
+                self.sessions.add_keys(ev.ns, ev.session, ev.keys, ev.now, ev.depths)
+            )
+        elif isinstance(ev, SessionCut):
+            s = self.sessions.get(ev.ns, ev.session)
+            if s is not None and s.turn == ev.turn:
+                return self._cut(s, ev.depth, notify=False)
         elif isinstance(ev, SessionAdvance):
             return self._changes(self.sessions.advance(ev.ns, ev.session, ev.n))
         elif isinstance(ev, SessionDrain):
@@ -558,6 +500,39 @@ class TierPolicy:
         elif isinstance(ev, SessionTick):
             return self._changes(self.sessions.tick(ev.now))
         return []
+
+    def _lost(self, ns: str, key: bytes) -> list[Instruction]:
+        """A block left the last tier: when one live session alone holds it, that
+        session's deeper blocks are dead (dropped), and a notice goes to the other
+        workers (:meth:`take_cuts`)."""
+        sessions = self.sessions
+        if sessions.refs.get((ns, key), 0) != 1:
+            return []
+        s = sessions.by_sid.get(sessions.owner.get((ns, key), -1))
+        depth = s.keys.get(key, -1) if s is not None else -1
+        if s is None or depth < 0:
+            return []
+        return self._cut(s, depth, notify=True)
+
+    def _cut(self, s: Session, depth: int, *, notify: bool) -> list[Instruction]:
+        if notify and depth < s.cut:
+            n = self.cut_notices
+            n.pop((s.ns, s.name), None)
+            n[(s.ns, s.name)] = (depth, s.turn)
+            while len(n) > MAX_CUT_NOTICES:
+                n.popitem(last=False)
+        ns, ssd = s.ns, self.ssd
+        dead = [k for k in self.sessions.cut(s, depth) if self.in_dram(ns, k) or (ns, k) in ssd]
+        self.counters.cut_dropped += len(dead)
+        return [Drop(ns, tuple(dead))] if dead else []
+
+    def take_cuts(self, ns: str) -> list[tuple[str, int, int]]:
+        """The cut notices of namespace ``ns`` not taken yet: (session, depth, turn)."""
+        n = self.cut_notices
+        out = [(name, d, t) for (nsx, name), (d, t) in n.items() if nsx == ns]
+        for name, _, _ in out:
+            del n[(ns, name)]
+        return out
 
     def _yield_retained(self, nbytes: int) -> list[Instruction]:
         """Un-retain at least ``nbytes`` of DRAM blocks in :mod:`.retention`'s order
@@ -709,6 +684,7 @@ class TierPolicy:
 
     def _drop_ssd(self, keys: Sequence[tuple[str, bytes]]) -> list[Instruction]:
         gone: list[tuple[str, bytes]] = []
+        out: list[Instruction] = []
         for ns, key in keys:
             e = self.ssd.remove(ns, key)
             if e is None:
@@ -716,7 +692,8 @@ class TierPolicy:
             gone.append((ns, key))
             if not self.in_dram(ns, key):  # it left the last tier
                 self._charge(ns, e.size, -1)
-        return [DeleteSsd(tuple(gone))] if gone else []
+                out += self._lost(ns, key)
+        return ([DeleteSsd(tuple(gone))] if gone else []) + out
 
     def _charge(self, ns: str, size: int, sign: int) -> None:
         cost = self.charge_of(size)
