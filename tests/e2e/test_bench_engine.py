@@ -103,14 +103,6 @@ def test_quick_memory_sweep_gives_every_store_the_same_memory(quick_sweep: dict[
     assert full["ref_lru_hit_rate"] == pytest.approx(full["ideal_hit_rate"])
 
 
-@pytest.mark.xfail(
-    reason="goal not met: in this quick workload 71 of the 85 ideal points are the system "
-    "prompt all sessions share, which the engines' own caches hold (kvstore tied LMCache "
-    "at 76.6%); where memory binds (28 real sessions) kvstore and LMCache tie at a "
-    "quarter (38.4% against 40.0%, 41.9% against 40.7%); docs/BENCHMARKS.md, 'Memory as "
-    "the axis'",
-    strict=False,
-)
 def test_quick_memory_sweep_kvstore_keeps_more_at_the_smallest_point(
     quick_sweep: dict[str, Any],
 ) -> None:

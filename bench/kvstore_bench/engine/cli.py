@@ -61,6 +61,13 @@ from .workload import Script, WorkloadShape, build_scripts
 __all__ = ["engine_cmd"]
 
 ROOT = Path(__file__).resolve().parents[3]
+# --quick with --memory-sweep: synthetic sessions whose own contexts, not the prompt
+# they share, make the working set
+QUICK_SWEEP_SESSIONS = 16
+QUICK_SWEEP_TURNS = 6
+QUICK_SWEEP_TOKEN_SCALE = 0.06
+QUICK_SWEEP_TIME_SCALE = 10.0
+QUICK_SWEEP_SHAPE = synth.SynthShape(tool_tokens=600, system_tokens=200)
 
 
 def _engine_python(path: str | None) -> Path:
@@ -148,7 +155,10 @@ def _prefill_speed(run: ConfigRun) -> float | None:
     help="Each engine's own KV cache [256MiB; with --memory-sweep: two of the longest turn].",
 )
 @click.option(
-    "--quick", is_flag=True, help="2 sessions (6 with --memory-sweep) x 4 turns, small prompts."
+    "--quick",
+    is_flag=True,
+    help="2 sessions x 4 turns, small prompts (with --memory-sweep: 8 sessions x 6 turns "
+    "and a short shared prompt).",
 )
 @click.option("--json", "json_path", default=None, help="Write the numbers here.")
 @click.option("--out", default="bench/results", show_default=True, help="Plots go here.")
@@ -192,15 +202,22 @@ def engine_cmd(
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--memory-sweep") from e
     py = _engine_python(engine_python)
-    if quick and fractions:  # enough sessions that the engines' own caches cannot hold all
-        max_sessions = max_sessions or 6
-        n_synth = n_synth if n_synth is not None or traces else 6
+    synth_shape = None
+    if quick and fractions:
+        # Enough sessions and turns that memory binds, and a short shared prompt: the
+        # engines' own caches hold a long one, which would measure them, not the stores.
+        max_sessions = max_sessions or QUICK_SWEEP_SESSIONS
+        if n_synth is None and not traces:
+            n_synth = QUICK_SWEEP_SESSIONS
+            synth_shape = QUICK_SWEEP_SHAPE
     if quick:
         max_sessions = max_sessions or 2
-        max_turns = min(max_turns or 4, 4)
-        token_scale = min(token_scale, 0.03)
+        turns = QUICK_SWEEP_TURNS if fractions else 4
+        max_turns = min(max_turns or turns, turns)
+        token_scale = min(token_scale, QUICK_SWEEP_TOKEN_SCALE if fractions else 0.03)
         max_output = min(max_output, 8)
-        time_scale = max(time_scale, 100.0)
+        # a sweep keeps the agents' pauses (tool calls), where session hints pay
+        time_scale = QUICK_SWEEP_TIME_SCALE if fractions else max(time_scale, 100.0)
     names = [c.strip() for c in configs.split(",") if c.strip()]
     for c in names:
         if c not in CONFIGS and c not in ABLATIONS:
@@ -217,7 +234,9 @@ def engine_cmd(
     if n_synth is None and not traces:
         n_synth = 2
     if n_synth is not None:
-        paths: list[str | os.PathLike[str]] = list(synth.write(wdir / "synth", n_synth, seed))
+        paths: list[str | os.PathLike[str]] = list(
+            synth.write(wdir / "synth", n_synth, seed, shape=synth_shape)
+        )
     else:
         paths = list(traces)
     sessions = load_agentic(paths)
