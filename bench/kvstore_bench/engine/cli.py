@@ -44,7 +44,7 @@ from .models import (
     model_config,
     preset_unavailable,
 )
-from .peers import ABLATIONS, CONFIGS, Context
+from .peers import ABLATIONS, CONFIGS, KVSTORE_WORKERS, Context
 from .report import (
     TABLE_COLUMNS,
     Summary,
@@ -150,6 +150,13 @@ def _prefill_speed(run: ConfigRun) -> float | None:
     "in their memory tier).",
 )
 @click.option(
+    "--kvstore-workers",
+    type=click.IntRange(1, 16),
+    default=KVSTORE_WORKERS,
+    show_default=True,
+    help="kvstore configs: workers sharing the store memory (the peers run one store process).",
+)
+@click.option(
     "--engine-kv",
     default=None,
     help="Each engine's own KV cache [256MiB; with --memory-sweep: two of the longest turn].",
@@ -184,6 +191,7 @@ def engine_cmd(
     memory_sweep: str | None,
     sessions_aware: str,
     engine_kv: str | None,
+    kvstore_workers: int,
     ssd: bool,
     quick: bool,
     json_path: str | None,
@@ -297,6 +305,7 @@ def engine_cmd(
         block_bytes=block_bytes,
         session_hints=sessions_aware == "on",
         ssd=ssd,
+        kvstore_workers=kvstore_workers,
     )
     stem = f"engine-{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     meta: dict[str, Any] = {
@@ -318,6 +327,7 @@ def engine_cmd(
         "engine_max_len": engine_len,
         "sessions_aware": sessions_aware,
         "kvstore_ssd": ssd,
+        "kvstore_workers": kvstore_workers,
         "traces": [str(p) for p in paths],
         "work_dir": str(wdir),
     }

@@ -29,6 +29,7 @@ from ..peers import PeerUnavailable, free_port, stop_process, wait_for_port
 __all__ = [
     "ABLATIONS",
     "CONFIGS",
+    "KVSTORE_WORKERS",
     "Backing",
     "Context",
     "NotRunnable",
@@ -37,6 +38,7 @@ __all__ = [
 
 HOST = "127.0.0.1"
 CONFIGS = ("prefix", "kvstore", "mooncake", "lmcache", "offload")
+KVSTORE_WORKERS = 2
 
 # Ablations of the kvstore configuration: name -> (connector extra config, or None when
 # the connector has no knob for it, with the reason).
@@ -95,6 +97,7 @@ class Context:
     block_bytes: int = 0  # bytes of one KV block in a store (0: unknown)
     session_hints: bool = True  # the kvstore connector sends the requests' session hints
     ssd: bool = False  # kvstore: half of memory_bytes as DRAM, half as an SSD tier
+    kvstore_workers: int = KVSTORE_WORKERS  # the memory is split evenly among them
 
     @property
     def bin_dir(self) -> Path:
@@ -129,7 +132,6 @@ def _prefix(ctx: Context) -> Backing:
     return Backing("prefix")
 
 
-KVSTORE_WORKERS = 2
 MIN_SLAB = 256 << 10
 MAX_SLAB = 16 << 20
 
@@ -151,7 +153,7 @@ def kvstore_min_bytes(block_bytes: int, workers: int = KVSTORE_WORKERS) -> int:
 
 
 def _kvstore(ctx: Context, extra: dict[str, Any] | None = None, name: str = "kvstore") -> Backing:
-    workers = KVSTORE_WORKERS
+    workers = ctx.kvstore_workers
     slab = kvstore_slab(ctx.block_bytes)
     dram = ctx.memory_bytes // 2 if ctx.ssd else ctx.memory_bytes
     per_worker = dram // workers
