@@ -24,7 +24,7 @@ import pytest
 
 from kvstore.cluster import Daemon, LocalCluster, spawn
 from kvstore_client import Client, Unavailable
-from kvstore_client.proto import master_pb2, master_pb2_grpc
+from kvstore_client.proto import master_pb2, master_pb2_grpc, store_pb2
 from tests.conftest import MakeCluster
 from tests.reliability.loadgen import (
     READS,
@@ -410,7 +410,16 @@ def test_client_killed_mid_put_leaves_nothing_visible_and_space_is_reclaimed(
         # Wait until the worker has reserved slots for the batch and bytes are arriving.
         wait_for(lambda: store_stats(grpc_addr).used_bytes >= 16 * MiB, 10)
         time.sleep(0.4)
-        mid = store_stats(grpc_addr)
+        # A sample can fall between two blocks (every reservation committed): sample
+        # until one is pending, then kill at once.
+        samples: list[store_pb2.StatsResponse] = []
+
+        def pending() -> bool:
+            samples.append(store_stats(grpc_addr))
+            return samples[-1].used_bytes > samples[-1].keys * size
+
+        wait_for(pending, 5)
+        mid = samples[-1]
         with Client(cluster.address, timeout=2.0) as reader:
             visible_mid = sum(reader.batch_exists(NS, keys))
         proc.send_signal(signal.SIGKILL)
