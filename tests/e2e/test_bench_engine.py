@@ -100,7 +100,11 @@ def test_quick_memory_sweep_gives_every_store_the_same_memory(quick_sweep: dict[
         assert p["configs"]["kvstore"]["ran"], p["configs"]["kvstore"]["why_not"]
     small, full = (p["configs"]["kvstore"] for p in sweep)
     assert full["token_hit_rate"] >= small["token_hit_rate"]
-    assert full["ref_lru_hit_rate"] == pytest.approx(full["ideal_hit_rate"])
+    # With room for everything nothing is evicted: the offline LRU is the offline optimum.
+    # Both replay the requests as the engines scheduled them, the ideal as the bench sent
+    # them, so a sub-agent that overlaps its parent may land on either side of a save.
+    assert full["ref_lru_hit_rate"] == pytest.approx(full["ref_opt_hit_rate"])
+    assert full["ref_lru_hit_rate"] == pytest.approx(full["ideal_hit_rate"], abs=0.02)
 
 
 def test_quick_memory_sweep_kvstore_keeps_more_at_the_smallest_point(
