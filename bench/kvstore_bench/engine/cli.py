@@ -164,8 +164,8 @@ def _prefill_speed(run: ConfigRun) -> float | None:
 @click.option(
     "--quick",
     is_flag=True,
-    help="2 sessions x 4 turns, small prompts (with --memory-sweep: 8 sessions x 6 turns "
-    "and a short shared prompt).",
+    help="2 sessions x 4 turns, small prompts (with --memory-sweep: 16 sessions x 6 turns, "
+    "a short shared prompt, pauses at --time-scale 10).",
 )
 @click.option("--json", "json_path", default=None, help="Write the numbers here.")
 @click.option("--out", default="bench/results", show_default=True, help="Plots go here.")
