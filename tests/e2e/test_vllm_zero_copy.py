@@ -28,6 +28,7 @@ from kvstore_client.connectors.vllm.common import (  # noqa: E402
     Transfer,
 )
 from kvstore_client.connectors.vllm.worker import WorkerSide  # noqa: E402
+from kvstore_client.transport import shm  # noqa: E402
 
 NB = 16
 SHAPE = (2, NB, 4, 32, 64)  # K/V split, as vLLM's CPU backend: 64 KiB per layer block
@@ -136,8 +137,18 @@ def test_no_staging_in_steady_state(make_cluster: Any) -> None:
                 time.sleep(0.002)
             if turn == 2:
                 _, peak = tracemalloc.get_traced_memory()
+                kept = tracemalloc.take_snapshot().filter_traces(
+                    [tracemalloc.Filter(True, shm.__file__)]
+                )
                 tracemalloc.stop()
-                assert peak < 256 << 10, f"{peak} bytes allocated for 2 MiB moved"
+                # A thread's first parts read out of the arena makes that thread's
+                # bounce buffer (1 MiB, kept for its later reads): the executor may run
+                # this turn on a thread the first two did not use. What stays allocated
+                # in the transport after the turn is that buffer; the rest is per-call.
+                bounce = sum(t.size for t in kept.traces)
+                assert peak - bounce < 256 << 10, (
+                    f"{peak} bytes allocated for 2 MiB moved ({bounce} kept as bounce buffers)"
+                )
         assert ws._rows == {}  # zero copy: no staging rows at all
         wm = ws.take_meta()
         assert wm is not None and wm.saved and wm.load_samples
