@@ -357,6 +357,14 @@ class Client:
         flags: list[bool] = self._exists_scatter(nsb, hashes, view, groups).tolist()
         return flags
 
+    def exists_local(self, ns: str, hashes: list[bytes]) -> tuple[list[bool], bool] | None:
+        """:meth:`batch_exists` from same-host workers' shared indexes, never waiting
+        on a socket, and whether to send the workers the lookup too (one wants to see
+        lookups: it may resume a paused session); None when a key needs an answer."""
+        if not hashes:
+            return [], False
+        return self._d.exists_local(ns, self._check(ns, hashes), hashes)
+
     def _exists_threads(
         self, nsb: bytes, hashes: list[bytes], view: View, groups: list[tuple[int, np.ndarray]]
     ) -> list[bool]:

@@ -58,6 +58,30 @@ class Dispatch:
         owner = view.ring.primary(hashes)
         return view, [(int(w), np.flatnonzero(owner == w)) for w in np.unique(owner)]
 
+    def exists_local(
+        self, ns: str, nsb: bytes, hashes: Sequence[bytes]
+    ) -> tuple[list[bool], bool] | None:
+        """Which hashes are present, from same-host workers' shared indexes only (no
+        socket, no wait), and whether an owner wants to see the lookup too (see
+        :attr:`Transfer.wants_lookups`); None when an owner is not a same-host worker
+        with its arena mapped, or its index cannot tell for some key."""
+        view, groups = self.copy_groups(ns, hashes)
+        if not groups:
+            return None
+        tell = False
+        out = np.zeros(len(hashes), dtype=bool)
+        rows = np.frombuffer(b"".join(hashes), dtype=(np.void, len(hashes[0])))
+        for w, idx in groups:
+            link = view.workers[w]
+            if link.ucx is not None or not link.via.local:
+                return None
+            got = link.via.present(nsb, rows[idx].tobytes(), anyway=True)
+            if got is None:
+                return None
+            out[idx] |= got
+            tell = tell or link.via.wants_lookups
+        return out.tolist(), tell
+
     def copies(self, view: View, ns: str, requested: int | None, *, reading: bool = False) -> int:
         """Copies of a key in ``ns``: for a put, its ``replicas=`` or the map's count;
         for a read (``reading``), also at least as many as this client ever wrote into

@@ -69,6 +69,37 @@ def test_lookups_reads_and_pins_need_no_round_trip(make_cluster: MakeCluster) ->
         assert c.batch_get(NS, [keys[0]]) == [value_for(keys[0], SIZE)]
 
 
+def test_exists_local_answers_from_the_indexes_or_says_it_cannot(
+    make_cluster: MakeCluster,
+) -> None:
+    """The connector's in-step lookup: ``exists_local`` answers from every same-host
+    worker's index with no socket (both workers stopped), absent keys are misses, and
+    it answers None (ask the workers) for a client that has no index: tcp://."""
+    cluster = make_cluster(workers=2, dram_size="8MiB", max_value_size="1MiB")
+    keys = [key(i, "exl") for i in range(64)]
+    absent = [key(i, "exl-absent") for i in range(3)]
+    probe = [absent[0], *keys[:30], absent[1], *keys[30:], absent[2]]
+    want = [k in keys for k in probe]
+    with Client(cluster.address, transport="shm") as c:
+        put_all(c, keys)
+        view = c._view
+        assert view is not None and len(view.workers) == 2
+        for w in cluster.worker_procs:
+            w.signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert c.exists_local(NS, probe) == (want, False)
+            assert c.exists_local(NS, []) == ([], False)
+            assert time.monotonic() - t0 < 1.0
+        finally:
+            for w in cluster.worker_procs:
+                w.signal(signal.SIGCONT)
+        assert c.batch_exists(NS, probe) == want
+    with Client(cluster.address, transport="tcp") as c:
+        assert c.exists_local(NS, probe) is None
+        assert c.batch_exists(NS, probe) == want
+
+
 def test_a_scribbling_client_cannot_write_the_index_or_hurt_others(
     make_cluster: MakeCluster,
 ) -> None:

@@ -53,10 +53,10 @@ def test_counters_interval_merge_and_reduce() -> None:
 
 
 def test_ablation_settings() -> None:
-    """save_policy / lookup / load_mode: defaults, every value, and a clear error
+    """save_policy / lookup / load_mode / lookup_inline: defaults, every value, and a clear error
     (naming the setting and its values) for anything else."""
     c = ConnectorConfig.from_dict({"master": "h:1"})
-    assert (c.save_policy, c.lookup, c.load_mode) == ("new", "batch", "async")
+    assert (c.save_policy, c.lookup, c.load_mode) == ("new", "batch", "auto")
     assert c.ablations() == []
     c = ConnectorConfig.from_dict(
         {"master": "h:1", "save_policy": "all", "lookup": "per_block", "load_mode": "sync"}
@@ -64,13 +64,15 @@ def test_ablation_settings() -> None:
     assert (c.save_policy, c.lookup, c.load_mode) == ("all", "per_block", "sync")
     assert c.ablations() == ["save_policy=all", "lookup=per_block", "load_mode=sync"]
     assert ConnectorConfig.from_dict({"master": "h:1", "lookup": "prefix"}).lookup == "prefix"
+    c = ConnectorConfig.from_dict({"master": "h:1", "lookup_inline": "false"})
+    assert c.lookup_inline is False and c.ablations() == ["lookup_inline=false"]
     for key, bad, msg in [
         ("save_policy", "everything", r'save_policy must be "new" or "all", not \'everything\''),
         ("lookup", "batched", r'lookup must be "batch" or "per_block" or "prefix"'),
         (
             "load_mode",
             "blocking",
-            r'load_mode must be "async" or "sync" or "auto", not \'blocking\'',
+            r'load_mode must be "auto" or "async" or "sync", not \'blocking\'',
         ),
         ("load_mode", "", "load_mode must be"),
     ]:

@@ -282,18 +282,18 @@ def test_save_policy_all_sends_blocks_the_store_had() -> None:
     assert [r.index for r in out] == [3, 4]  # failed saves are retried, as for "new"
 
 
-def test_step_clock_measures_steps_and_prefill_speed_and_skips_idle_gaps() -> None:
-    c = StepClock(alpha=0.5, max_gap=1.0, prefill_tokens=100)
-    assert c.step_s is None and c.prefill_tokens_per_s is None
-    c.tick(10.0, 1000)  # a step of 1,000 tokens starts
-    c.tick(10.2, 10)  # ... it took 0.2 s: 5,000 tokens/s
-    assert c.step_s == pytest.approx(0.2) and c.prefill_tokens_per_s == pytest.approx(5000)
-    c.tick(10.6, 0)  # a 0.4 s step of 10 tokens: a step, not a prefill speed
-    assert c.step_s == pytest.approx(0.3) and c.prefill_tokens_per_s == pytest.approx(5000)
-    c.tick(20.0, 500)  # the engine was idle: not a step
+def test_step_clock_measures_steps_and_skips_idle_gaps() -> None:
+    c = StepClock(alpha=0.5, max_gap=1.0)
+    assert c.step_s is None
+    c.tick(10.0)
+    c.tick(10.2)  # a step of 0.2 s
+    assert c.step_s == pytest.approx(0.2)
+    c.tick(10.6)  # one of 0.4 s
     assert c.step_s == pytest.approx(0.3)
-    c.tick(20.1, 0)  # 500 tokens in 0.1 s
-    assert c.step_s == pytest.approx(0.2) and c.prefill_tokens_per_s == pytest.approx(5000)
+    c.tick(20.0)  # the engine was idle: not a step
+    assert c.step_s == pytest.approx(0.3)
+    c.tick(20.1)
+    assert c.step_s == pytest.approx(0.2)
 
 
 def test_auto_load_picks_the_cheapest_of_sync_async_and_recompute() -> None:

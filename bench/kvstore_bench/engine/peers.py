@@ -64,13 +64,18 @@ ABLATIONS: dict[str, tuple[dict[str, Any] | None, str]] = {
     ),
     "kvstore-sync-load": (
         {"load_mode": "sync"},
-        "synchronous load: load_mode sync (the hit loads before the forward of the step "
-        "that schedules the request; the default loads between steps)",
+        "synchronous load: load_mode sync (every hit loads before the forward of the step "
+        "that schedules the request; the default decides per hit)",
     ),
-    "kvstore-auto-load": (
-        {"load_mode": "auto"},
-        "per-hit load mode: load_mode auto (a hit whose load takes less than the engine's "
-        "measured step loads inside the step, others between steps)",
+    "kvstore-async-load": (
+        {"load_mode": "async"},
+        "asynchronous load: load_mode async (every hit loads between steps; the default "
+        "loads a hit inside the step when its load is shorter than the engine's step)",
+    ),
+    "kvstore-lookup-in-pool": (
+        {"lookup_inline": False},
+        "every lookup on the connector's lookup threads: lookup_inline false (the default "
+        "answers from same-host workers' shared indexes on the scheduler's thread)",
     ),
 }
 

@@ -13,7 +13,7 @@ SGLANG_OWN_KEYS = frozenset({"backend_name", "module_path", "class_name", "inter
 # The ablation knobs' values, the default first.
 SAVE_POLICIES = ("new", "all")
 LOOKUP_MODES = ("batch", "per_block", "prefix")
-LOAD_MODES = ("async", "sync", "auto")
+LOAD_MODES = ("auto", "async", "sync")
 
 
 _TRUE = ("1", "true", "yes", "on")
@@ -50,6 +50,11 @@ class ConnectorConfig:
     lookup_wait_s        how long the scheduler waits for a lookup before vLLM is
                          told "ask me again" (it asks on its next step), default 0.002
     lookup_concurrency   lookups in flight at once, default 4
+    lookup_inline        answer a lookup on the scheduler's own thread when every
+                         owner is a same-host worker whose shared index can tell
+                         (no I/O, microseconds; default true): the request is
+                         scheduled in that step instead of waiting for a lookup
+                         thread; false sends every lookup to the lookup threads
     min_hit_tokens       hits shorter than this are recomputed; default one block
     prefill_tokens_per_s the engine's prefill speed, for the load-or-recompute
                          rule; unset = always load
@@ -78,15 +83,16 @@ class ConnectorConfig:
                          first miss: the naive baseline) or "prefix" (one
                          ``Client.match_prefix`` per rank namespace); hybrid models'
                          state lookups are the same in every mode
-    load_mode            "async" (default: a hit loads between steps while the request
-                         waits in WAITING_FOR_REMOTE_KVS), "sync" (the load runs in
+    load_mode            "auto" (default: per hit, from the measured load time and
+                         step time: sync when the load is shorter than a step, else
+                         async; with ``prefill_tokens_per_s`` set, recompute when
+                         that costs less than the load, plus a step for an async
+                         one), "async" (a hit loads between steps while the request
+                         waits in WAITING_FOR_REMOTE_KVS) or "sync" (the load runs in
                          the step that schedules the request, and the worker waits
-                         for it before the forward) or "auto" (per hit, from the
-                         measured load time, step time and prefill speed: sync when
-                         the load is shorter than a step, else async, or recompute
-                         when that costs less); "sync" is refused
-                         for models with several KV cache groups (hybrid), where
-                         "auto" always loads asynchronously
+                         for it before the forward); "sync" is refused for models
+                         with several KV cache groups (hybrid), where "auto" always
+                         loads asynchronously
     """
 
     master: str
@@ -94,6 +100,7 @@ class ConnectorConfig:
     lookup_timeout_s: float = 0.05
     lookup_wait_s: float = 0.002
     lookup_concurrency: int = 4
+    lookup_inline: bool = True
     min_hit_tokens: int | None = None
     prefill_tokens_per_s: float | None = None
     model_id: str | None = None
@@ -105,15 +112,16 @@ class ConnectorConfig:
     session_hints: bool = True
     save_policy: str = "new"
     lookup: str = "batch"
-    load_mode: str = "async"
+    load_mode: str = "auto"
 
     def ablations(self) -> list[str]:
-        """The ablation settings (``save_policy``, ``lookup``, ``load_mode``) set to
-        something other than their default, as "key=value"."""
+        """The ablation settings (``save_policy``, ``lookup``, ``load_mode``,
+        ``lookup_inline``) set to something other than their default, as "key=value"."""
         pairs = [("save_policy", self.save_policy, SAVE_POLICIES),
                  ("lookup", self.lookup, LOOKUP_MODES),
                  ("load_mode", self.load_mode, LOAD_MODES)]  # fmt: skip
-        return [f"{k}={v}" for k, v, allowed in pairs if v != allowed[0]]
+        out = [f"{k}={v}" for k, v, allowed in pairs if v != allowed[0]]
+        return out + ([] if self.lookup_inline else ["lookup_inline=false"])
 
     @classmethod
     def known_keys(cls) -> list[str]:
@@ -162,6 +170,7 @@ class ConnectorConfig:
             lookup_timeout_s=num("lookup_timeout_s", float, 0.05, True),
             lookup_wait_s=num("lookup_wait_s", float, 0.002, False),
             lookup_concurrency=num("lookup_concurrency", int, 4, True),
+            lookup_inline=parse_bool(d.get("lookup_inline", True), "lookup_inline"),
             min_hit_tokens=opt("min_hit_tokens", int),
             prefill_tokens_per_s=opt("prefill_tokens_per_s", float),
             model_id=d.get("model_id") or None,

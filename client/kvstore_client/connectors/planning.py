@@ -18,6 +18,7 @@ engine types and of I/O so they are unit-tested without an engine or a store.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -99,31 +100,22 @@ class BandwidthMeter:
 
 
 class StepClock:
-    """The engine's step time and prefill speed, measured from the scheduler's steps:
-    the interval between two steps is the first one's duration, and its scheduled
-    tokens over that interval its speed. Exponentially weighted; an interval over
-    ``max_gap`` (an idle engine) is skipped, and only steps of at least
-    ``prefill_tokens`` tokens (prefill-bound) count towards the speed."""
+    """The engine's step time, measured from the scheduler's steps: the interval
+    between two steps is the first one's duration. Exponentially weighted; an
+    interval over ``max_gap`` (an idle engine) is skipped."""
 
-    def __init__(self, alpha: float = 0.3, max_gap: float = 5.0, prefill_tokens: int = 256):
+    def __init__(self, alpha: float = 0.3, max_gap: float = 5.0):
         self.alpha = alpha
         self.max_gap = max_gap
-        self.prefill_tokens = prefill_tokens
         self.step_s: float | None = None
-        self.prefill_tokens_per_s: float | None = None
         self._last: float | None = None
-        self._tokens = 0
 
-    def tick(self, now: float, tokens: int = 0) -> None:
-        """A step starts at ``now`` with ``tokens`` scheduled tokens."""
+    def tick(self, now: float) -> None:
+        """A step starts at ``now``."""
         last, self._last = self._last, now
-        done, self._tokens = self._tokens, tokens
         if last is None or not 0 < now - last <= self.max_gap:
             return
-        d = now - last
-        self.step_s = self._avg(self.step_s, d)
-        if done >= self.prefill_tokens:
-            self.prefill_tokens_per_s = self._avg(self.prefill_tokens_per_s, done / d)
+        self.step_s = self._avg(self.step_s, now - last)
 
     def _avg(self, prev: float | None, x: float) -> float:
         return x if prev is None else prev + self.alpha * (x - prev)
@@ -386,6 +378,12 @@ class Lookups(Generic[T]):
             a.future.cancel()
             return "timeout", None
         return "pending", None
+
+    def fire(self, ask: Callable[[], object]) -> None:
+        """Run ``ask()`` on the pool for its effect on the store; nobody waits for it
+        and its result or error is dropped."""
+        with contextlib.suppress(RuntimeError):  # shut down
+            self._pool.submit(ask)
 
     def forget(self, key_prefix: Hashable) -> None:
         """Drop every lookup whose key is ``key_prefix`` or a tuple starting with it."""

@@ -11,6 +11,7 @@ COUNTER_NAMES = (
     "lookups",
     "lookup_tokens",
     "lookup_timeouts",
+    "lookups_local",
     "hit_tokens",
     "loaded_blocks",
     "loaded_bytes",
@@ -59,6 +60,12 @@ def _prom() -> dict[str, Any]:
             "lookup_timeouts": Counter(
                 "kvstore_connector_lookup_timeouts_total",
                 "Lookups that missed their deadline (taken as no hit)",
+                lab,
+            ),
+            "lookups_local": Counter(
+                "kvstore_connector_lookups_local_total",
+                "Lookups answered from same-host workers' shared indexes in the scheduler's "
+                "own thread (no I/O)",
                 lab,
             ),
             "hit_tokens": Counter(

@@ -70,10 +70,19 @@ class Transfer(Protocol):
         """Remove blocks; how many were present."""
         ...
 
-    def present(self, ns: bytes, packed: bytes) -> npt.NDArray[np.bool_] | None:
+    def present(
+        self, ns: bytes, packed: bytes, anyway: bool = False
+    ) -> npt.NDArray[np.bool_] | None:
         """Per key (16 bytes each in ``packed``), whether the worker holds it, when
         this process can tell without asking (a same-host worker's shared index);
-        None otherwise."""
+        None otherwise. While the worker wants to see lookups (:attr:`wants_lookups`)
+        it answers only ``anyway``, and the caller then sends the worker the lookup."""
+        ...
+
+    @property
+    def wants_lookups(self) -> bool:
+        """True while the worker asks to see lookups (one may resume a paused session
+        there), even those its shared index could answer."""
         ...
 
     def prefix(self, ns: bytes, packed: bytes) -> int | None:

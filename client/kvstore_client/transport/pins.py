@@ -114,9 +114,16 @@ class Remote:
         """False: calls wait on the network (run them on the client's pool)."""
         return False
 
-    def present(self, ns: bytes, packed: bytes) -> npt.NDArray[np.bool_] | None:
+    def present(
+        self, ns: bytes, packed: bytes, anyway: bool = False
+    ) -> npt.NDArray[np.bool_] | None:
         """None: only the worker can tell."""
         return None
+
+    @property
+    def wants_lookups(self) -> bool:
+        """False: every lookup goes to the worker anyway."""
+        return False
 
     def prefix(self, ns: bytes, packed: bytes) -> int | None:
         """None: only the worker can tell."""

@@ -692,11 +692,20 @@ class ShmTransfer(TcpTransfer):
             return out
         return super().exists(timeout, ns, hashes)
 
-    def present(self, ns: bytes, packed: bytes) -> npt.NDArray[np.bool_] | None:
+    def present(
+        self, ns: bytes, packed: bytes, anyway: bool = False
+    ) -> npt.NDArray[np.bool_] | None:
         """Per key, held, from the worker's index with no round trip; None when the
-        index cannot tell for some key (ask the worker)."""
+        index cannot tell for some key, or the worker wants lookups and not
+        ``anyway`` (ask the worker)."""
         loc = self.arena.usable()
-        return None if loc is None else shmlocal.exists(loc, ns, packed)
+        return None if loc is None else shmlocal.exists(loc, ns, packed, anyway)
+
+    @property
+    def wants_lookups(self) -> bool:
+        """True while the worker's index says it wants lookups sent to it."""
+        loc = self.arena.local
+        return loc is not None and not loc.index.lookups_here
 
     def prefix(self, ns: bytes, packed: bytes) -> int | None:
         """The leading run of ``packed``'s keys the worker holds, from its index with

@@ -57,10 +57,12 @@ def prefix(loc: Local, ns: bytes, packed: bytes) -> int | None:
     return None if p.unsure[first] else first
 
 
-def exists(loc: Local, ns: bytes, packed: bytes) -> npt.NDArray[np.bool_] | None:
-    """Per key, present; None if some key is unsure or the worker wants lookups (ask
-    the worker for all)."""
-    if not loc.index.lookups_here:
+def exists(
+    loc: Local, ns: bytes, packed: bytes, anyway: bool = False
+) -> npt.NDArray[np.bool_] | None:
+    """Per key, present; None if some key is unsure, or the worker wants lookups and
+    not ``anyway`` (ask the worker for all)."""
+    if not anyway and not loc.index.lookups_here:
         return None
     p = loc.index.probe(ns, packed)
     return None if p.unsure.any() else p.found

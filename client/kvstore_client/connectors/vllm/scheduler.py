@@ -61,6 +61,17 @@ def request_extra(request: Any) -> bytes:
     )
 
 
+def _local_all(
+    client: Any, namespaces: list[str], hashes: list[bytes]
+) -> tuple[list[bool], bool] | None:
+    """Per hash, present in every namespace, from same-host shared indexes only, and
+    whether a worker wants to see the lookup too; None when one needs an answer."""
+    each = [client.exists_local(ns, hashes) for ns in namespaces]
+    if any(e is None for e in each):
+        return None
+    return all_ranks([e[0] for e in each]), any(e[1] for e in each)
+
+
 class SchedulerSide:
     """One per engine, in the scheduler process."""
 
@@ -150,6 +161,35 @@ class SchedulerSide:
         record(NAME, self._interval, "lookup_seconds", time.perf_counter() - t0)
         return kv, state
 
+    def _lookup(
+        self, rid: str, n: int, hashes: list[bytes]
+    ) -> tuple[str, tuple[list[bool], list[bool]] | BaseException | None]:
+        """The lookup's state and result (as :meth:`Lookups.poll`). In the default
+        ``batch`` mode, when every owner is a same-host worker whose shared index can
+        tell, the lookup runs on this thread with no I/O (microseconds): the request
+        is scheduled in this step. A hand-off to the lookup pool costs it a step
+        whenever the pool thread gets the GIL later than ``lookup_wait_s``, which a
+        busy engine process makes the common case. Anything else goes to the pool."""
+        client = self._holder.get(wait=0)
+        inline = self.s.cfg.lookup_inline and self.s.cfg.lookup == "batch"
+        if inline and client is not None and hashes:
+            t0 = time.perf_counter()
+            try:
+                kv = _local_all(client, self._namespaces, hashes)
+                n_run = leading_run(kv[0]) if kv is not None else 0
+                state: tuple[list[bool], bool] | None = ([], False)
+                if kv is not None and self.s.hybrid and n_run:
+                    state = _local_all(client, self._state_ns, hashes[:n_run])
+            except Exception:  # the pool's lookup will report it
+                kv = None
+            if kv is not None and state is not None:
+                record(NAME, self._interval, "lookup_seconds", time.perf_counter() - t0)
+                record(NAME, self._interval, "lookups_local", 1)
+                if kv[1] or state[1]:  # the workers see it too (after this answer)
+                    self._lookups.fire(lambda: kv_lookup(client, self._namespaces, hashes, "batch"))
+                return "done", (kv[0], state[0])
+        return self._lookups.poll((rid, n), lambda: self._ask(hashes))
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -171,7 +211,7 @@ class SchedulerSide:
         if tr.looked_up_tokens != len(tokens):
             tr.extend_hashes(tokens)
             hashes = list(tr.hashes)
-            state, res = self._lookups.poll((rid, len(tokens)), lambda: self._ask(hashes))
+            state, res = self._lookup(rid, len(tokens), hashes)
             if state == "pending":
                 return None, False
             if state == "timeout":
@@ -201,7 +241,7 @@ class SchedulerSide:
         sync = self._sync_load
         if self._auto_load and ext:
             load_s = self._meter.load_seconds(ext * self._bytes_per_token)
-            how = choose_load(ext, load_s, self._clock.step_s, self._prefill_speed())
+            how = choose_load(ext, load_s, self._clock.step_s, self.s.cfg.prefill_tokens_per_s)
             if how == "recompute":  # cheaper than this load, counted as a slow load
                 tr.ext_tokens, tr.decision, ext = 0, "slow_load", 0
             sync = how == "sync"
@@ -209,10 +249,6 @@ class SchedulerSide:
         # the worker loads its blocks in start_load_kv and the forward waits for them.
         tr.sync_load = bool(sync and ext)
         return ext, ext > 0 and not sync
-
-    def _prefill_speed(self) -> float | None:
-        """The engine's prefill tokens/s: configured, else measured from its steps."""
-        return self.s.cfg.prefill_tokens_per_s or self._clock.prefill_tokens_per_s
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """After blocks were allocated; plans the load of the hit (hybrid models:
@@ -269,7 +305,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
         """Once per step: this step's loads and saves."""
-        self._clock.tick(time.monotonic(), sum(scheduler_output.num_scheduled_tokens.values()))
+        self._clock.tick(time.monotonic())
         meta = KVStoreConnectorMetadata(loads=self._loads_out)
         self._loads_out = []
         if not self.s.active:
