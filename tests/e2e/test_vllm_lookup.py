@@ -1,0 +1,144 @@
+"""The vLLM connector's scheduler-side lookup without an engine, against a real cluster
+of same-host workers: a lookup the workers' shared indexes can answer is answered in
+the call that asks (the request is scheduled in that step, never "ask me again"),
+with no I/O, and a worker that wants to see lookups (it holds a paused session,
+which a lookup may resume) is still sent one."""
+
+from __future__ import annotations
+
+import signal
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from kvstore_client import Client
+from kvstore_client.connectors.config import ConnectorConfig
+from kvstore_client.connectors.naming import ModelIdentity
+from kvstore_client.connectors.planning import RequestTracker
+from kvstore_client.connectors.stats import Counters
+from kvstore_client.connectors.vllm.common import Setup
+from kvstore_client.connectors.vllm.scheduler import SchedulerSide
+
+BLOCK = 32
+NB = 64
+
+
+def _scheduler(address: str, **extra: Any) -> tuple[SchedulerSide, Counters]:
+    # lookup_wait_s 0: the scheduler never waits for a lookup thread, as when the
+    # engine process is busy and the thread gets the GIL after the wait is over.
+    cfg = ConnectorConfig.from_dict({"master": address, "lookup_wait_s": 0, **extra})
+    setup = Setup(cfg, ModelIdentity("test/lookup", None, None), "float32", "l2-test", BLOCK,
+                  [0], [], True, True, True, 1, 1)  # fmt: skip
+    kcc = SimpleNamespace(
+        num_blocks=NB,
+        kv_cache_tensors=[SimpleNamespace(size=NB * 4096)],
+        kv_cache_groups=[SimpleNamespace(layer_names=["l0"])],
+    )
+    counters = Counters()
+    side = SchedulerSide(setup, kcc, counters)
+    deadline = time.monotonic() + 10
+    while side._holder.get(wait=0.1) is None or not side._holder.get().workers():
+        assert time.monotonic() < deadline, "no client"
+    return side, counters
+
+
+def _request(rid: str, toks: list[int]) -> Any:
+    return SimpleNamespace(
+        request_id=rid,
+        all_token_ids=toks,
+        num_tokens=len(toks),
+        kv_transfer_params=None,
+        lora_request=None,
+        mm_features=None,
+        prompt_embeds=None,
+        cache_salt=None,
+    )
+
+
+def _store_prefix(address: str, side: SchedulerSide, toks: list[int], blocks: int) -> list[bytes]:
+    tr = RequestTracker("w", BLOCK, b"")
+    tr.extend_hashes(toks)
+    hs = list(tr.hashes[:blocks])
+    with Client(address) as c:
+        assert all(c.batch_put(side._namespaces[0], hs, [b"kv" * 100] * len(hs)))
+    return hs
+
+
+def test_a_lookup_is_answered_in_the_step_that_asks(make_cluster: Any) -> None:
+    """Bug (engine run at a quarter of the working set): every lookup went to the
+    lookup thread, which a busy engine process let run only after the scheduler's
+    2 ms wait, so every request (misses too) was told "ask me again" and waited a
+    step. Now the answer comes in the call, even with both workers stopped."""
+    c = make_cluster(workers=2, dram_size="16MiB")
+    side, counters = _scheduler(c.address)
+    try:
+        toks = list(range(1000, 1000 + 10 * BLOCK + 5))
+        _store_prefix(c.address, side, toks, 6)
+        for w in c.worker_procs:
+            w.signal(signal.SIGSTOP)
+        try:
+            hit = side.get_num_new_matched_tokens(_request("hit", toks), 0)
+            miss = side.get_num_new_matched_tokens(_request("miss", list(range(500))), 0)
+        finally:
+            for w in c.worker_procs:
+                w.signal(signal.SIGCONT)
+        assert hit[0] == 6 * BLOCK, hit  # the leading run, ready in this step
+        assert miss == (0, False)
+        st = counters.peek()
+        assert st["lookups"] == 2 and st["lookups_local"] == 2 and st["lookup_timeouts"] == 0
+    finally:
+        side.shutdown()
+
+
+def test_lookup_inline_off_asks_the_lookup_threads(make_cluster: Any) -> None:
+    """The ablation: ``lookup_inline: false`` keeps every lookup on the lookup
+    threads (the first call answers "ask me again"; a later one has the answer)."""
+    c = make_cluster(workers=2, dram_size="16MiB")
+    side, counters = _scheduler(c.address, lookup_inline=False)
+    try:
+        toks = list(range(2000, 2000 + 4 * BLOCK + 1))
+        _store_prefix(c.address, side, toks, 4)
+        req = _request("r", toks)
+        assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+        deadline = time.monotonic() + 5
+        while (got := side.get_num_new_matched_tokens(req, 0))[0] is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert got[0] == 4 * BLOCK
+        assert counters.peek()["lookups_local"] == 0
+    finally:
+        side.shutdown()
+
+
+def test_a_worker_holding_a_paused_session_still_sees_the_lookup(make_cluster: Any) -> None:
+    """A paused session resumes on a lookup of its chain (the worker asks same-host
+    clients to send it lookups): the scheduler answers from the index and sends the
+    lookup too, and the session is active again."""
+    c = make_cluster(workers=1, dram_size="16MiB")
+    side, counters = _scheduler(c.address)
+    try:
+        toks = list(range(3000, 3000 + 8 * BLOCK + 3))
+        hs = _store_prefix(c.address, side, toks, 8)
+        ns = side._namespaces[0]
+        with Client(c.address) as cl:
+            assert cl.session_hint(ns, "agent-1", "paused", 600, hashes=hs) == 1
+            deadline = time.monotonic() + 5
+            while not (got := cl.exists_local(ns, hs)) or not got[1]:
+                assert time.monotonic() < deadline, "the worker never asked for lookups"
+                time.sleep(0.02)
+            hit = side.get_num_new_matched_tokens(_request("r", toks), 0)
+            assert hit[0] == 8 * BLOCK and counters.peek()["lookups_local"] == 1
+            deadline = time.monotonic() + 5
+            while True:
+                states = {s.session_id: s.state for r in cl.sessions() for s in r.sessions}
+                if states.get("agent-1") == "active":
+                    break
+                assert time.monotonic() < deadline, f"not resumed: {states}"
+                time.sleep(0.02)
+    finally:
+        side.shutdown()
