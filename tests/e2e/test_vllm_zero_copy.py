@@ -172,3 +172,32 @@ def test_finished_request_blocks_are_held_until_its_writes_are_done(make_cluster
     finally:
         gate.set()
         ws.shutdown()
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_a_load_is_timed_to_its_bytes_not_to_the_step_that_notices(
+    make_cluster: Any, zero_copy: bool
+) -> None:
+    """Bug (engine runs): a load's time ran until the next step polled it, so every
+    asynchronous load looked a step long to the scheduler's bandwidth meter and
+    ``load_mode: auto`` never loaded inside a step. Polled 0.5 s late, a load of 16
+    blocks still reports its own time."""
+    c = make_cluster(workers=2, dram_size="64MiB")
+    ws, _ = _worker(c.address, zero_copy)
+    try:
+        hs = block_hashes(list(range(NB * 32)), 32, extra=b"timed" + bytes([zero_copy]))
+        ids = list(range(NB))
+        _save(ws, "s", ids, hs)
+        assert ws.drain_saves(10)
+        ws.take_meta()
+        ws.start_load_kv(KVStoreConnectorMetadata(loads=[Transfer("l", [ids], hs, ids)]))
+        time.sleep(0.5)
+        done, failed = ws.done_loads()
+        assert done == {"l"} and not failed
+        wm = ws.take_meta()
+        assert wm is not None and len(wm.load_samples) == 1
+        nbytes, secs = wm.load_samples[0]
+        assert nbytes == NB * 2 * (64 << 10)  # 64 KiB per layer block, 2 layers
+        assert secs < 0.4, f"a load of {nbytes} bytes timed at {secs:.3f} s"
+    finally:
+        ws.shutdown()

@@ -104,6 +104,13 @@ class _PendingLoad:
     future: cf.Future[list[bool]] | None = None  # zero copy: the client's read
     state_future: cf.Future[list[bool]] | None = None
     job: cf.Future[_Loaded] | None = None  # mover path: the loader's job
+    landed: float = 0.0  # when its last read (or the loader's job) completed
+
+    def stamp(self, _: object) -> None:
+        """A done callback of its futures: the load's time is up to its last one, not
+        up to the step that notices (which made every asynchronous load look a step
+        long, and ``load_mode: auto`` then chose asynchronous loads only)."""
+        self.landed = max(self.landed, time.perf_counter())
 
     def done(self) -> bool:
         if self.job is not None:
@@ -299,12 +306,15 @@ class WorkerSide:
         pl = _PendingLoad(tr, nbytes, time.perf_counter())
         if not self._zero_copy:
             pl.job = self._load_pool.submit(self._load_job, tr, state_hash)
+            pl.job.add_done_callback(pl.stamp)
             return pl
         n = len(tr.hashes)
         pl.future = self._get(self.ns, tr.hashes, self._parts(False, tr.block_ids, n))
         if state_hash is not None and tr.state_ids is not None:
             sids = [[b] for b in tr.state_ids]
             pl.state_future = self._get(self.state_ns, [state_hash], self._parts(True, sids, 1))
+            pl.state_future.add_done_callback(pl.stamp)
+        pl.future.add_done_callback(pl.stamp)
         return pl
 
     def _load_job(self, tr: Transfer, state_hash: bytes | None) -> _Loaded:
@@ -453,7 +463,7 @@ class WorkerSide:
         if state is not None and state_ok:
             record(NAME, self._interval, "loaded_states", 1)
         self._budget.release(pl.nbytes)
-        secs = time.perf_counter() - pl.started
+        secs = (pl.landed or time.perf_counter()) - pl.started
         nbytes = ok * self._block_bytes
         record(NAME, self._interval, "loaded_blocks", ok)
         record(NAME, self._interval, "loaded_bytes", nbytes)
