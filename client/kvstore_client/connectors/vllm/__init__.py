@@ -17,13 +17,15 @@ Shape (as vLLM's own offloading connector): this facade makes one
 - Scheduler process (never waits on the store). ``get_num_new_matched_tokens``
   hashes the request's full blocks (chained xxh3-128 of token ids plus LoRA name and
   path / cache salt / multimodal / prompt-embedding keys, see
-  :mod:`kvstore_client.connectors.naming`) and starts one lookup (every rank's
-  namespace, batched) in a small pool; until it answers vLLM hears "ask me again"
-  (None); past ``lookup_timeout_s`` it is a miss. A full hit is capped at
-  ``num_tokens - 1``; hits shorter than ``min_hit_tokens`` or slower to load than to
-  recompute are skipped and counted. Hits load asynchronously (the request waits
-  in WAITING_FOR_REMOTE_KVS), or with ``load_mode: sync`` in the step that
-  schedules the request (the worker waits for them in ``start_load_kv``). The
+  :mod:`kvstore_client.connectors.naming`) and looks them up (every rank's
+  namespace, batched): from same-host workers' shared indexes on its own thread
+  when they can tell (``lookup_inline``), else in a small pool; until it answers
+  vLLM hears "ask me again" (None); past ``lookup_timeout_s`` it is a miss. A full
+  hit is capped at ``num_tokens - 1``; hits shorter than ``min_hit_tokens`` or
+  slower to load than to recompute are skipped and counted. Under the default
+  ``load_mode: auto`` a hit loads in the step that schedules the request when its
+  load is shorter than a step (the worker waits for it in ``start_load_kv``), else
+  asynchronously (the request waits in WAITING_FOR_REMOTE_KVS). The
   ``lookup`` and ``save_policy`` settings switch the lookup and the save plan to
   the ablation baselines (see ConnectorConfig). ``build_connector_meta`` ships the loads and, per
   scheduled request, the full blocks past its save watermark the store lacks. The

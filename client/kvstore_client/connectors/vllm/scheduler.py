@@ -1,8 +1,10 @@
 """The scheduler side of the vLLM connector: lookups, load planning, save planning.
 
-Runs in vLLM's scheduler process; no call here waits on the store: a lookup runs
-in a small thread pool and vLLM is told "ask me again" (None) until it is done or
-past its deadline (a miss). See :mod:`kvstore_client.connectors.vllm` for the flow.
+Runs in vLLM's scheduler process; no call here waits on the store: a lookup that
+same-host workers' shared indexes can answer is read from them on this thread (no
+I/O); any other runs in a small thread pool and vLLM is told "ask me again" (None)
+until it is done or past its deadline (a miss). See
+:mod:`kvstore_client.connectors.vllm` for the flow.
 """
 
 from __future__ import annotations
