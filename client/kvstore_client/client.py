@@ -605,22 +605,10 @@ class Client:
                 lambda: read_copies(self._d, view, nsb, hashes, views, r)[0].tolist()
             )
         if all(view.workers[w].via.local for w, _ in groups):
-            # Same-host workers' blocks are copied by this thread anyway: no hop through
-            # the executor, whose threads wait for the GIL behind a busy caller (an
-            # engine's loads took 40 ms for 3 MB that way); the future comes back done.
+            # Same-host workers: copies on this thread (see Dispatch.read_local); the
+            # future comes back done.
             try:
-                for w, idx in groups:
-                    one = len(groups) == 1
-                    try:
-                        got = view.workers[w].via.get(
-                            self.timeout, nsb, hashes if one else [hashes[i] for i in idx],
-                            views if one else [views[i] for i in idx],
-                        )  # fmt: skip
-                    except PeerError:
-                        continue  # that worker's blocks are misses
-                    for j, i in enumerate(idx):
-                        result[int(i)] = got.found[j]
-                done.set_result(result)
+                done.set_result(self._d.read_local(view, groups, nsb, hashes, views))
             except Exception as e:  # CallerError, or a bug: surface it
                 done.set_exception(e)
             return done

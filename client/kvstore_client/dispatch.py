@@ -12,11 +12,11 @@ import concurrent.futures as cf
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
-from .errors import KVStoreError, Unavailable
+from .errors import KVStoreError, PeerError, Unavailable
 from .replicas import ReplicaStats, any_owner_groups, replica_count
 from .routing import View
 from .security import Tls
@@ -81,6 +81,27 @@ class Dispatch:
             out[idx] |= got
             tell = tell or link.via.wants_lookups
         return out.tolist(), tell
+
+    def read_local(
+        self, view: View, groups: Groups, nsb: bytes, hashes: Sequence[bytes], views: list[Any]
+    ) -> list[bool]:
+        """Read blocks whose owners are all same-host workers on the calling thread,
+        group after group: per hash, found. A worker's failure makes its blocks misses;
+        a caller's error is raised. No hop through the executor, whose threads wait
+        for the GIL behind a busy caller (an engine's loads took 40 ms for 3 MB)."""
+        result = [False] * len(hashes)
+        one = len(groups) == 1
+        for w, idx in groups:
+            try:
+                got = view.workers[w].via.get(
+                    self.timeout, nsb, hashes if one else [hashes[i] for i in idx],
+                    views if one else [views[i] for i in idx],
+                )  # fmt: skip
+            except PeerError:
+                continue
+            for j, i in enumerate(idx):
+                result[int(i)] = got.found[j]
+        return result
 
     def copies(self, view: View, ns: str, requested: int | None, *, reading: bool = False) -> int:
         """Copies of a key in ``ns``: for a put, its ``replicas=`` or the map's count;
