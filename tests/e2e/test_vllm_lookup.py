@@ -104,7 +104,15 @@ def test_lookup_inline_off_asks_the_lookup_threads(make_cluster: Any) -> None:
         toks = list(range(2000, 2000 + 4 * BLOCK + 1))
         _store_prefix(c.address, side, toks, 4)
         req = _request("r", toks)
-        assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+        # With the workers stopped no lookup thread can answer before the scheduler
+        # looks (a running one may answer first with lookup_wait_s 0: it did on a CI run).
+        for w in c.worker_procs:
+            w.signal(signal.SIGSTOP)
+        try:
+            assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+        finally:
+            for w in c.worker_procs:
+                w.signal(signal.SIGCONT)
         deadline = time.monotonic() + 5
         while (got := side.get_num_new_matched_tokens(req, 0))[0] is None:
             assert time.monotonic() < deadline

@@ -252,13 +252,20 @@ def test_a_chain_cut_on_one_worker_reaches_the_other_through_hints(
     )
     size = 64 << 10
     with Client(c.address) as cl:
-        chain = [key(i, "cut") for i in range(24)]
+        # The chain alternates between the workers and ends on the one holding its
+        # head, so that one has blocks past any depth the other loses. (With keys
+        # placed at random, a CI run found nothing of its share deeper than the cut.)
+        pool = [key(i, "cut") for i in range(400)]
+        _, pg = cl._d.groups(pool)
+        on = {x: [pool[int(i)] for i in idx] for x, idx in pg}
+        chain = [k for pair in zip(on[0][:11], on[1][:11], strict=True) for k in pair]
+        chain.append(on[0][11])
         cl.session_hint(NS, "agent", "active", hashes=chain)
         assert all(cl.batch_put(NS, chain, [value_for(k, size) for k in chain]))
         cl.session_hint(NS, "agent", "paused", hashes=chain)
         _, groups = cl._d.groups(chain)
         worker_of = {int(i): w for w, idx in groups for i in idx}
-        assert set(worker_of.values()) == {0, 1}
+        assert [worker_of[d] for d in range(4)] == [0, 1, 0, 1]
         first = {w: min(d for d, x in worker_of.items() if x == w) for w in (0, 1)}
         # Fill the worker that does not hold the chain's first block until half its
         # share of the chain is evicted (its tail first: a paused chain's order).
