@@ -282,6 +282,12 @@ def version() -> None:
     "--replicas", type=int, default=None, help="Copies of each block on distinct workers, 1-8 [1]."
 )
 @click.option(
+    "--vnodes-per-gib",
+    type=int,
+    default=None,
+    help="Hash-ring points per GiB of a worker's capacity (at least 160 a worker) [16].",
+)
+@click.option(
     "--namespace-replicas",
     multiple=True,
     help="PREFIX=R: copies for namespaces starting with PREFIX (longest wins); repeatable.",

@@ -23,6 +23,8 @@ import yaml
 
 from kvstore_client.errors import InvalidArgument
 
+MAX_VNODES_PER_GIB = 1 << 20  # a worker's points stay within sharding.MAX_VNODES anyway
+
 # The distribution's name on the package index (`pip install kvstore-cache`); the import
 # packages (kvstore, kvstore_client, kvstore_bench) and the `kvstore` command keep theirs.
 DIST_NAME = "kvstore-cache"
@@ -87,6 +89,9 @@ class MasterConfig:
     advertise_host: str = ""  # address other masters forward to; default: host, $POD_IP, hostname
     cluster_id: str = "kvstore"
     replicas: int = 1
+    # ring points per GiB of a worker's capacity (at least 160, at most 65,536 a worker):
+    # the default gives a 64 GiB worker 1,024; small workers want more (docs/SCALE.md)
+    vnodes_per_gib: int = 16
     namespace_replicas: list[str] = field(default_factory=list)  # "PREFIX=R": copies per ns prefix
     tls_cert: str = ""  # PEM certificate of this daemon; with tls_key enables TLS
     tls_key: str = ""
@@ -334,6 +339,11 @@ def validate(cfg: Config) -> None:
             raise InvalidArgument(f"worker.{name} ({_flag(name)}) must not be negative")
     if not 1 <= m.replicas <= 8:
         raise InvalidArgument(f"master.replicas (--replicas) must be 1-8, got {m.replicas}")
+    if not 1 <= m.vnodes_per_gib <= MAX_VNODES_PER_GIB:
+        raise InvalidArgument(
+            f"master.vnodes_per_gib (--vnodes-per-gib) must be 1-{MAX_VNODES_PER_GIB},"
+            f" got {m.vnodes_per_gib}"
+        )
     for hi, lo in (("dram_high", "dram_low"), ("ssd_high", "ssd_low")):
         h, lw = getattr(w, hi), getattr(w, lo)
         if not 0 < lw <= h <= 1:

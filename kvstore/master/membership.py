@@ -103,12 +103,14 @@ class Membership:
         *,
         replicas: int = 1,
         cluster_id: str = "kvstore",
+        vnodes_per_gib: int = DEFAULT_VNODES_PER_GIB,
         max_workers: int = MAX_WORKERS,
     ) -> None:
         if ttl <= 0:
             raise ValueError("ttl must be positive")
         self.ttl = ttl
         self.replicas = replicas
+        self.vnodes_per_gib = vnodes_per_gib
         self.cluster_id = cluster_id
         self.max_workers = max_workers
         self.members: dict[str, Member] = {}
@@ -221,7 +223,7 @@ class Membership:
         return master_pb2.ShardMap(
             version=self.version,
             workers=live,
-            vnodes_per_gib=DEFAULT_VNODES_PER_GIB,
+            vnodes_per_gib=self.vnodes_per_gib,
             replicas=self.replicas,
             cluster_id=self.cluster_id,
         )

@@ -170,6 +170,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             replicas=self.m.replicas,
             cluster_id=self.m.cluster_id,
             now=time.monotonic(),
+            vnodes_per_gib=self.m.vnodes_per_gib,
         )
 
     # ---- ha.Listener -----------------------------------------------------------
@@ -580,7 +581,12 @@ async def serve(cfg: MasterConfig) -> int:
     metrics.enable_master_metrics()
     check_replicas(cfg.replicas)
     parse_namespace_replicas(cfg.namespace_replicas)  # bad entries fail before binding
-    members = Membership(cfg.worker_ttl, replicas=cfg.replicas, cluster_id=cfg.cluster_id)
+    members = Membership(
+        cfg.worker_ttl,
+        replicas=cfg.replicas,
+        cluster_id=cfg.cluster_id,
+        vnodes_per_gib=cfg.vnodes_per_gib,
+    )
     if not cfg.etcd:
         # Alone, in memory: number the maps from the clock, so that a restarted master's
         # maps rank above every map of its predecessor that clients still hold (they

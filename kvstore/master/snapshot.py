@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from google.protobuf.message import DecodeError
 
 from kvstore_client.proto import master_pb2
+from kvstore_client.sharding import DEFAULT_VNODES_PER_GIB
 
 from .membership import Member, Membership
 
@@ -135,10 +136,16 @@ def diff(
 
 
 def restore(
-    snap: Snapshot, *, ttl: float, replicas: int, cluster_id: str, now: float
+    snap: Snapshot,
+    *,
+    ttl: float,
+    replicas: int,
+    cluster_id: str,
+    now: float,
+    vnodes_per_gib: int = DEFAULT_VNODES_PER_GIB,
 ) -> Membership:
     """A Membership holding the snapshot's workers, each seen at ``now`` (a fresh TTL)."""
-    m = Membership(ttl, replicas=replicas, cluster_id=cluster_id)
+    m = Membership(ttl, replicas=replicas, cluster_id=cluster_id, vnodes_per_gib=vnodes_per_gib)
     for wid, (info, draining, instance) in snap.workers.items():
         m.members[wid] = Member(info, now, draining=draining, instance=instance)
     m.version = max(1, snap.version)

@@ -14,11 +14,18 @@ from kvstore_bench.engine.memory import (
     working_set_blocks,
 )
 from kvstore_bench.engine.models import model_config
-from kvstore_bench.engine.peers import Context, NotRunnable, kvstore_min_bytes, make_backing
+from kvstore_bench.engine.peers import (
+    Context,
+    NotRunnable,
+    kvstore_min_bytes,
+    make_backing,
+    ring_density,
+)
 from kvstore_bench.engine.report import Summary, timed_requests
 from kvstore_bench.engine.run import ConfigRun, Result
 from kvstore_bench.engine.sweep import Point, parse_fractions, sweep_json, sweep_rows
 from kvstore_bench.engine.workload import Script, Timed, Turn, ideal_hits
+from kvstore_client.sharding import vnode_count
 
 B = 32
 
@@ -113,3 +120,14 @@ def test_sweep_rows_and_json_report_every_point_and_the_reason_a_config_did_not_
     assert kv["token_hit_rate"] == 0.4 and kv["ref_opt_hit_rate"] == 0.5
     assert doc[0]["configs"]["mooncake"]["min_bytes"] == 4 << 20
     assert not math.isnan(kv["ttft_breakdown"]["hit"]["steps_mean"])
+
+
+def test_the_bench_gives_its_small_workers_a_production_workers_ring_points() -> None:
+    """9 MiB workers at the default density sit at the floor of 160 points (shares of
+    two equal workers spread by several points); the bench asks the master for the
+    1,024 points of a 64 GiB worker."""
+    for capacity in (2 << 20, 9_699_328, 1 << 30, 64 << 30, 256 << 30):
+        n = vnode_count(capacity, ring_density(capacity))
+        assert n >= 1024, (capacity, n)
+    assert ring_density(64 << 30) == 16 and ring_density(1 << 40) == 16
+    assert ring_density(1) == 1 << 20

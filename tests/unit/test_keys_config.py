@@ -196,3 +196,14 @@ def test_block_hashes_rejects_text_and_bad_shapes() -> None:
     with pytest.raises(errors.InvalidArgument):
         block_hashes([1, 2], True)
     assert block_hashes([], 16) == []
+
+
+def test_ring_density_is_a_master_setting_with_bounds() -> None:
+    cfg = load_config(None, {"master": {"vnodes_per_gib": 4096}}, environ={})
+    assert cfg.master.vnodes_per_gib == 4096
+    assert load_config(None, environ={}).master.vnodes_per_gib == 16
+    for bad in (0, -1, (1 << 20) + 1):
+        with pytest.raises(
+            errors.InvalidArgument, match=r"master.vnodes_per_gib \(--vnodes-per-gib\)"
+        ):
+            load_config(None, {"master": {"vnodes_per_gib": bad}}, environ={})

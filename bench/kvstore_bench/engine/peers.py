@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.cluster import LocalCluster
+from kvstore.config import MAX_VNODES_PER_GIB
+from kvstore_client.sharding import DEFAULT_VNODES_PER_GIB
 
 from ..peers import PeerUnavailable, free_port, stop_process, wait_for_port
 
@@ -157,6 +159,18 @@ def kvstore_min_bytes(block_bytes: int, workers: int = KVSTORE_WORKERS) -> int:
     return workers * kvstore_slab(block_bytes)
 
 
+RING_POINTS = 1024  # a 64 GiB worker's points on the hash ring at the default density
+
+
+def ring_density(capacity: int) -> int:
+    """The master's ``--vnodes-per-gib`` that gives each worker of this capacity the
+    ring points of a production (64 GiB) worker: the bench's workers are small, and
+    at the floor of 160 points two equal workers get shares of about 55/45 (one
+    evicts while the other has room), which no production cluster sees."""
+    want = -(-RING_POINTS * (1 << 30) // max(1, capacity))
+    return max(DEFAULT_VNODES_PER_GIB, min(MAX_VNODES_PER_GIB, want))
+
+
 def _kvstore(ctx: Context, extra: dict[str, Any] | None = None, name: str = "kvstore") -> Backing:
     workers = ctx.kvstore_workers
     slab = kvstore_slab(ctx.block_bytes)
@@ -169,11 +183,13 @@ def _kvstore(ctx: Context, extra: dict[str, Any] | None = None, name: str = "kvs
             f"({least:,} bytes in all{' with half as SSD' if ctx.ssd else ''})",
             least,
         )
+    each = per_worker + ((ctx.memory_bytes - dram) // workers if ctx.ssd else 0)
     cluster = LocalCluster(
         workers=0,
         dram_size=str(per_worker),
         max_value_size=str(slab),
         log_dir=str(ctx.work_dir),
+        extra_master_args=["--vnodes-per-gib", str(ring_density(each))],
     ).start()
     ssd_note = ""
     try:
