@@ -24,7 +24,7 @@ from typing import Any
 
 from kvstore.cluster import LocalCluster
 from kvstore.config import MAX_VNODES_PER_GIB
-from kvstore_client.sharding import DEFAULT_VNODES_PER_GIB
+from kvstore_client.sharding import DEFAULT_VNODES_PER_GIB, vnode_count
 
 from ..peers import PeerUnavailable, free_port, stop_process, wait_for_port
 
@@ -220,7 +220,8 @@ def _kvstore(ctx: Context, extra: dict[str, Any] | None = None, name: str = "kvs
             "kv_connector_extra_config": cfg,
         },
         cluster=cluster,
-        note=f"{workers} workers x {per_worker:,} B DRAM{ssd_note} (slab {slab >> 10} KiB)",
+        note=f"{workers} workers x {per_worker:,} B DRAM{ssd_note} (slab {slab >> 10} KiB,"
+        f" {vnode_count(each, ring_density(each)):,} ring points each)",
     )
 
 
