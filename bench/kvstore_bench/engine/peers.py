@@ -165,8 +165,8 @@ RING_POINTS = 1024  # a 64 GiB worker's points on the hash ring at the default d
 def ring_density(capacity: int) -> int:
     """The master's ``--vnodes-per-gib`` that gives each worker of this capacity the
     ring points of a production (64 GiB) worker: the bench's workers are small, and
-    at the floor of 160 points two equal workers get shares of about 55/45 (one
-    evicts while the other has room), which no production cluster sees."""
+    at the floor of 160 points two equal workers' shares can be 55/45 (one evicts
+    while the other has room), where 64 GiB workers would be within a point or two."""
     want = -(-RING_POINTS * (1 << 30) // max(1, capacity))
     return max(DEFAULT_VNODES_PER_GIB, min(MAX_VNODES_PER_GIB, want))
 
