@@ -67,14 +67,11 @@ def write_staged(store: SsdHost) -> None:
     if not batch:
         return
     items = [(ns, key, memoryview(st.data), st.checksum) for (ns, key), st in batch]
-    written = write_ssd(store, items)
+    written, booked = write_ssd(store, items)
     with store.lock:
         if written is None:
-            store._queue(
-                store.policy.handle(
-                    SsdWriteFailed(tuple((ns, k, len(st.data)) for (ns, k), st in batch), True)
-                )
-            )
+            failed = tuple((ns, k, len(st.data)) for (ns, k), st in batch)
+            store._queue(store.policy.handle(SsdWriteFailed(failed, True, booked)))
             for (ns, key), st in batch:
                 if store._staged.get((ns, key)) is st:
                     del store._staged[(ns, key)]
@@ -85,7 +82,7 @@ def write_staged(store: SsdHost) -> None:
                 if live:
                     del store._staged[(ns, key)]
                 done.append((ns, key, size, stored, live))
-            store._queue(store.policy.handle(SsdWritten(tuple(done))))
+            store._queue(store.policy.handle(SsdWritten(tuple(done), booked)))
             store._ev(True, SSD, [(d[0], d[1]) for d in done if d[4]])
             store.counters.demotions += len(done)
     store._execute()
@@ -93,16 +90,33 @@ def write_staged(store: SsdHost) -> None:
 
 def write_ssd(
     store: SsdHost, items: list[tuple[str, bytes, memoryview, int]]
-) -> list[tuple[str, bytes, int, int]] | None:
-    """Write to LMDB (outside the lock), making room first; None when it failed."""
+) -> tuple[list[tuple[str, bytes, int, int]] | None, int]:
+    """Write to LMDB (outside the lock), making room first; returns what was written
+    (None when it failed) and the bytes booked for it, which the caller gives back in
+    the :class:`SsdWritten` / :class:`SsdWriteFailed` it hands the policy."""
     assert store.ssd is not None
     need = sum(store.ssd.footprint(len(v)) for _, _, v, _ in items)
-    for attempt in range(3):
-        room = NeedSsdRoom(max(need, store.ssd.size // 10), force=True) if attempt else None
+    with store.lock:  # books ``need`` as in flight until the caller accounts the write
+        store._queue(store.policy.handle(NeedSsdRoom(need)))
+    try:
+        return _write_with_room(store, items, need), need
+    except BaseException:
         with store.lock:
-            before = store.ssd_index.evictions
-            store._queue(store.policy.handle(room or NeedSsdRoom(need)))
-            freed = store.ssd_index.evictions > before
+            store._queue(store.policy.handle(SsdWriteFailed((), False, need)))
+        raise
+
+
+def _write_with_room(
+    store: SsdHost, items: list[tuple[str, bytes, memoryview, int]], need: int
+) -> list[tuple[str, bytes, int, int]] | None:
+    assert store.ssd is not None
+    for attempt in range(3):
+        if attempt:  # LMDB said full: evict whatever the watermarks say
+            with store.lock:
+                before = store.ssd_index.evictions
+                room = NeedSsdRoom(max(need, store.ssd.size // 10), force=True)
+                store._queue(store.policy.handle(room))
+                freed = store.ssd_index.evictions > before
         execute_deletes(store)
         if attempt and not freed:
             return None  # nothing left to evict: the disk is full of pinned blocks
@@ -142,18 +156,18 @@ def demote(store: SsdHost, nbytes: int, *, everything: bool = False) -> int:
         if not batch:
             break
         rows = [(b.ns, b.key, store.view(b), b.checksum) for b in todo]
-        written = write_ssd(store, rows) if todo else []
+        written, booked = write_ssd(store, rows) if todo else ([], 0)
         with store.lock:
             if written is None:
                 failed = tuple((b.ns, b.key, b.size) for b in todo)
-                store._queue(store.policy.handle(SsdWriteFailed(failed, False)))
+                store._queue(store.policy.handle(SsdWriteFailed(failed, False, booked)))
             else:
                 live = [b.ready and not b.doomed for b in todo]
                 done = tuple(
                     (ns, key, size, stored, ok)
                     for (ns, key, size, stored), ok in zip(written, live, strict=True)
                 )
-                store._queue(store.policy.handle(SsdWritten(done)))
+                store._queue(store.policy.handle(SsdWritten(done, booked)))
                 store._ev(True, SSD, [(d[0], d[1]) for d in done if d[4]])
                 store.counters.demotions += sum(live)
             for b in batch:

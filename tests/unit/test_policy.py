@@ -118,6 +118,28 @@ def test_ssd_room_evicts_lru_and_refunds_blocks_only_on_ssd() -> None:
     ]
 
 
+def test_room_asked_by_concurrent_ssd_writers_counts_the_writes_in_flight() -> None:
+    """Writers ask for SSD room under the lock and write outside it: room granted to one
+    writer is booked until its write is accounted, so three writers that each fit under
+    the high mark alone cannot overfill the SSD together (a clean-clone CI run saw the
+    SSD index at 1,025 x 8 KiB against an 8 MiB SSD)."""
+    p, _, _ = policy()
+    for i in range(5):
+        p.handle(Reserved("t/x", 100))
+        p.handle(SsdWritten((("t/x", bytes([i]), 100, 150, True),)))
+    assert p.ssd.used_bytes == 750
+    outs = [p.handle(NeedSsdRoom(150)) for _ in range(3)]  # 750 + 150 <= 0.9 * 1000 alone
+    assert outs[0] == [], "the first writer fits under the high mark"
+    assert outs[1], "the second counts the first's 150 bytes in flight: over the mark"
+    for w in range(3):
+        p.handle(SsdWritten((("t/x", bytes([10 + w]), 100, 150, True),), reserved=150))
+        assert p.ssd.used_bytes + p.ssd.pending <= 1000
+    assert p.ssd.pending == 0, "every booking is given back when its write is accounted"
+    p.handle(NeedSsdRoom(150))
+    p.handle(SsdWriteFailed((("t/x", b"z", 100),), evicted=False, reserved=150))
+    assert p.ssd.pending == 0, "a failed write gives its booking back too"
+
+
 def test_ssd_hit_promotes_on_second_hit_and_bad_entries_are_dropped() -> None:
     p, book, _ = policy()
     p.handle(Reserved("t/x", 100))

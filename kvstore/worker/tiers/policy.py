@@ -96,17 +96,21 @@ class Removed:
 
 @dataclass(frozen=True, slots=True)
 class SsdWritten:
-    """Blocks reached LMDB: (ns, key, payload size, stored bytes, still live)."""
+    """Blocks reached LMDB: (ns, key, payload size, stored bytes, still live);
+    ``reserved``: the bytes its :class:`NeedSsdRoom` booked, now given back."""
 
     items: tuple[tuple[str, bytes, int, int, bool], ...]
+    reserved: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class SsdWriteFailed:
-    """Blocks could not be written to SSD; ``evicted``: DRAM had already let them go."""
+    """Blocks could not be written to SSD; ``evicted``: DRAM had already let them go;
+    ``reserved``: the bytes its :class:`NeedSsdRoom` booked, now given back."""
 
     items: tuple[tuple[str, bytes, int], ...]
     evicted: bool
+    reserved: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +131,12 @@ class SsdBad:
 @dataclass(frozen=True, slots=True)
 class NeedSsdRoom:
     """About to write ``nbytes`` (headers included) to SSD; ``force``: LMDB said it is
-    full, so evict ``nbytes`` of least recently used blocks whatever the watermarks say."""
+    full, so evict ``nbytes`` of least recently used blocks whatever the watermarks say.
+
+    Writers ask under the store's lock and write outside it, so an unforced request
+    books its ``nbytes`` as in flight (:attr:`SsdIndex.pending`) and counts what other
+    writers have booked; the writer's :class:`SsdWritten` or :class:`SsdWriteFailed`
+    gives the booking back (its ``reserved``)."""
 
     nbytes: int
     force: bool = False
@@ -444,8 +453,10 @@ class TierPolicy:
                     self.ssd.add(ns, key, size, stored)
                 else:  # removed while being written: must not come back
                     dead.append((ns, key))
+            self.ssd.unbook(ev.reserved)
             return [DeleteSsd(tuple(dead))] if dead else []
         elif isinstance(ev, SsdWriteFailed):
+            self.ssd.unbook(ev.reserved)
             self.counters.ssd_write_errors += 1
             if ev.evicted:
                 for ns, key, size in ev.items:
@@ -459,11 +470,14 @@ class TierPolicy:
         elif isinstance(ev, SsdBad):
             return self._drop_ssd([(ev.ns, ev.key)])
         elif isinstance(ev, NeedSsdRoom):
-            excess = (
-                ev.nbytes
-                if ev.force
-                else self.ssd_marks.excess(self.ssd.used_bytes + ev.nbytes, self.ssd.capacity)
-            )
+            if ev.force:
+                excess = ev.nbytes
+            else:
+                ssd = self.ssd
+                excess = self.ssd_marks.excess(
+                    ssd.used_bytes + ssd.pending + ev.nbytes, ssd.capacity
+                )
+                ssd.pending += ev.nbytes
             if excess > 0:
                 victims = self.ssd.victims(
                     excess, self.sessions.is_protected, self.ssd_retain_budget

@@ -27,6 +27,7 @@ class SsdIndex:
         self.pinned = set(pinned)
         self.entries: OrderedDict[tuple[str, bytes], SsdEntry] = OrderedDict()
         self.used_bytes = 0
+        self.pending = 0  # bytes writers were given room for and have not yet accounted
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -45,6 +46,10 @@ class SsdIndex:
             self.used_bytes -= old.stored
         self.entries[k] = SsdEntry(size, stored)
         self.used_bytes += stored
+
+    def unbook(self, nbytes: int) -> None:
+        """A writer's room is accounted (written or failed): no longer in flight."""
+        self.pending = max(0, self.pending - nbytes)
 
     def touch(self, ns: str, key: bytes) -> None:
         k = (ns, key)
