@@ -45,6 +45,7 @@ from .models import (
     preset_unavailable,
 )
 from .peers import ABLATIONS, CONFIGS, KVSTORE_WORKERS, Context
+from .repeat import REPEAT_COLUMNS, median_run, repeat_rows, rotations
 from .report import (
     TABLE_COLUMNS,
     Summary,
@@ -167,6 +168,13 @@ def _prefill_speed(run: ConfigRun) -> float | None:
     help="2 sessions x 4 turns, small prompts (with --memory-sweep: 16 sessions x 6 turns, "
     "a short shared prompt, pauses at --time-scale 10).",
 )
+@click.option(
+    "--repeat",
+    type=click.IntRange(1, 50),
+    default=1,
+    show_default=True,
+    help="Run every configuration N times, in turn, and report its median run.",
+)
 @click.option("--json", "json_path", default=None, help="Write the numbers here.")
 @click.option("--out", default="bench/results", show_default=True, help="Plots go here.")
 @click.option("--work-dir", default=None, help="Logs of every process [a temp dir].")
@@ -194,6 +202,7 @@ def engine_cmd(
     kvstore_workers: int,
     ssd: bool,
     quick: bool,
+    repeat: int,
     json_path: str | None,
     out: str,
     work_dir: str | None,
@@ -328,12 +337,21 @@ def engine_cmd(
         "sessions_aware": sessions_aware,
         "kvstore_ssd": ssd,
         "kvstore_workers": kvstore_workers,
+        "repeat": repeat,
         "traces": [str(p) for p in paths],
         "work_dir": str(wdir),
     }
     if fractions:
-        points = _sweep(names, fractions, ws_bytes, ctx, spec, scripts, engines, console, progress)
+        points = _sweep(
+            names, fractions, ws_bytes, ctx, spec, scripts, engines, console, progress, repeat
+        )
         _print_sweep(console, points)
+        _print_repeats(
+            [
+                (f"{p.fraction:g} ({p.memory_bytes / (1 << 20):.2f} MiB)", p.summaries)
+                for p in points
+            ]
+        )
         try:
             for p in sweep_plots(points, Path(out), stem):
                 console.print(f"plot: {p}")
@@ -348,10 +366,13 @@ def engine_cmd(
             console.print(f"json: {json_path}")
         return
 
-    runs = _run_all(names, ctx, spec, scripts, engines, n_turns, console, progress)
-    ref = runs[0] if runs and runs[0].name == "prefix" else None
-    summaries = [_summary(r, scripts, block, ref, ctx) for r in runs]
+    runs = _repeated(names, repeat, ctx, spec, scripts, engines, console, progress)
+    ref = runs["prefix"][0] if "prefix" in runs else None
+    summaries = [
+        median_run([_summary(r, scripts, block, ref, ctx) for r in runs[n]]) for n in names
+    ]
     _print_table(console, summaries)
+    _print_repeats([("-", summaries)])
     try:
         for p in plot(summaries, Path(out), stem):
             console.print(f"plot: {p}")
@@ -386,12 +407,14 @@ def _sweep(
     engines: int,
     console: Console,
     show: bool,
+    repeat: int = 1,
 ) -> list[Point]:
-    """Every configuration at each fraction of the working set (prefix once)."""
-    n_turns = sum(len(s.turns) for s in scripts)
-    prefix: ConfigRun | None = None
+    """Every configuration at each fraction of the working set (prefix once, or
+    ``repeat`` times, before the first point)."""
+    prefix: list[ConfigRun] = []
     if "prefix" in names:
-        [prefix] = _run_all(["prefix"], ctx, spec, scripts, engines, n_turns, console, show)
+        prefix = _repeated(["prefix"], repeat, ctx, spec, scripts, engines, console, show)["prefix"]
+    ref = prefix[0] if prefix else None
     stores = [n for n in names if n != "prefix"]
     points: list[Point] = []
     for f in fractions:
@@ -399,17 +422,53 @@ def _sweep(
         console.print(
             f"[bold]memory {f:g} x working set = {ctx.memory_bytes / (1 << 20):.2f} MiB[/]"
         )
-        runs = _run_all(stores, ctx, spec, scripts, engines, n_turns, console, show)
-        if prefix is not None:
-            runs.insert(0, prefix)
+        runs = _repeated(stores, repeat, ctx, spec, scripts, engines, console, show)
+        if prefix:
+            runs = {"prefix": prefix, **runs}
         points.append(
             Point(
                 f,
                 ctx.memory_bytes,
-                [_summary(r, scripts, ctx.block_size, prefix, ctx) for r in runs],
+                [
+                    median_run([_summary(r, scripts, ctx.block_size, ref, ctx) for r in rs])
+                    for rs in runs.values()
+                ],
             )
         )
     return points
+
+
+def _repeated(
+    names: list[str],
+    repeat: int,
+    ctx: Context,
+    spec: EngineSpec,
+    scripts: list[Script],
+    engines: int,
+    console: Console,
+    show: bool,
+) -> dict[str, list[ConfigRun]]:
+    """Each configuration's runs, ``repeat`` rounds of all of them (:func:`rotations`)."""
+    n_turns = sum(len(s.turns) for s in scripts)
+    out: dict[str, list[ConfigRun]] = {n: [] for n in names}
+    for r, order in enumerate(rotations(names, repeat)):
+        if repeat > 1:
+            console.print(f"round {r + 1} of {repeat}: {', '.join(order)}")
+        for run in _run_all(order, ctx, spec, scripts, engines, n_turns, console, show):
+            out[run.name].append(run)
+    return out
+
+
+def _print_repeats(groups: list[tuple[str, list[Summary]]]) -> None:
+    rows = [row for memory, summaries in groups for row in repeat_rows(memory, summaries)]
+    if not rows:
+        return
+    t = Table(title="engine bench: every run (--repeat); the rows above are the median runs")
+    for c in REPEAT_COLUMNS:
+        t.add_column(c, overflow="fold")
+    for row in rows:
+        t.add_row(*row)
+    Console(width=max(Console().width, 120)).print(t)
 
 
 def _print_sweep(console: Console, points: list[Point]) -> None:

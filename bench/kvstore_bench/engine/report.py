@@ -67,6 +67,11 @@ class Summary:
     ref_lru_hit_rate: float | None = None
     ref_opt_hit_rate: float | None = None
     min_bytes: int = 0
+    # --repeat N: every run's figures (ran, token_hit_rate, ttft_p50_ms,
+    # input_tokens_per_s, wall_s) and the median hit rate; this summary is the run
+    # whose TTFT p50 is the median (:mod:`.repeat`)
+    repeats: list[dict[str, float]] = field(default_factory=list)
+    median_hit_rate: float | None = None
 
 
 def percentiles(xs: Sequence[float]) -> dict[str, float]:

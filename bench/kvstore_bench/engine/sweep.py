@@ -155,7 +155,10 @@ def sweep_plots(points: Sequence[Point], out_dir: Path, stem: str) -> list[Path]
     paths: list[Path] = []
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in names:
-        xs, ys = series(name, lambda s: 100 * s.token_hit_rate)
+        xs, ys = series(
+            name,
+            lambda s: 100 * (s.token_hit_rate if s.median_hit_rate is None else s.median_hit_rate),
+        )
         if xs:
             ax.plot(xs, ys, marker="o", label=name)
     for label, get in (
