@@ -25,7 +25,10 @@ from kvstore_bench.traces import load_agentic
 from .conftest import REPORT
 
 BLOCK = 32
-pytestmark = pytest.mark.timeout(900)
+# the module's sweep fixture runs 12 engine runs (2 points x 2 stores x 3 repeats, plus
+# Mooncake's refusals), charged to the first test that asks for it
+pytestmark = pytest.mark.timeout(1800)
+QUICK_REPEAT = 3
 
 
 def test_kvstore_beats_prefix_only_and_outputs_match(tiny_model: str, tmp_path: Path) -> None:
@@ -55,7 +58,10 @@ def test_kvstore_beats_prefix_only_and_outputs_match(tiny_model: str, tmp_path: 
 
 @pytest.fixture(scope="module")
 def quick_sweep(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """`kvstore bench engine --quick --memory-sweep 0.25,1.0` with the three stores."""
+    """`kvstore bench engine --quick --memory-sweep 0.25,1.0 --repeat 3` with the three
+    stores: one run's hit rate is a draw (a clean-clone CI run had kvstore 41.5% against
+    LMCache's 41.3% at 0.25, where three runs each on the same machine gave 42.6-43.8%
+    against 33.1-37.9%), so the assertions read medians of three."""
     from click.testing import CliRunner
 
     from kvstore_bench.engine.cli import engine_cmd
@@ -64,6 +70,7 @@ def quick_sweep(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp / "sweep.json"
     args = [
         "--quick", "--memory-sweep", "0.25,1.0", "--configs", "kvstore,mooncake,lmcache",
+        "--repeat", str(QUICK_REPEAT),
         "--engine-python", sys.executable, "--json", str(out), "--out", str(tmp),
         "--work-dir", str(tmp / "work"), "--no-progress",
     ]  # fmt: skip
@@ -74,7 +81,9 @@ def quick_sweep(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     REPORT.append(
         f"bench engine --quick sweep at 0.25 ({small['memory_bytes']:,} B): "
         + ", ".join(
-            f"{n} {100 * c['token_hit_rate']:.1f}%" if c["ran"] else f"{n} not run"
+            f"{n} {100 * c['median_hit_rate']:.1f}% (median of {len(c['repeats'])})"
+            if c["ran"]
+            else f"{n} not run"
             for n, c in small["configs"].items()
         )
     )
@@ -99,7 +108,8 @@ def test_quick_memory_sweep_gives_every_store_the_same_memory(quick_sweep: dict[
                 assert c["why_not"] and c["min_bytes"] > p["memory_bytes"], (name, c)
         assert p["configs"]["kvstore"]["ran"], p["configs"]["kvstore"]["why_not"]
     small, full = (p["configs"]["kvstore"] for p in sweep)
-    assert full["token_hit_rate"] >= small["token_hit_rate"]
+    assert len(small["repeats"]) == len(full["repeats"]) == QUICK_REPEAT
+    assert full["median_hit_rate"] >= small["median_hit_rate"]
     # With room for everything nothing is evicted: the offline LRU is the offline optimum.
     # Both replay the requests as the engines scheduled them, the ideal as the bench sent
     # them, so a sub-agent that overlaps its parent may land on either side of a save.
@@ -110,11 +120,11 @@ def test_quick_memory_sweep_gives_every_store_the_same_memory(quick_sweep: dict[
 def test_quick_memory_sweep_kvstore_keeps_more_at_the_smallest_point(
     quick_sweep: dict[str, Any],
 ) -> None:
-    """At the smallest point kvstore's token hit rate is above Mooncake's and LMCache's
-    (a peer that could not run there is reported by the test above)."""
+    """At the smallest point kvstore's median token hit rate is above Mooncake's and
+    LMCache's (a peer that could not run there is reported by the test above)."""
     small = quick_sweep["sweep"][0]["configs"]
     kv = small["kvstore"]
     for peer in ("mooncake", "lmcache"):
         c = small[peer]
         if c["ran"]:
-            assert kv["token_hit_rate"] > c["token_hit_rate"], (peer, kv, c)
+            assert kv["median_hit_rate"] > c["median_hit_rate"], (peer, kv["repeats"], c["repeats"])
