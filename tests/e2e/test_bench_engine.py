@@ -25,8 +25,8 @@ from kvstore_bench.traces import load_agentic
 from .conftest import REPORT
 
 BLOCK = 32
-# the module's sweep fixture runs 12 engine runs (2 points x 2 stores x 3 repeats, plus
-# Mooncake's refusals), charged to the first test that asks for it
+# the module's sweep fixture runs 15 configurations (2 points x 3 stores x 3 repeats;
+# Mooncake refuses the smaller point at once), charged to the first test that asks for it
 pytestmark = pytest.mark.timeout(1800)
 QUICK_REPEAT = 3
 
