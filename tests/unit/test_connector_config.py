@@ -66,6 +66,10 @@ def test_ablation_settings() -> None:
     assert ConnectorConfig.from_dict({"master": "h:1", "lookup": "prefix"}).lookup == "prefix"
     c = ConnectorConfig.from_dict({"master": "h:1", "lookup_inline": "false"})
     assert c.lookup_inline is False and c.ablations() == ["lookup_inline=false"]
+    c = ConnectorConfig.from_dict({"master": "h:1", "hit_past_local": "false"})
+    assert c.hit_past_local is False and c.ablations() == ["hit_past_local=false"]
+    with pytest.raises(ValueError, match="hit_past_local"):
+        ConnectorConfig.from_dict({"master": "h:1", "hit_past_local": "maybe"})
     for key, bad, msg in [
         ("save_policy", "everything", r'save_policy must be "new" or "all", not \'everything\''),
         ("lookup", "batched", r'lookup must be "batch" or "per_block" or "prefix"'),

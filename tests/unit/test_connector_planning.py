@@ -90,6 +90,37 @@ def test_tracker_plans_loads_and_saves_only_new_blocks() -> None:
     assert [r.index for r in out] == [1] and skipped == 1
 
 
+def test_the_store_run_goes_on_past_the_engines_own_hit() -> None:
+    """Bug (old code): the hit was the store's leading run from block 0, so a store
+    that had given up a session's oldest blocks gave nothing even when the engine's
+    own cache held them: turns alternate engines, and the store's newer blocks (the
+    previous turn's, saved by the other engine) were recomputed."""
+    b = 4
+    tr = RequestTracker("r", b)
+    toks = list(range(26))  # 6 full blocks
+    tr.extend_hashes(toks)
+    tr.present = [False, False, True, True, False, True]
+    tr.hit_blocks = 0
+    policy = LoadPolicy(min_hit_tokens=b)
+    # The engine holds blocks 0-1: the store's blocks 2-3 follow them; 4 is a gap.
+    assert tr.plan_hit(len(toks), 8, policy, 1.0, None) == 8
+    refs = tr.plan_load(list(range(10, 17)), 8)
+    assert [(r.index, r.block_id, r.hash) for r in refs] == [
+        (2, 12, tr.hashes[2]),
+        (3, 13, tr.hashes[3]),
+    ]
+    # The engine holds block 0 only: block 1 is a gap, nothing to load.
+    assert tr.plan_hit(len(toks), 4, policy, 1.0, None) == 0
+    # A block that failed to load ends the run there.
+    tr.mark_missing([3])
+    assert tr.plan_hit(len(toks), 8, policy, 1.0, None) == 4
+    # A hybrid model's hit needs the state at its end: no run past the engine's hit.
+    hy = RequestTracker("h", b, past_local=False)
+    hy.extend_hashes(toks)
+    hy.present = [False, False, True, True, False, True]
+    assert hy.plan_hit(len(toks), 8, policy, 1.0, None) == 0
+
+
 def test_a_failed_load_shortens_the_hit_so_the_retry_does_not_load_it_again() -> None:
     """Bug (old code): a block evicted between lookup and load failed the load; vLLM
     scheduled the request again, the cached lookup still said 4 blocks, so the same

@@ -79,6 +79,11 @@ ABLATIONS: dict[str, tuple[dict[str, Any] | None, str]] = {
         "every lookup on the connector's lookup threads: lookup_inline false (the default "
         "answers from same-host workers' shared indexes on the scheduler's thread)",
     ),
+    "kvstore-hit-from-head": (
+        {"hit_past_local": False},
+        "a hit is the store's run from the first block only: hit_past_local false (the "
+        "default goes on past the engine's own hit with the store's blocks after it)",
+    ),
 }
 
 

@@ -93,6 +93,12 @@ class ConnectorConfig:
                          for it before the forward); "sync" is refused for models
                          with several KV cache groups (hybrid), where "auto" always
                          loads asynchronously
+    hit_past_local       when the engine's own prefix cache holds more of a prompt
+                         than the store's leading run, the hit goes on with the
+                         store's blocks after the engine's (default true: a chained
+                         key names its whole prefix); false counts only the store's
+                         run from the first block -- an ablation baseline; hybrid
+                         models never go past it (a hit needs the state at its end)
     """
 
     master: str
@@ -113,15 +119,18 @@ class ConnectorConfig:
     save_policy: str = "new"
     lookup: str = "batch"
     load_mode: str = "auto"
+    hit_past_local: bool = True
 
     def ablations(self) -> list[str]:
         """The ablation settings (``save_policy``, ``lookup``, ``load_mode``,
-        ``lookup_inline``) set to something other than their default, as "key=value"."""
+        ``lookup_inline``, ``hit_past_local``) set to something other than their
+        default, as "key=value"."""
         pairs = [("save_policy", self.save_policy, SAVE_POLICIES),
                  ("lookup", self.lookup, LOOKUP_MODES),
                  ("load_mode", self.load_mode, LOAD_MODES)]  # fmt: skip
         out = [f"{k}={v}" for k, v, allowed in pairs if v != allowed[0]]
-        return out + ([] if self.lookup_inline else ["lookup_inline=false"])
+        flags = [("lookup_inline", self.lookup_inline), ("hit_past_local", self.hit_past_local)]
+        return out + [f"{k}=false" for k, on in flags if not on]
 
     @classmethod
     def known_keys(cls) -> list[str]:
@@ -183,4 +192,5 @@ class ConnectorConfig:
             save_policy=choice("save_policy", SAVE_POLICIES),
             lookup=choice("lookup", LOOKUP_MODES),
             load_mode=choice("load_mode", LOAD_MODES),
+            hit_past_local=parse_bool(d.get("hit_past_local", True), "hit_past_local"),
         )

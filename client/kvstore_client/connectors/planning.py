@@ -205,7 +205,12 @@ class RequestTracker:
     present: list[bool] = field(default_factory=list)
     state_present: list[bool] = field(default_factory=list)
     local_tokens: int = 0
-    hit_blocks: int = 0
+    hit_blocks: int = 0  # the store's leading run from block 0 (the lookup's answer)
+    # False for hybrid models (a hit needs the state at its end): else the hit may go on
+    # past the engine's own hit when the store lacks blocks the engine holds (a chained
+    # key names its whole prefix, so block i of the store fits after the engine's i)
+    past_local: bool = True
+    run_blocks: int = 0  # the hit plan_hit last planned: blocks from 0, local or stored
     ext_tokens: int = 0
     decision: str = ""
     sync_load: bool = False  # the hit loads inside the step that schedules it
@@ -248,9 +253,19 @@ class RequestTracker:
         """Tokens to load beyond ``num_computed_tokens`` from the lookup's hit.
 
         A full hit is capped at ``num_tokens - 1`` (the engine must compute one token
-        to sample from); the load still covers that last block whole."""
+        to sample from); the load still covers that last block whole.
+
+        The hit is the store's leading run, or, when the engine's own hit is longer,
+        the engine's hit followed by the store's run from there: an engine whose cache
+        kept a session's oldest blocks while the store gave them up takes the newer
+        ones from the store."""
         self.local_tokens = num_computed_tokens
-        hit_tokens = min(self.hit_blocks * self.block_tokens, num_tokens - 1)
+        run = self.hit_blocks
+        first = num_computed_tokens // self.block_tokens
+        if self.past_local and first > run:
+            run = first + leading_run(self.present[first:])
+        self.run_blocks = run
+        hit_tokens = min(run * self.block_tokens, num_tokens - 1)
         ext = hit_tokens - num_computed_tokens
         if ext <= 0:
             self.ext_tokens, self.decision = 0, "none"
@@ -265,7 +280,7 @@ class RequestTracker:
         if self.decision not in ("short_hit", "slow_load"):
             return 0
         first = self.local_tokens // self.block_tokens
-        return max(0, self.hit_blocks - first)
+        return max(0, self.run_blocks - first)
 
     def plan_load(self, block_ids: Sequence[int], num_external_tokens: int) -> list[BlockRef]:
         """The blocks to load once the engine allocated ``block_ids`` (index 0 = the

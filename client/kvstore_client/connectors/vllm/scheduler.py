@@ -203,7 +203,11 @@ class SchedulerSide:
         tr = self._trackers.get(rid)
         if tr is None:
             tr = self._trackers[rid] = RequestTracker(
-                rid, self.s.block, request_extra(request), save_known=self._save_known
+                rid,
+                self.s.block,
+                request_extra(request),
+                save_known=self._save_known,
+                past_local=self.s.cfg.hit_past_local and not self.s.hybrid,
             )
             self._read_hint(request, tr)
         self._requests[rid] = request
