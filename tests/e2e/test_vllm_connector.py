@@ -260,6 +260,39 @@ def test_blocks_missing_at_load_are_recomputed(
     )
 
 
+def test_the_hit_goes_on_past_the_engines_own_hit(
+    engines: dict[str, Engine], cluster: LocalCluster
+) -> None:
+    """``hit_past_local``: B's own prefix cache holds a prompt's head that the store
+    lost, and the store holds the blocks after it (A stored them). B takes the head
+    from its cache and the rest from the store (the old rule took the store's run
+    from the first block: nothing), and its output equals the reference."""
+    A, B, R = engines["A"], engines["B"], engines["R"]
+    rng = random.Random(23)
+    head, tail, more, out = tokens(rng, 20 * BLOCK), tokens(rng, 20 * BLOCK), tokens(rng, 64), 8
+    B.generate(head, 1)  # B's cache, and the store, hold the head's 20 blocks
+    ra = A.generate(head + tail, 1)  # A loads the head, stores the tail's 20 blocks
+    assert ra["num_cached_tokens"] == len(head)
+    ns = A.namespace
+    assert ns is not None and ns == B.namespace
+    hs = block_hashes(head + tail, BLOCK)
+    with Client(cluster.address) as c:
+        assert c.batch_exists(ns, hs) == [True] * 40
+        assert c.remove(ns, hs[:20]) == 20  # the store loses the head
+    rb = B.generate(head + tail + more, out)
+    assert rb["num_cached_tokens"] == 40 * BLOCK, "20 blocks of B's own, then 20 of the store's"
+    st = rb["stats"]
+    assert st["hit_tokens"] == 20 * BLOCK and st["loaded_blocks"] == 20
+    assert st["load_failed_blocks"] == 0
+    ref = R.generate(head + tail + more, out)
+    diff = assert_same_output(rb, ref, "engine B, its own head and the store's tail")
+    REPORT.append(
+        f"hit past the engine's own: B cached {rb['num_cached_tokens']} of "
+        f"{len(head + tail + more)} tokens ({len(head)} its own, {st['loaded_blocks']} "
+        f"blocks from the store after them); max |logprob diff| {diff:.4f}"
+    )
+
+
 def test_a_wrong_block_would_show(engines: dict[str, Engine], cluster: LocalCluster) -> None:
     """The control for the tests above: the tiny model's weights are large enough that a
     wrong KV block changes the logprobs by far more than the tolerance."""
