@@ -5,6 +5,7 @@ registration and heartbeats with the master, and a graceful drain on SIGTERM.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
 import math
@@ -343,6 +344,9 @@ class Worker:
             self.arena.close()
 
 
+STALL_AFTER_DRAIN_S = 10.0  # a stop still running this long past --drain-timeout
+
+
 def run(cfg: WorkerConfig) -> int:
     """Run a worker until SIGTERM/SIGINT; prints one JSON 'ready' line on stdout."""
     w = Worker(cfg)
@@ -378,6 +382,10 @@ def run(cfg: WorkerConfig) -> int:
     while not done.wait(0.5):
         if w.failed.is_set():
             break
+    # A stop that hangs (in the drain, or at exit joining a thread) leaves its evidence:
+    # every thread's stack on stderr once it runs STALL_AFTER_DRAIN_S past the drain's
+    # bound. Never cancelled: a process that exits takes the watchdog with it.
+    faulthandler.dump_traceback_later(cfg.drain_timeout + STALL_AFTER_DRAIN_S, exit=False)
     t0 = time.monotonic()
     w.stop()
     log.info("worker %s stopped in %.2fs", w.id, time.monotonic() - t0)

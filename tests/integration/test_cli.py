@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -107,17 +108,30 @@ def test_up_starts_and_ctrl_c_stops_everything() -> None:
             proc.wait()
 
 
-def test_spawned_worker_without_master_keeps_retrying() -> None:
+def test_spawned_worker_without_master_keeps_retrying(tmp_path: Path) -> None:
+    # Its log is kept: once in a CI run this worker did not exit within 15 s of SIGTERM.
+    # A stop that runs 10 s past --drain-timeout writes every thread's stack to it.
+    log = tmp_path / "worker.log"
     d = spawn(
         "worker",
-        ["--master", "127.0.0.1:1", "--dram-size", "32MiB", "--max-value-size", "1MiB"],
-        stderr=subprocess.DEVNULL,
+        [
+            "--master",
+            "127.0.0.1:1",
+            "--dram-size",
+            "32MiB",
+            "--max-value-size",
+            "1MiB",
+            "--drain-timeout",
+            "1s",
+        ],
+        log_path=str(log),
     )
     try:
         time.sleep(1.5)
         assert d.alive(), "an unreachable master is not fatal"
     finally:
-        assert d.stop() == 0
+        code = d.stop()
+        assert code == 0, f"exit code {code}; the worker's log:\n{log.read_text()[-6000:]}"
     assert not arena_files(d.pid)
     assert "PYTEST_CURRENT_TEST" in os.environ
 
