@@ -156,6 +156,13 @@ def test_outputs_that_differ_from_prefix_are_listed_with_their_cache_hits() -> N
     (m,) = s.mismatches
     assert (m["turn"], m["cached_tokens"], m["prefix_cached_tokens"]) == (1, 256, 0)
     assert m["first_differing_token"] == 1 and abs(m["first_logprob_diff"] - 0.2) < 1e-9
+    # every request is listed, so that one request can be compared across configurations
+    assert [(r["turn"], r["cached_tokens"], r["ttft_ms"]) for r in s.per_request] == [
+        (0, 0, 100.0),
+        (1, 256, 100.0),
+    ]
+    assert s.per_request[1]["ideal_tokens"] == 256  # the whole prompt but its last block
+    assert set(s.per_request[1]) >= {"script", "engine", "prompt_tokens", "start_s", "steps"}
 
 
 def test_pauses_are_scaled_then_capped_and_the_last_turn_ends_the_session() -> None:

@@ -72,6 +72,11 @@ class Summary:
     # whose TTFT p50 is the median (:mod:`.repeat`)
     repeats: list[dict[str, float]] = field(default_factory=list)
     median_hit_rate: float | None = None
+    # every request as it ran, for comparisons of the same request across
+    # configurations: script, turn, engine, prompt and cached tokens, the ideal's
+    # tokens (one unlimited shared cache), arrival (s since the run started), TTFT and
+    # its wait and step (ms), steps to the first token
+    per_request: list[dict[str, Any]] = field(default_factory=list)
 
 
 def percentiles(xs: Sequence[float]) -> dict[str, float]:
@@ -122,6 +127,7 @@ def summarize(
         for k in ("hit", "miss")
     }
     s.e2e_ms = percentiles([r.e2e_s * 1e3 for r in ok])
+    s.per_request = [_request(r, ideal) for r, ideal in zip(ok, shared, strict=True)]
     if run.wall_s > 0:
         s.requests_per_s = len(ok) / run.wall_s
         s.input_tokens_per_s = s.prompt_tokens / run.wall_s
@@ -181,6 +187,22 @@ def _breakdown(rs: Sequence[Result]) -> dict[str, float]:
         "step_p50_ms": p50([r.step_s * 1e3 for r in rs]),
         "steps_p50": p50([float(r.steps) for r in rs]),
         "steps_mean": sum(r.steps for r in rs) / len(rs),
+    }
+
+
+def _request(r: Result, ideal: int) -> dict[str, Any]:
+    return {
+        "script": r.script,
+        "turn": r.turn,
+        "engine": r.engine,
+        "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": min(r.cached_tokens, r.prompt_tokens),
+        "ideal_tokens": ideal,
+        "start_s": round(r.start, 4),
+        "ttft_ms": round(r.ttft_s * 1e3, 3),
+        "wait_ms": round(r.wait_s * 1e3, 3),
+        "step_ms": round(r.step_s * 1e3, 3),
+        "steps": r.steps,
     }
 
 
