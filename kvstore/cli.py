@@ -19,7 +19,6 @@ import signal
 import socket
 import ssl
 import sys
-import threading
 from typing import Any
 
 import click
@@ -27,6 +26,7 @@ import click
 from kvstore_client import __version__
 from kvstore_client.errors import KVStoreError
 
+from . import procs
 from .config import (
     DIST_NAME,
     Config,
@@ -468,8 +468,7 @@ def up(
         + (["--ucx-port", "0"] if w.ucx_port > 0 else [])
         + (["--metrics-port", "0"] if w.metrics_port > 0 and workers > 1 else []),
     )
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = procs.StopSignals((signal.SIGTERM,))
     try:
         cluster.start()
     except StartError as e:

@@ -22,7 +22,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["KILL_WAIT_S", "Ready", "free_port", "kill", "read_ready", "stop", "wait_listening"]
+__all__ = [
+    "KILL_WAIT_S",
+    "Ready",
+    "StopSignals",
+    "free_port",
+    "kill",
+    "read_ready",
+    "stop",
+    "wait_listening",
+]
 
 KILL_WAIT_S = 5.0  # how long to wait for a SIGKILLed child to be reaped
 
@@ -126,3 +135,39 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+class StopSignals:
+    """SIGTERM and SIGINT as a flag that a daemon's main loop waits on.
+
+    The handler takes no lock: it records the signal and writes a byte to a pipe
+    (both async-signal-safe), and :meth:`wait` selects on that pipe. A
+    ``threading.Event`` set from a handler deadlocks when the signal lands while the
+    main thread is inside that Event's own ``wait`` holding its condition's lock (the
+    handler then waits for a lock its own thread holds, and every later SIGTERM
+    does the same), so a daemon stopped at the wrong instant hung until SIGKILL.
+    Install from the main thread.
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+        self.signum: int | None = None
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+        for sig in signals:
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum: int, _frame: object) -> None:
+        self.signum = signum
+        with contextlib.suppress(OSError):  # a full pipe: a byte is there already
+            os.write(self._w, b"\0")
+
+    def wait(self, timeout: float) -> bool:
+        """True once a stop signal came; else waits up to ``timeout`` seconds for one."""
+        if self.signum is None:
+            sel = selectors.DefaultSelector()
+            try:
+                sel.register(self._r, selectors.EVENT_READ)
+                sel.select(timeout)
+            finally:
+                sel.close()
+        return self.signum is not None

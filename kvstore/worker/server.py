@@ -10,7 +10,6 @@ import json
 import logging
 import math
 import os
-import signal
 import socket
 import sys
 import threading
@@ -29,7 +28,7 @@ from kvstore_client.security import Tls
 from kvstore_client.transport.shm import host_id, shm_url
 from kvstore_client.transport.ucx import ucx_url
 
-from .. import metrics
+from .. import metrics, procs
 from ..auth import Tenants
 from ..config import WorkerConfig
 from ..errors import InvalidArgument, RejectUndecodable
@@ -355,14 +354,7 @@ def run(cfg: WorkerConfig) -> int:
     except BaseException:
         w._abort()
         raise
-    done = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        log.info("signal %d: draining", signum)
-        done.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stopping = procs.StopSignals()
     ep = w.endpoints
     print(
         json.dumps(
@@ -379,9 +371,11 @@ def run(cfg: WorkerConfig) -> int:
         ),
         flush=True,
     )
-    while not done.wait(0.5):
+    while not stopping.wait(0.5):
         if w.failed.is_set():
             break
+    if stopping.signum is not None:
+        log.info("signal %d: draining", stopping.signum)
     # A stop that hangs (in the drain, or at exit joining a thread) leaves its evidence:
     # every thread's stack on stderr once it runs STALL_AFTER_DRAIN_S past the drain's
     # bound. Never cancelled: a process that exits takes the watchdog with it.

@@ -24,7 +24,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -32,6 +31,8 @@ from types import ModuleType
 from typing import IO, Any
 
 import numpy as np
+
+from kvstore.procs import StopSignals
 
 from .base import ClusterSpec, leading
 from .procs import (
@@ -314,8 +315,7 @@ class MooncakeStoreAdapter:
 
 def _segment_host_main(master: str, segment_size: int) -> int:
     """Mount a segment, print a ready line, serve until SIGTERM."""
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = StopSignals((signal.SIGTERM,))
     store = _setup_store(mooncake_store_module(), master, segment_size, 16 << 20)
     print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
     while not stop.wait(1.0):
