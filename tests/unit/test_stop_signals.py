@@ -33,12 +33,14 @@ def storm():
     for _ in range(200):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.0005)
-threading.Thread(target=storm).start()
+t = threading.Thread(target=storm)
+t.start()
 t0 = time.monotonic()
 while not stop.wait(0.5):
     assert time.monotonic() - t0 < 10
 assert stop.signum == signal.SIGTERM
-os.kill(os.getpid(), signal.SIGINT)  # a later signal inside the loop's own wait
+t.join()
+os.kill(os.getpid(), signal.SIGINT)  # the storm is over: the last signal is the one kept
 assert stop.wait(0.5) and stop.signum == signal.SIGINT
 print("stopped", flush=True)
 """
