@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .paired import compute_ms_per_token, paired
 from .run import ConfigRun, Result
 from .workload import Script, Timed, ideal_hits
 
@@ -240,6 +241,13 @@ def to_json(summaries: Sequence[Summary], meta: dict[str, Any]) -> dict[str, Any
         d = asdict(s)
         d.pop("ttfts_ms")
         d.pop("name")
+        # the same requests side by side (:mod:`.paired`)
+        d["compute_ms_per_token"] = compute_ms_per_token(s.per_request)
+        d["paired"] = {
+            o.name: paired(s.per_request, o.per_request)
+            for o in summaries
+            if o is not s and o.per_request and s.per_request
+        }
         d["hit_rate_by_turn"] = {str(k): v for k, v in s.hit_rate_by_turn.items()}
         d["ideal_by_turn"] = {str(k): v for k, v in s.ideal_by_turn.items()}
         configs[s.name] = d
