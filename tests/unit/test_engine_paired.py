@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore_bench.engine.paired import compute_ms_per_token, paired
+from kvstore_bench.engine.paired import by_engine, by_engine_line, compute_ms_per_token, paired
 
 
 def req(
@@ -61,3 +61,34 @@ def test_compute_speed_counts_every_token_of_the_step() -> None:
     # per request: 100 / 1600, 100 / 1600, 100 / 500 -> p50 (lower middle) 1/16
     assert compute_ms_per_token(rs) == 100.0 / 1600
     assert compute_ms_per_token([rs[3]]) is None
+
+
+def test_each_engine_gets_its_own_hit_rate_and_ttft() -> None:
+    rs = [
+        req("s", 0, 0, 900.0, engine=0),
+        req("s", 1, 0, 5000.0, engine=1),  # engine 1 misses and queues
+        req("s", 2, 800, 30.0, engine=0),
+        req("t", 0, 0, 700.0, engine=1),
+        req("t", 1, 600, 50.0, engine=0),
+        req("t", 2, 0, 9000.0, engine=1),
+    ]
+    per = by_engine(rs)
+    assert list(per) == ["0", "1"]
+    assert per["0"] == {
+        "requests": 3,
+        "token_hit_rate": 1400 / 3000,
+        "later_turns": 2,
+        "later_turn_hits": 2,
+        "ttft_p50_ms": 50.0,
+        "ttft_p95_ms": 900.0,
+    }
+    assert per["1"]["token_hit_rate"] == 0.0
+    assert per["1"]["later_turn_hits"] == 0
+    assert per["1"]["ttft_p50_ms"] == 5000.0
+    assert per["1"]["ttft_p95_ms"] == 9000.0
+    line = by_engine_line("mooncake", rs)
+    assert line == (
+        "mooncake by engine: 0: 47% hits, TTFT p50 50 ms; 1: 0% hits, TTFT p50 5,000 ms"
+    )
+    assert by_engine_line("x", [r for r in rs if r["engine"] == 0]) is None
+    assert by_engine([]) == {}

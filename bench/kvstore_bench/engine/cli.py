@@ -44,6 +44,7 @@ from .models import (
     model_config,
     preset_unavailable,
 )
+from .paired import by_engine_line
 from .peers import ABLATIONS, CONFIGS, KVSTORE_WORKERS, Context
 from .repeat import REPEAT_COLUMNS, median_run, repeat_rows, rotations
 from .report import (
@@ -484,6 +485,8 @@ def _print_sweep(console: Console, points: list[Point]) -> None:
         "the requests ran; ideal (inf): unlimited memory; hit TTFT: p50 of requests with "
         "cached tokens, as wait before their first-token step + that step, and p50 steps"
     )
+    for p in points:
+        _print_engines(console, p.summaries)
 
 
 def _run_all(
@@ -537,3 +540,13 @@ def _print_table(console: Console, summaries: list[Summary]) -> None:
         if s.ran and s.hit_rate_by_turn:
             curve = ", ".join(f"{k}:{100 * v:.0f}%" for k, v in s.hit_rate_by_turn.items())
             console.print(f"{s.name} hit rate by turn: {curve}")
+    _print_engines(console, summaries)
+
+
+def _print_engines(console: Console, summaries: list[Summary]) -> None:
+    """Each engine's hit rate and TTFT p50: a run whose engines differ a lot (one misses
+    and queues, the other hits) has a TTFT p50 that is the fast engine's."""
+    for s in summaries:
+        line = by_engine_line(s.name, s.per_request) if s.ran else None
+        if line:
+            console.print(f"  {line}")

@@ -12,15 +12,20 @@ Two figures that a table of per-configuration percentiles hides:
   in both, in the first only, in the second only, a miss in both), each with its count
   and both runs' TTFT p50. A miss in one run is not the same request as a miss in
   another: comparing the classes compares like with like.
+- :func:`by_engine`: each engine's share of the run (requests, token hit rate, hits
+  among later turns, TTFT p50/p95). Turns alternate between engines, so the engines of
+  one run should look alike; when one engine misses and queues while the other hits,
+  the run's TTFT p50 is the fast engine's and says little about the store.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["MIN_TOKENS", "compute_ms_per_token", "paired"]
+__all__ = ["MIN_TOKENS", "by_engine", "by_engine_line", "compute_ms_per_token", "paired"]
 
 MIN_TOKENS = 256  # requests computing fewer tokens than this do not set the speed
 SAME_STEP_S = 0.002  # first tokens this close on one engine came from one step
@@ -28,9 +33,14 @@ SAME_STEP_S = 0.002  # first tokens this close on one engine came from one step
 Request = dict[str, Any]
 
 
-def _p50(xs: Sequence[float]) -> float | None:
+def _pick(xs: Sequence[float], q: float) -> float | None:
+    """Nearest rank, as the report's ``percentiles`` (which imports this module)."""
     v = sorted(xs)
-    return v[(len(v) - 1) // 2] if v else None
+    return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))] if v else None
+
+
+def _p50(xs: Sequence[float]) -> float | None:
+    return _pick(xs, 0.5)
 
 
 def _end(r: Request) -> float:
@@ -40,11 +50,9 @@ def _end(r: Request) -> float:
 def compute_ms_per_token(requests: Sequence[Request]) -> float | None:
     """Step milliseconds per token computed in the step (p50); None without requests
     computing at least :data:`MIN_TOKENS`."""
-    by_engine: dict[int, list[tuple[float, int]]] = defaultdict(list)
+    ends: dict[int, list[tuple[float, int]]] = defaultdict(list)
     for r in requests:
-        by_engine[r["engine"]].append((_end(r), r["prompt_tokens"] - r["cached_tokens"]))
-    for ends in by_engine.values():
-        ends.sort()
+        ends[r["engine"]].append((_end(r), r["prompt_tokens"] - r["cached_tokens"]))
     out: list[float] = []
     for r in requests:
         own = r["prompt_tokens"] - r["cached_tokens"]
@@ -52,7 +60,7 @@ def compute_ms_per_token(requests: Sequence[Request]) -> float | None:
             continue
         end = _end(r)
         step_tokens = sum(
-            n for t, n in by_engine[r["engine"]] if abs(t - end) < SAME_STEP_S
+            n for t, n in ends[r["engine"]] if abs(t - end) < SAME_STEP_S
         )  # its own tokens are among them
         out.append(r["step_ms"] / max(own, step_tokens))
     return _p50(out)
@@ -85,3 +93,42 @@ def paired(a: Sequence[Request], b: Sequence[Request]) -> dict[str, dict[str, fl
         }
         for k, v in groups.items()
     }
+
+
+def by_engine(requests: Sequence[Request]) -> dict[str, dict[str, float | int | None]]:
+    """Per engine (keys ``"0"``, ``"1"``, ...): ``requests``, ``token_hit_rate``
+    (cached over prompt tokens), ``later_turns`` and ``later_turn_hits`` (turns > 0, and
+    those with cached tokens), ``ttft_p50_ms`` and ``ttft_p95_ms``."""
+    groups: dict[int, list[Request]] = defaultdict(list)
+    for r in requests:
+        groups[int(r["engine"])].append(r)
+    out: dict[str, dict[str, float | int | None]] = {}
+    for e in sorted(groups):
+        rs = groups[e]
+        prompt = sum(r["prompt_tokens"] for r in rs)
+        later = [r for r in rs if r["turn"] > 0]
+        ttfts = [float(r["ttft_ms"]) for r in rs]
+        out[str(e)] = {
+            "requests": len(rs),
+            "token_hit_rate": sum(r["cached_tokens"] for r in rs) / prompt if prompt else None,
+            "later_turns": len(later),
+            "later_turn_hits": sum(1 for r in later if r["cached_tokens"] > 0),
+            "ttft_p50_ms": _p50(ttfts),
+            "ttft_p95_ms": _pick(ttfts, 0.95),
+        }
+    return out
+
+
+def by_engine_line(name: str, requests: Sequence[Request]) -> str | None:
+    """One printed line: each engine's hit rate and TTFT p50; None with fewer than two
+    engines."""
+    per = by_engine(requests)
+    if len(per) < 2:
+        return None
+
+    def cell(d: dict[str, float | int | None]) -> str:
+        h, t = d["token_hit_rate"], d["ttft_p50_ms"]
+        hit = "-" if h is None else f"{100 * h:.0f}%"
+        return f"{hit} hits, TTFT p50 {'-' if t is None else f'{t:,.0f}'} ms"
+
+    return f"{name} by engine: " + "; ".join(f"{e}: {cell(d)}" for e, d in per.items())

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .paired import compute_ms_per_token, paired
+from .paired import by_engine, compute_ms_per_token, paired
 from .run import ConfigRun, Result
 from .workload import Script, Timed, ideal_hits
 
@@ -243,6 +243,7 @@ def to_json(summaries: Sequence[Summary], meta: dict[str, Any]) -> dict[str, Any
         d.pop("name")
         # the same requests side by side (:mod:`.paired`)
         d["compute_ms_per_token"] = compute_ms_per_token(s.per_request)
+        d["by_engine"] = by_engine(s.per_request)
         d["paired"] = {
             o.name: paired(s.per_request, o.per_request)
             for o in summaries
