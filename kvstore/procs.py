@@ -153,6 +153,10 @@ class StopSignals:
         self.signum: int | None = None
         self._r, self._w = os.pipe()
         os.set_blocking(self._w, False)
+        # one selector for the process's life (not select.select: a daemon with many
+        # connections has descriptors past FD_SETSIZE)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._r, selectors.EVENT_READ)
         for sig in signals:
             signal.signal(sig, self._handler)
 
@@ -164,10 +168,5 @@ class StopSignals:
     def wait(self, timeout: float) -> bool:
         """True once a stop signal came; else waits up to ``timeout`` seconds for one."""
         if self.signum is None:
-            sel = selectors.DefaultSelector()
-            try:
-                sel.register(self._r, selectors.EVENT_READ)
-                sel.select(timeout)
-            finally:
-                sel.close()
+            self._sel.select(timeout)
         return self.signum is not None
