@@ -147,3 +147,34 @@ def test_a_worker_holding_a_paused_session_still_sees_the_lookup(make_cluster: A
                 time.sleep(0.02)
     finally:
         side.shutdown()
+
+
+def test_a_request_that_waited_is_looked_up_again(make_cluster: Any) -> None:
+    """Bug (engine runs at a quarter of the working set, `larger`: 11 requests per run
+    "Recovered from KV load failure", 7,616 tokens recomputed): vLLM asks again for a
+    request it could not schedule yet, and the connector answered from the lookup it
+    made when the request first came up, however long ago. A request that queued
+    behind others for seconds was planned a load of blocks evicted since; the load
+    failed and vLLM rescheduled the request. A lookup older than
+    ``lookup_max_age_s`` is made again; a younger one is reused."""
+    c = make_cluster(workers=2, dram_size="16MiB")
+    side, counters = _scheduler(c.address)
+    try:
+        toks = list(range(4000, 4000 + 6 * BLOCK + 5))
+        hs = _store_prefix(c.address, side, toks, 6)
+        req = _request("r", toks)
+        assert side.get_num_new_matched_tokens(req, 0)[0] == 6 * BLOCK
+        with Client(c.address) as cl:
+            assert cl.remove(side._namespaces[0], hs[3:]) == 3  # evicted while it waits
+        # asked again at once: the same answer, with no new lookup
+        assert side.get_num_new_matched_tokens(req, 0)[0] == 6 * BLOCK
+        assert counters.peek()["lookups"] == 1
+        time.sleep(0.7)  # past the default lookup_max_age_s (0.5 s)
+        deadline = time.monotonic() + 5
+        while (got := side.get_num_new_matched_tokens(req, 0))[0] is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert got[0] == 3 * BLOCK  # the store's run now: what a load can bring
+        assert counters.peek()["lookups"] == 2
+    finally:
+        side.shutdown()

@@ -50,6 +50,11 @@ class ConnectorConfig:
     lookup_wait_s        how long the scheduler waits for a lookup before vLLM is
                          told "ask me again" (it asks on its next step), default 0.002
     lookup_concurrency   lookups in flight at once, default 4
+    lookup_max_age_s     vLLM asks again about a request it could not schedule yet;
+                         a lookup older than this is made again (blocks may have been
+                         evicted while the request queued, and a load planned from
+                         the old answer would fail and reschedule it), a younger one
+                         is reused; default 0.5, 0 = look up on every ask
     lookup_inline        answer a lookup on the scheduler's own thread when every
                          owner is a same-host worker whose shared index can tell
                          (no I/O, microseconds; default true): the request is
@@ -106,6 +111,7 @@ class ConnectorConfig:
     lookup_timeout_s: float = 0.05
     lookup_wait_s: float = 0.002
     lookup_concurrency: int = 4
+    lookup_max_age_s: float = 0.5
     lookup_inline: bool = True
     min_hit_tokens: int | None = None
     prefill_tokens_per_s: float | None = None
@@ -179,6 +185,7 @@ class ConnectorConfig:
             lookup_timeout_s=num("lookup_timeout_s", float, 0.05, True),
             lookup_wait_s=num("lookup_wait_s", float, 0.002, False),
             lookup_concurrency=num("lookup_concurrency", int, 4, True),
+            lookup_max_age_s=num("lookup_max_age_s", float, 0.5, False),
             lookup_inline=parse_bool(d.get("lookup_inline", True), "lookup_inline"),
             min_hit_tokens=opt("min_hit_tokens", int),
             prefill_tokens_per_s=opt("prefill_tokens_per_s", float),

@@ -222,6 +222,7 @@ class RequestTracker:
     attempts: dict[int, int] = field(default_factory=dict)
     max_save_attempts: int = 3
     looked_up_tokens: int = -1
+    looked_up_at: float = 0.0  # time.monotonic() of the lookup that set ``present``
     save_known: bool = False
     _planned_upto: int = 0  # blocks below were considered for saving once
 

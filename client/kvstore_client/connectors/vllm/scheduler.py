@@ -214,7 +214,10 @@ class SchedulerSide:
         if not self.s.may_load:  # kv_producer: saves only, never looks up
             return 0, False
         tokens = request.all_token_ids
-        if tr.looked_up_tokens != len(tokens):
+        # vLLM asks again while the request waits: reuse a recent answer, never an
+        # old one (what the store held then may be evicted since)
+        stale = time.monotonic() - tr.looked_up_at > self.s.cfg.lookup_max_age_s
+        if tr.looked_up_tokens != len(tokens) or stale:
             tr.extend_hashes(tokens)
             hashes = list(tr.hashes)
             state, res = self._lookup(rid, len(tokens), hashes)
@@ -235,6 +238,7 @@ class SchedulerSide:
             else:
                 tr.hit_blocks = leading_run(tr.present)
             tr.looked_up_tokens = len(tokens)
+            tr.looked_up_at = time.monotonic()
             record(NAME, self._interval, "lookups", 1)
             record(NAME, self._interval, "lookup_tokens", len(tokens))
         ext = tr.plan_hit(
