@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvstore_bench.engine.report import percentiles
+from kvstore_bench.engine.run import load_failures
 from kvstore_bench.engine.workload import (
     Timed,
     WorkloadShape,
@@ -177,3 +178,13 @@ def test_pauses_are_scaled_then_capped_and_the_last_turn_ends_the_session() -> N
     [capped] = build_scripts([s], dataclasses.replace(SHAPE, max_pause_s=10.0))
     assert [t.pause_s for t in capped.turns] == [0.0, 0.5, 10.0]
     assert [t.session_state for t in capped.turns] == ["paused", "paused", "ended"]
+
+
+def test_load_failures_are_read_from_vllm_logs() -> None:
+    line = (
+        "(MainProcess pid=1) WARNING 12-03 00:46:19 [scheduler.py:3426] Recovered from KV "
+        "load failure: {} request(s) rescheduled ({} tokens affected).\n"
+    )
+    logs = [line.format(1, 256) + "noise\n" + line.format(2, 96), "", line.format(1, 32)]
+    assert load_failures(logs) == (4, 384)
+    assert load_failures(["nothing to see\n"]) == (0, 0)

@@ -550,3 +550,8 @@ def _print_engines(console: Console, summaries: list[Summary]) -> None:
         line = by_engine_line(s.name, s.per_request) if s.ran else None
         if line:
             console.print(f"  {line}")
+        if s.ran and s.load_failed_requests:
+            console.print(
+                f"  {s.name}: {s.load_failed_requests} loads failed and were recomputed "
+                f"({s.load_failed_tokens:,} tokens)"
+            )

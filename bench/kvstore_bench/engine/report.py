@@ -78,6 +78,9 @@ class Summary:
     # tokens (one unlimited shared cache), arrival (s since the run started), TTFT and
     # its wait and step (ms), steps to the first token
     per_request: list[dict[str, Any]] = field(default_factory=list)
+    # loads that failed and were recomputed (vLLM's "Recovered from KV load failure")
+    load_failed_requests: int = 0
+    load_failed_tokens: int = 0
 
 
 def percentiles(xs: Sequence[float]) -> dict[str, float]:
@@ -111,6 +114,8 @@ def summarize(
     s.requests = len(ok)
     s.failed = len(run.results) - len(ok)
     s.wall_s = run.wall_s
+    s.load_failed_requests = run.load_failed_requests
+    s.load_failed_tokens = run.load_failed_tokens
     if not ok:
         return s
     timed = [Timed(prompts[_key(r)], r.engine, r.start, r.end) for r in ok]

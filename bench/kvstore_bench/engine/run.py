@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import selectors
 import subprocess
 import threading
@@ -83,6 +84,27 @@ class ConfigRun:
     wall_s: float = 0.0
     results: list[Result] = field(default_factory=list)
     min_bytes: int = 0  # when it did not run for want of memory: the least it accepts
+    # loads that failed (blocks the connector reported missing), as vLLM logged them:
+    # requests rescheduled and tokens recomputed (:func:`load_failures`)
+    load_failed_requests: int = 0
+    load_failed_tokens: int = 0
+
+
+# vLLM's scheduler, when a connector reports blocks it could not load
+_RECOVERED = re.compile(
+    r"Recovered from KV load failure: (\d+) request\(s\) rescheduled \((\d+) tokens affected\)"
+)
+
+
+def load_failures(texts: Sequence[str]) -> tuple[int, int]:
+    """(requests rescheduled, tokens recomputed) over engines' logs, from vLLM's
+    "Recovered from KV load failure" lines (0, 0 where vLLM logs none)."""
+    n = tokens = 0
+    for text in texts:
+        for m in _RECOVERED.finditer(text):
+            n += int(m.group(1))
+            tokens += int(m.group(2))
+    return n, tokens
 
 
 class EngineProc:
@@ -336,7 +358,18 @@ def run_config(
         except Exception as e:  # a bench bug or a lost engine: report, run the others
             return ConfigRun(name, False, why_not=f"run failed: {type(e).__name__}: {e}")
         wall = time.perf_counter() - t0
-        return ConfigRun(name, True, note=backing.note, wall_s=wall, results=results)
+        for p in procs:  # their logs are complete once they exited
+            p.stop()
+        failed = load_failures([p.log_path.read_text(errors="replace") for p in procs])
+        return ConfigRun(
+            name,
+            True,
+            note=backing.note,
+            wall_s=wall,
+            results=results,
+            load_failed_requests=failed[0],
+            load_failed_tokens=failed[1],
+        )
     finally:
         for p in procs:
             p.stop()
