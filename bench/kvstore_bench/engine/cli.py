@@ -550,8 +550,9 @@ def _print_engines(console: Console, summaries: list[Summary]) -> None:
         line = by_engine_line(s.name, s.per_request) if s.ran else None
         if line:
             console.print(f"  {line}")
-        if s.ran and s.load_failed_requests:
+        n = s.load_failed_requests
+        if s.ran and n:
             console.print(
-                f"  {s.name}: {s.load_failed_requests} loads failed and were recomputed "
-                f"({s.load_failed_tokens:,} tokens)"
+                f"  {s.name}: {n} request{'s' if n != 1 else ''} recomputed after a failed "
+                f"load ({s.load_failed_tokens:,} tokens)"
             )

@@ -79,6 +79,11 @@ ABLATIONS: dict[str, tuple[dict[str, Any] | None, str]] = {
         "every lookup on the connector's lookup threads: lookup_inline false (the default "
         "answers from same-host workers' shared indexes on the scheduler's thread)",
     ),
+    "kvstore-lookup-once": (
+        {"lookup_max_age_s": 1e9},
+        "one lookup per request however long it waits: lookup_max_age_s 1e9 (the default "
+        "looks up again when vLLM asks about a request whose lookup is over 0.5 s old)",
+    ),
     "kvstore-hit-from-head": (
         {"hit_past_local": False},
         "a hit is the store's run from the first block only: hit_past_local false (the "
