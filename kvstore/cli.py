@@ -373,6 +373,13 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
     default=None,
     help="Most of DRAM + SSD one hinted session may fill; 0 = no cap [0.5].",
 )
+@click.option(
+    "--session-order",
+    type=click.Choice(["expected", "recent"]),
+    default=None,
+    help="Which paused session gives way first when DRAM is full: the one expected back "
+    "last, from the pauses seen, or the most recently paused [expected].",
+)
 @click.option("--session-ttl", default=None, help="How long a paused session is kept [300s].")
 @click.option("--max-sessions", type=int, default=None, help="Live sessions per tenant [4096].")
 @click.option(

@@ -114,6 +114,7 @@ class Worker:
                 session_share=int(
                     cfg.session_share * (cfg.dram_size + (cfg.ssd_size if cfg.ssd_path else 0))
                 ),
+                session_order=cfg.session_order,
             )
             # The same-host index: clients that map the arena probe and pin it with
             # no round trip (tiers.shared); the hand-over thread runs its upkeep.

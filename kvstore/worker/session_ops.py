@@ -72,7 +72,7 @@ def reserve_yielding(
     for _ in range(8):
         if not store.policy.retained:
             return err
-        store._queue(store.policy.handle(NeedDramRoom(want)))
+        store._queue(store.policy.handle(NeedDramRoom(want, time.monotonic())))
         try:
             return store.tier.reserve(ns, key, size, checksum)
         except ResourceExhausted as e:

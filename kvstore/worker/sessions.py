@@ -50,6 +50,8 @@ from itertools import islice
 from kvstore_client.errors import InvalidArgument
 from kvstore_client.sessions import MAX_SESSION_ID_BYTES, STATES
 
+from .pauses import PauseModel
+
 MAX_TTL = 7 * 86400.0
 NO_CUT = 1 << 62
 
@@ -172,6 +174,7 @@ class SessionTable:
         self.paused = 0  # sessions in the paused state
         self.counters = SessionCounters()
         self.closed_rates: list[float] = []  # hit rates of sessions that left (drained by metrics)
+        self.pauses = PauseModel()  # how long sessions stayed paused (retention's order)
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -220,6 +223,8 @@ class SessionTable:
             s = self._new(ns, name, now, out)
         else:
             self.sessions.move_to_end((ns, name))
+            if state == "active" and s.state == "paused":
+                self.pauses.observe(now - s.last)
         s.last = now
         if state == "active" and sent:  # a new turn: the engine writes its chain again
             s.turn += 1

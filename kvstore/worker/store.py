@@ -101,6 +101,7 @@ class BlockStore:
         sessions: SessionTable | None = None,
         retain_budget: int = 0,
         session_share: int = 0,
+        session_order: str = "expected",
         events: EventSink | None = None,
     ) -> None:
         self.arena = arena
@@ -123,6 +124,7 @@ class BlockStore:
             ssd_retain_budget=(ssd.size * retain_budget) // max(arena.size, 1) if ssd else 0,
             dram_size=self.tier.size_of,
             session_share=session_share,
+            session_order=session_order,
         )
         self.events = events  # KV events (stored / removed per tier), or None
         self.ssd_index = self.policy.ssd

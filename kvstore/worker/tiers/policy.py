@@ -30,7 +30,8 @@ Sessions (hints from the engine, bookkept by :class:`~kvstore.worker.sessions.Se
 - retention yields to writes: when DRAM has no other room for a new block, retained
   blocks go back to the evicting end of the LRU list (``NeedDramRoom``), a session at
   a time, each from its tail, in :mod:`.retention`'s order (active sessions first,
-  then the most recently paused), so a large ``retain_budget`` never makes a put fail;
+  then paused ones, the one expected back last first), so a large ``retain_budget``
+  never makes a put fail;
 - a paused session's chain is reordered in DRAM's LRU, last block first, so that
   eviction takes its tail before its head (a prefix match stops at the first gap);
 - when a paused session resumes (an ``active`` hint, or a lookup of its blocks) its
@@ -144,9 +145,11 @@ class NeedSsdRoom:
 
 @dataclass(frozen=True, slots=True)
 class NeedDramRoom:
-    """DRAM could not find room for a new block of ``nbytes``: give up retained blocks."""
+    """DRAM could not find room for a new block of ``nbytes``: give up retained blocks
+    (``now``: the clock of the session hints; None: the last hint's time)."""
 
     nbytes: int
+    now: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,6 +375,7 @@ class TierPolicy:
         ssd_retain_budget: int = 0,
         dram_size: Callable[[str, bytes], int] = lambda ns, key: 0,
         session_share: int = 0,
+        session_order: str = "expected",
     ) -> None:
         self.has_ssd = has_ssd
         self.ssd = SsdIndex(ssd_capacity if has_ssd else 0, pinned=pinned)
@@ -383,7 +387,7 @@ class TierPolicy:
         self.in_dram = in_dram
         self.counters = PolicyCounters()
         self.sessions = sessions if sessions is not None else SessionTable()
-        self.retention = Retention(retain_budget)
+        self.retention = Retention(retain_budget, session_order)
         self.ssd_retain_budget = ssd_retain_budget  # SSD bytes of paused sessions spared
         self.dram_size = dram_size  # payload bytes of a block in DRAM, 0 when not there
         self.session_share = session_share  # bytes one hinted session may hold; 0: no limit
@@ -485,7 +489,7 @@ class TierPolicy:
                 self.ssd.evictions += len(victims)
                 return self._drop_ssd(victims)
         elif isinstance(ev, NeedDramRoom):
-            return self._yield_retained(ev.nbytes)
+            return self._yield_retained(ev.nbytes, ev.now)
         elif isinstance(ev, Tick) and self.has_ssd:
             excess = self.dram_marks.excess(ev.dram_used, ev.dram_capacity)
             if excess > 0:
@@ -548,13 +552,13 @@ class TierPolicy:
             del n[(ns, name)]
         return out
 
-    def _yield_retained(self, nbytes: int) -> list[Instruction]:
+    def _yield_retained(self, nbytes: int, now: float | None = None) -> list[Instruction]:
         """Un-retain at least ``nbytes`` of DRAM blocks in :mod:`.retention`'s order
-        (active sessions, then the most recently paused, each chain from its tail);
+        (active sessions, then paused ones by expected return, each chain from its tail);
         they go to the evicting end of the LRU order (Release, then EvictFirst, tail
         last so that it is evicted first)."""
         out: list[Instruction] = []
-        for ns, keys in self.retention.give_way(nbytes, self.sessions).items():
+        for ns, keys in self.retention.give_way(nbytes, self.sessions, now).items():
             self.counters.retain_yielded += len(keys)
             out += [Release(ns, tuple(keys)), EvictFirst(ns, tuple(keys))]
         return out

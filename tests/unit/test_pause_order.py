@@ -1,0 +1,128 @@
+"""The pause model (worker/pauses.py) and the order in which paused sessions give way
+(tiers/retention.py): the one expected back last first."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.worker.pauses import PauseModel
+from kvstore.worker.sessions import SessionTable
+from kvstore.worker.tiers.policy import EvictFirst, NeedDramRoom, Release, SessionHint, TierPolicy
+from tests.helpers import key
+
+NS = "m/bf16/b16/tp0of1"
+
+
+def ks(name: str, n: int) -> tuple[bytes, ...]:
+    return tuple(key(i, name) for i in range(n))
+
+
+def test_remaining_is_the_mean_further_pause_of_longer_pauses() -> None:
+    m = PauseModel(min_samples=4)
+    for x in (1.0, 1.0, 1.0, 10.0):
+        assert not m.ready
+        m.observe(x)
+    assert m.ready and len(m) == 4
+    assert m.remaining(0.0) == pytest.approx(13 / 4)
+    # away 2 s: only the long pause is left in the running
+    assert m.remaining(2.0) == pytest.approx(8.0)
+    assert m.remaining(9.5) == pytest.approx(0.5)
+    # past every pause seen: as long again as it has been away
+    assert m.remaining(12.0) == pytest.approx(12.0)
+
+
+def test_the_window_forgets_the_oldest_pauses() -> None:
+    m = PauseModel(window=3, min_samples=1)
+    for x in (100.0, 1.0, 2.0, 3.0):
+        m.observe(x)
+    assert len(m) == 3
+    assert m.remaining(0.0) == pytest.approx(2.0), "100 s left the window"
+    m.observe(float("nan"))
+    m.observe(-5.0)  # a clock step back counts as no pause
+    assert len(m) == 3 and m.remaining(0.0) == pytest.approx(2.5), "1 s left; 0 s is no longer"
+
+
+def test_bad_windows_are_refused() -> None:
+    with pytest.raises(ValueError):
+        PauseModel(window=0)
+
+
+def test_the_table_learns_pauses_from_paused_to_active() -> None:
+    t = SessionTable()
+    t.hint(NS, "s", "active", ks("s", 2), now=0.0)
+    t.hint(NS, "s", "paused", now=1.0)
+    t.hint(NS, "s", "active", now=4.5)
+    t.hint(NS, "s", "active", now=5.0)  # no pause in between: not one
+    t.hint(NS, "s", "paused", now=6.0)
+    t.lookup(NS, ks("s", 2), now=6.25)  # a lookup resumes it: the pause ends there
+    t.hint(NS, "s", "active", now=7.0)
+    assert sorted(t.pauses._sorted) == [0.25, 3.5]
+
+
+def _policy(order: str) -> TierPolicy:
+    dram = {(NS, k): 100 for n in "abc" for k in ks(n, 2)}
+    return TierPolicy(
+        has_ssd=False,
+        in_dram=lambda ns, k: (ns, k) in dram,
+        dram_size=lambda ns, k: dram.get((ns, k), 0),
+        sessions=SessionTable(paused_ttl=300),
+        retain_budget=10_000,
+        session_order=order,
+    )
+
+
+def _agents(p: TierPolicy) -> None:
+    """Pauses seen: mostly 1 s, a few 20 s. Then a pauses at t=100, b at t=103 and c
+    at t=105.5: at t=106, a has been away 6 s (so it is on a long pause, about 14 s
+    more), b 3 s (the same) and c half a second (most likely back in another half)."""
+    model = p.sessions.pauses
+    for x in [1.0] * 12 + [20.0] * 4:
+        model.observe(x)
+    for sid, at in (("sa", 100.0), ("sb", 103.0), ("sc", 105.5)):
+        p.handle(SessionHint(NS, sid, "active", ks(sid[1], 2), None, at - 1))
+        p.handle(SessionHint(NS, sid, "paused", (), None, at))
+
+
+def test_paused_sessions_give_way_expected_back_last_first() -> None:
+    p = _policy("expected")
+    _agents(p)
+    a, b, c = ks("a", 2), ks("b", 2), ks("c", 2)
+    # a and b are both on a long pause; a is due back sooner (14 s against 17 s)
+    assert p.handle(NeedDramRoom(200, now=106.0)) == [Release(NS, b), EvictFirst(NS, b)]
+    assert p.handle(NeedDramRoom(200, now=106.0)) == [Release(NS, a), EvictFirst(NS, a)]
+    assert p.handle(NeedDramRoom(200, now=106.0)) == [Release(NS, c), EvictFirst(NS, c)]
+
+
+def test_recent_order_and_a_cold_model_give_way_most_recently_paused_first() -> None:
+    for order, learnt in (("recent", True), ("expected", False)):
+        p = _policy(order)
+        if learnt:
+            _agents(p)
+        else:
+            for sid, at in (("sa", 100.0), ("sb", 103.0), ("sc", 105.5)):
+                p.handle(SessionHint(NS, sid, "active", ks(sid[1], 2), None, at - 1))
+                p.handle(SessionHint(NS, sid, "paused", (), None, at))
+            assert not p.sessions.pauses.ready
+        c = ks("c", 2)
+        assert p.handle(NeedDramRoom(200, now=106.0)) == [Release(NS, c), EvictFirst(NS, c)]
+
+
+def test_without_a_clock_the_last_hint_is_now() -> None:
+    p = _policy("expected")
+    _agents(p)  # the last hint came at t=105.5
+    # a is 5.5 s away (14.5 s more), b 2.5 s (17.5 s more), c 0 s (5.75 s on average)
+    b = ks("b", 2)
+    assert p.handle(NeedDramRoom(200)) == [Release(NS, b), EvictFirst(NS, b)]
+
+
+def test_a_running_session_gives_way_before_any_paused_one() -> None:
+    """Its turn has read its prefix, so it goes first whatever the paused sessions'
+    expected returns (ranking it among them by a whole pause lost on engines:
+    docs/BENCHMARKS.md)."""
+    p = _policy("expected")
+    _agents(p)
+    a, b, c = ks("a", 2), ks("b", 2), ks("c", 2)
+    p.handle(SessionHint(NS, "sa", "active", (), None, 105.8))  # a's next turn runs
+    assert p.handle(NeedDramRoom(200, now=106.0)) == [Release(NS, a), EvictFirst(NS, a)]
+    assert p.handle(NeedDramRoom(200, now=106.0)) == [Release(NS, b), EvictFirst(NS, b)]
+    assert p.handle(NeedDramRoom(200, now=106.0)) == [Release(NS, c), EvictFirst(NS, c)]
