@@ -85,3 +85,19 @@ def test_paused_session_is_retained_across_traffic(engine: Engine, cluster: Loca
     )
     assert hit == 1024, f"the paused session's prefix was not retained ({hit} tokens hit)"
     assert miss < 1024 // 2, f"LRU kept the unhinted prefix ({miss} tokens): test too weak"
+
+
+def test_a_sessions_last_turn_saves_nothing(engine: Engine) -> None:
+    """A request whose hint says ``ended`` is its session's last turn: no later turn
+    reads its blocks, so the connector writes none of them (``save_ended`` false, the
+    default), where each would have pushed a live session's block out of a full
+    store. The same prompt without the hint is written, and then found."""
+    rng = random.Random(17)
+    prompt = [rng.randrange(3, 1000) for _ in range(512)]
+    last = engine.generate(prompt, 1, params={"session_id": "s-end", "session_state": "ended"})
+    assert last["stats"]["stored_blocks"] == 0, "the last turn's blocks were written"
+    plain = engine.generate(prompt, 1)  # no prefix cache in the engine: a hit is the store's
+    assert plain["stats"]["hit_tokens"] == 0, "a block of the last turn was in the store"
+    assert plain["stats"]["stored_blocks"] == 512 // BLOCK
+    again = engine.generate([*prompt, 5, 6, 7], 1)
+    assert again["stats"]["hit_tokens"] == 512

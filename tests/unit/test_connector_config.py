@@ -99,10 +99,15 @@ def test_every_counter_has_its_prometheus_metric() -> None:
 
 def test_switches_refuse_words_they_do_not_know() -> None:
     """Issue 25: zero_copy "maybe" was silently False."""
-    for key in ("zero_copy", "session_hints"):
+    for key in ("zero_copy", "session_hints", "save_ended"):
         with pytest.raises(ValueError, match=f"{key} must be true or false.*'maybe'"):
             ConnectorConfig.from_dict({"master": "h:1", key: "maybe"})
         with pytest.raises(ValueError, match=key):
             ConnectorConfig.from_dict({"master": "h:1", key: 2})
     for text, want in (("off", False), ("No", False), (" TRUE ", True), (0, False), (True, True)):
         assert ConnectorConfig.from_dict({"master": "h:1", "zero_copy": text}).zero_copy is want
+
+
+def test_a_sessions_last_turn_is_not_saved_unless_asked() -> None:
+    assert ConnectorConfig.from_dict({"master": "h:1"}).save_ended is False
+    assert ConnectorConfig.from_dict({"master": "h:1", "save_ended": "on"}).save_ended is True

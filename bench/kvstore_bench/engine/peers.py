@@ -43,7 +43,8 @@ CONFIGS = ("prefix", "kvstore", "mooncake", "lmcache", "offload")
 KVSTORE_WORKERS = 2
 
 # Ablations of the kvstore configuration: name -> (connector extra config, or None when
-# the connector has no knob for it, with the reason).
+# the connector has no knob for it, with the reason). The config's "worker_args" are
+# the workers' flags instead.
 ABLATIONS: dict[str, tuple[dict[str, Any] | None, str]] = {
     "kvstore-load-or-recompute": (
         {"prefill_tokens_per_s": "auto"},
@@ -83,6 +84,16 @@ ABLATIONS: dict[str, tuple[dict[str, Any] | None, str]] = {
         {"lookup_max_age_s": 1e9},
         "one lookup per request however long it waits: lookup_max_age_s 1e9 (the default "
         "looks up again when vLLM asks about a request whose lookup is over 0.5 s old)",
+    ),
+    "kvstore-save-ended": (
+        {"save_ended": True},
+        "a session's last turn saves its new blocks too: save_ended true (the default "
+        "saves nothing for a request whose session hint says ended)",
+    ),
+    "kvstore-paused-recent-first": (
+        {"worker_args": ["--session-order", "recent"]},
+        "the most recently paused session gives way first: worker --session-order recent "
+        "(the default: the one expected back last, from the pauses the worker saw)",
     ),
     "kvstore-hit-from-head": (
         {"hit_past_local": False},
@@ -181,7 +192,12 @@ def ring_density(capacity: int) -> int:
     return max(DEFAULT_VNODES_PER_GIB, min(MAX_VNODES_PER_GIB, want))
 
 
-def _kvstore(ctx: Context, extra: dict[str, Any] | None = None, name: str = "kvstore") -> Backing:
+def _kvstore(
+    ctx: Context,
+    extra: dict[str, Any] | None = None,
+    name: str = "kvstore",
+    worker_args: list[str] | None = None,
+) -> Backing:
     workers = ctx.kvstore_workers
     slab = kvstore_slab(ctx.block_bytes)
     dram = ctx.memory_bytes // 2 if ctx.ssd else ctx.memory_bytes
@@ -207,6 +223,7 @@ def _kvstore(ctx: Context, extra: dict[str, Any] | None = None, name: str = "kvs
             # An agents-only store: every block belongs to a hinted session, so
             # sessions may hold all of DRAM (the default keeps 3/4 for plain LRU).
             args: list[str] = ["--session-budget", "1.0"] if ctx.session_hints else []
+            args += worker_args or []
             if ctx.ssd:  # LMDB pages: the tier's size is what its values may occupy
                 ssd_each = (ctx.memory_bytes - dram) // workers
                 path = ctx.work_dir / f"ssd{i}"
@@ -450,12 +467,13 @@ def make_backing(name: str, ctx: Context) -> Backing:
         if extra is None:
             raise NotRunnable(why)
         extra = dict(extra)
+        worker_args = [str(a) for a in extra.pop("worker_args", [])]
         if extra.get("prefill_tokens_per_s") == "auto":
             speed = ctx.extra.get("prefill_tokens_per_s")
             if not speed:
                 raise NotRunnable("needs the prefix run's prefill speed (run `prefix` first)")
             extra["prefill_tokens_per_s"] = float(speed)
-        return _kvstore(ctx, extra, name)
+        return _kvstore(ctx, extra, name, worker_args)
     raise ValueError(f"unknown configuration {name!r}")
 
 

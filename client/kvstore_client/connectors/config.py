@@ -79,6 +79,12 @@ class ConnectorConfig:
                          (same stored bytes)
     session_hints        send the sessions hints of requests' kv_transfer_params
                          (``session_id``, ``session_state``) to the store, default true
+    save_ended           save the blocks of a request whose session hint says
+                         ``ended`` (its session's last turn), default false: no
+                         later turn of the session reads them, and each one written
+                         to a full store pushes out a block a live session will
+                         read (blocks the store holds are kept, and another session
+                         that shares them writes them in its own turn)
     save_policy          "new" (default: a request's blocks the store held at lookup
                          are not sent again) or "all" (every full block the request
                          computes or loads is sent; the store still skips keys it
@@ -122,6 +128,7 @@ class ConnectorConfig:
     load_failure_policy: str = "recompute"
     zero_copy: bool = True
     session_hints: bool = True
+    save_ended: bool = False
     save_policy: str = "new"
     lookup: str = "batch"
     load_mode: str = "auto"
@@ -196,6 +203,7 @@ class ConnectorConfig:
             load_failure_policy=policy,
             zero_copy=parse_bool(d.get("zero_copy", True), "zero_copy"),
             session_hints=parse_bool(d.get("session_hints", True), "session_hints"),
+            save_ended=parse_bool(d.get("save_ended", False), "save_ended"),
             save_policy=choice("save_policy", SAVE_POLICIES),
             lookup=choice("lookup", LOOKUP_MODES),
             load_mode=choice("load_mode", LOAD_MODES),

@@ -109,6 +109,7 @@ class SchedulerSide:
         self._meter = BandwidthMeter()
         # Session hints (kv_transfer_params): sent off the scheduler's path.
         self._hint_of: dict[str, Hint] = {}
+        self._no_save: set[str] = set()  # requests of a session's last turn (save_ended off)
         self._hint_after_saves: dict[str, tuple[Hint, list[bytes]]] = {}
         self._bad_hint_logged = False
         self._hints = HintQueue(self._send_hint, self._hint_result) if cfg.session_hints else None
@@ -143,6 +144,8 @@ class SchedulerSide:
         if hint is None:
             return
         self._hint_of[tr.req_id] = hint
+        if hint.state == "ended" and not self.s.cfg.save_ended:
+            self._no_save.add(tr.req_id)  # its session's last turn: no one reads it later
         tr.extend_hashes(request.all_token_ids)
         now = hint if hint.state == "active" else Hint(hint.session, "active", hint.ttl)
         self._hints.offer(now, list(tr.hashes))
@@ -297,7 +300,7 @@ class SchedulerSide:
 
     def _plan_save(self, tr: RequestTracker, computed: int, meta: KVStoreConnectorMetadata) -> None:
         req = self._requests.get(tr.req_id)
-        if req is None or not self.s.may_save:
+        if req is None or not self.s.may_save or tr.req_id in self._no_save:
             return
         refs, skipped = tr.blocks_to_save(computed, req.all_token_ids)
         record(NAME, self._interval, "skipped_present_blocks", skipped)
@@ -360,7 +363,7 @@ class SchedulerSide:
         for rid, entries in offers.items():
             tr = self._trackers.get(rid)
             req = self._requests.get(rid)
-            if tr is None or req is None:
+            if tr is None or req is None or rid in self._no_save:
                 continue
             tr.extend_hashes(req.all_token_ids)
             by_boundary: dict[int, dict[int, int]] = {}
@@ -423,6 +426,7 @@ class SchedulerSide:
         self._trackers.pop(rid, None)
         self._requests.pop(rid, None)
         self._gids.pop(rid, None)
+        self._no_save.discard(rid)
         self._lookups.forget(rid)
         return delay, None
 
