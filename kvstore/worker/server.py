@@ -340,6 +340,8 @@ class Worker:
                 self.events.close()
             if self.share is not None:
                 self.share.close()
+            with self.store.lock:
+                self.store.tier.shared = None  # stats() at exit must not read a closed index
             self.index.close()
             self.arena.close()
 

@@ -691,6 +691,11 @@ class BlockStore:
     # ---- stats and shutdown ----------------------------------------------------
 
     def stats(self) -> StoreStats:
+        """The counters now. Reads same-host clients made through the shared index
+        (tiers.shared) are logged there and applied by the index upkeep; they are
+        applied first, so a read already answered is always in ``hits``."""
+        with self.lock:
+            self.tier.shared_upkeep()
         return snapshot(self.tier, self.policy, self.counters, self.ssd.size if self.ssd else None)
 
     def close(self, demote_timeout: float = 30.0) -> None:

@@ -237,3 +237,32 @@ def test_lookups_go_to_the_worker_while_it_asks_for_them(rig: Rig) -> None:
     assert shmlocal.exists(loc, NS.encode(), packed) is None
     rig.index.ask_lookups(False)
     assert shmlocal.exists(loc, NS.encode(), packed) is not None
+
+
+def test_stats_count_a_read_through_the_index_at_once() -> None:
+    """Bug (a clean-clone CI run, tests/integration/test_ssd_tier.py): a Stats call
+    right after a same-host client's reads reported 480 hits for 512 blocks read, as
+    the last batch's reads waited in the index's log for the next upkeep tick."""
+    from kvstore.worker.arena import Arena
+    from kvstore.worker.store import BlockStore
+
+    arena = Arena(4 * MiB)
+    store = BlockStore(arena, 1 * MiB)
+    index = SharedIndex(store.tier.capacity, 0x4321, ssd=False)
+    store.tier.shared = index
+    _cid, fd = index.add_client()
+    view = IndexView(index.ro_fd, index.size, 0x4321)
+    page = HazardPage(fd)
+    try:
+        keys = [key(i) for i in range(4)]
+        assert all(store.put_bytes(NS, keys, [bytes([i]) * SIZE for i in range(4)]))
+        before = store.stats().hits
+        probe = view.probe(NS.encode(), b"".join(keys[:3]))
+        assert probe.found.all()
+        page.touched(probe.slots(np.arange(3)))  # three blocks read through the index
+        assert store.stats().hits == before + 3
+    finally:
+        store.tier.shared = None
+        index.close()
+        store.close()
+        arena.close()
