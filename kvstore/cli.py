@@ -375,10 +375,12 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
 )
 @click.option(
     "--session-order",
-    type=click.Choice(["expected", "recent"]),
+    type=click.Choice(["per-session", "expected", "recent"]),
     default=None,
-    help="Which paused session gives way first when DRAM is full: the one expected back "
-    "last, from the pauses seen, or the most recently paused [expected].",
+    help="Which session gives way first when DRAM is full: the one likely back last, "
+    "from its own and the seen pauses, running or paused (per-session); running "
+    "ones, then paused ones expected back last (expected) or most recently paused "
+    "(recent) [per-session].",
 )
 @click.option("--session-ttl", default=None, help="How long a paused session is kept [300s].")
 @click.option("--max-sessions", type=int, default=None, help="Live sessions per tenant [4096].")

@@ -148,9 +148,11 @@ class WorkerConfig:
     # Agent sessions (worker/sessions.py): hints keep a paused session's blocks.
     session_budget: float = 0.25  # share of DRAM a worker may retain for paused sessions
     session_share: float = 0.5  # share of DRAM + SSD one hinted session may fill (0: no cap)
-    # which paused session gives way first when DRAM is full: expected (the one expected
-    # back last, from the pauses seen) | recent (the most recently paused)
-    session_order: str = "expected"
+    # which session gives way first when DRAM is full: per-session (running or paused,
+    # the one likely back last, from its own and the seen pauses) | expected (running
+    # ones, then the paused one expected back last) | recent (running ones, then the
+    # most recently paused)
+    session_order: str = "per-session"
     session_ttl: float = _dur("300s")  # how long a paused session's blocks are kept
     session_idle_ttl: float = _dur("3600s")  # an active session with no hint leaves the table
     max_sessions: int = 4096  # live sessions per tenant (more push out its oldest)
@@ -378,9 +380,9 @@ def validate(cfg: Config) -> None:
             f"worker.dram_size (--dram-size) must be at least one huge page "
             f"({format_size(hp)}) with --huge-pages"
         )
-    if w.session_order not in ("expected", "recent"):
+    if w.session_order not in ("per-session", "expected", "recent"):
         raise InvalidArgument(
-            f"worker.session_order is {w.session_order!r}: want expected or recent"
+            f"worker.session_order is {w.session_order!r}: want per-session, expected or recent"
         )
     if w.promote not in ("always", "second-hit", "never"):
         raise InvalidArgument(f"worker.promote is {w.promote!r}: want always, second-hit or never")

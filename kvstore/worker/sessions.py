@@ -53,6 +53,7 @@ from kvstore_client.sessions import MAX_SESSION_ID_BYTES, STATES
 from .pauses import PauseModel
 
 MAX_TTL = 7 * 86400.0
+OWN_PAUSES = 8  # a session's own last pauses kept (retention's "per-session" order)
 NO_CUT = 1 << 62
 
 Key = tuple[str, bytes]
@@ -71,6 +72,7 @@ class Session:
     hit_blocks: int = 0  # over its active hints: leading blocks present ...
     lookup_blocks: int = 0  # ... of the blocks asked about
     last: float = 0.0  # last hint
+    pauses: tuple[float, ...] = ()  # its own last OWN_PAUSES pauses (seconds), oldest first
     room: int = -1  # bytes it may still add within its share (-1: no limit known)
     turn: int = 0  # active hints so far (not lookups' resumes): alike on every worker
     cut: int = NO_CUT  # the shallowest depth its chain lost this turn, since keys were added
@@ -224,7 +226,10 @@ class SessionTable:
         else:
             self.sessions.move_to_end((ns, name))
             if state == "active" and s.state == "paused":
-                self.pauses.observe(now - s.last)
+                p = now - s.last
+                self.pauses.observe(p)
+                if p == p:  # not NaN
+                    s.pauses = (*s.pauses[1 - OWN_PAUSES :], max(0.0, p))
         s.last = now
         if state == "active" and sent:  # a new turn: the engine writes its chain again
             s.turn += 1

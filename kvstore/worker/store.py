@@ -101,7 +101,7 @@ class BlockStore:
         sessions: SessionTable | None = None,
         retain_budget: int = 0,
         session_share: int = 0,
-        session_order: str = "expected",
+        session_order: str = "per-session",
         events: EventSink | None = None,
     ) -> None:
         self.arena = arena

@@ -1,5 +1,5 @@
-"""The pause model (worker/pauses.py) and the order in which paused sessions give way
-(tiers/retention.py): the one expected back last first."""
+"""The pause model (worker/pauses.py) and the orders in which retained sessions give
+way (tiers/retention.py): per-session (the default), expected and recent."""
 
 from __future__ import annotations
 
@@ -116,9 +116,8 @@ def test_without_a_clock_the_last_hint_is_now() -> None:
 
 
 def test_a_running_session_gives_way_before_any_paused_one() -> None:
-    """Its turn has read its prefix, so it goes first whatever the paused sessions'
-    expected returns (ranking it among them by a whole pause lost on engines:
-    docs/BENCHMARKS.md)."""
+    """With the expected order, its turn has read its prefix, so it goes first
+    whatever the paused sessions' expected returns."""
     p = _policy("expected")
     _agents(p)
     a, b, c = ks("a", 2), ks("b", 2), ks("c", 2)
@@ -126,3 +125,79 @@ def test_a_running_session_gives_way_before_any_paused_one() -> None:
     assert p.handle(NeedDramRoom(200, now=106.0)) == [Release(NS, a), EvictFirst(NS, a)]
     assert p.handle(NeedDramRoom(200, now=106.0)) == [Release(NS, b), EvictFirst(NS, b)]
     assert p.handle(NeedDramRoom(200, now=106.0)) == [Release(NS, c), EvictFirst(NS, c)]
+
+
+def test_median_weighs_a_sessions_own_pauses_against_the_seen_ones() -> None:
+    m = PauseModel(min_samples=4)
+    for x in (1.0, 1.0, 1.0, 10.0):
+        m.observe(x)  # each weighs 2 / 4
+    # none of its own: the seen pauses' median
+    assert m.median(0.0) == pytest.approx(1.0)
+    # three of 8 s (weighing 3) outweigh the seen ones (2)
+    assert m.median(0.0, (8.0, 8.0, 8.0)) == pytest.approx(8.0)
+    # one of 8 s (1) does not: the seen 1 s pauses weigh 1.5 of 3
+    assert m.median(0.0, (8.0,)) == pytest.approx(1.0)
+    # a session usually back within 2 s that once took 9: most likely back within 2
+    assert m.median(0.0, (2.0, 2.0, 9.0)) == pytest.approx(2.0)
+    # away 3 s: its 9 s pause (6 s more) and the seen 10 s one (7 s more, weighing 0.5)
+    assert m.median(3.0, (2.0, 2.0, 9.0)) == pytest.approx(6.0)
+    # past every pause, its own and the seen ones: as long again as it has been away
+    assert m.median(12.0, (8.0,)) == pytest.approx(12.0)
+
+
+def test_a_session_keeps_its_last_pauses() -> None:
+    t = SessionTable()
+    t.hint(NS, "s", "active", ks("s", 2), now=0.0)
+    for i in range(10):
+        t.hint(NS, "s", "paused", now=10.0 * i + 1)
+        t.hint(NS, "s", "active", now=10.0 * i + 1 + i)
+    assert t.sessions[(NS, "s")].pauses == tuple(float(i) for i in range(2, 10))
+
+
+def _fast_and_slow(p: TierPolicy) -> None:
+    """Sessions a (pauses of 1 s) and b (20 s), each with three pauses of its own,
+    among seen pauses mostly 1 s and a few 20 s; b pauses at t=100, a's turn runs
+    from t=105."""
+    model = p.sessions.pauses
+    for x in [1.0] * 12 + [20.0] * 4:
+        model.observe(x)
+    for sid, pause in (("sa", 1.0), ("sb", 20.0)):
+        t = 0.0
+        p.handle(SessionHint(NS, sid, "active", ks(sid[1], 2), None, t))
+        for _ in range(3):
+            p.handle(SessionHint(NS, sid, "paused", (), None, t + 0.5))
+            t += 0.5 + pause
+            p.handle(SessionHint(NS, sid, "active", (), None, t))
+    p.handle(SessionHint(NS, "sb", "paused", (), None, 100.0))
+    p.handle(SessionHint(NS, "sa", "active", (), None, 105.0))
+
+
+def test_per_session_order_keeps_a_running_session_that_is_soon_back() -> None:
+    p = _policy("per-session")
+    _fast_and_slow(p)
+    assert p.sessions.sessions[(NS, "sa")].pauses == (1.0, 1.0, 1.0)
+    a, b = ks("a", 2), ks("b", 2)
+    # b, 6 s into a pause of its usual 20 s, is back after a's next 1 s pause
+    assert p.handle(NeedDramRoom(200, now=106.0)) == [Release(NS, b), EvictFirst(NS, b)]
+    assert p.handle(NeedDramRoom(200, now=106.0)) == [Release(NS, a), EvictFirst(NS, a)]
+
+
+def test_per_session_order_lets_a_slow_running_session_go_first() -> None:
+    p = _policy("per-session")
+    _fast_and_slow(p)
+    p.handle(SessionHint(NS, "sa", "paused", (), None, 105.5))
+    p.handle(SessionHint(NS, "sb", "active", (), None, 106.0))  # b back early, running
+    a, b = ks("a", 2), ks("b", 2)
+    assert p.handle(NeedDramRoom(200, now=106.2)) == [Release(NS, b), EvictFirst(NS, b)]
+    assert p.handle(NeedDramRoom(200, now=106.2)) == [Release(NS, a), EvictFirst(NS, a)]
+
+
+def test_expected_order_lets_the_running_session_go_first() -> None:
+    p = _policy("expected")
+    _fast_and_slow(p)
+    a = ks("a", 2)
+    assert p.handle(NeedDramRoom(200, now=106.0)) == [Release(NS, a), EvictFirst(NS, a)]
+
+
+def test_the_default_order_is_per_session() -> None:
+    assert TierPolicy(has_ssd=False).retention.order == "per-session"

@@ -90,10 +90,16 @@ ABLATIONS: dict[str, tuple[dict[str, Any] | None, str]] = {
         "a session's last turn saves its new blocks too: save_ended true (the default "
         "saves nothing for a request whose session hint says ended)",
     ),
+    "kvstore-running-first": (
+        {"worker_args": ["--session-order", "expected"]},
+        "running sessions give way first, then the paused one expected back last (mean "
+        "of the pauses the worker saw): worker --session-order expected (the default, "
+        "per-session, ranks running and paused sessions alike by each one's own pauses)",
+    ),
     "kvstore-paused-recent-first": (
         {"worker_args": ["--session-order", "recent"]},
-        "the most recently paused session gives way first: worker --session-order recent "
-        "(the default: the one expected back last, from the pauses the worker saw)",
+        "running sessions give way first, then the most recently paused: worker "
+        "--session-order recent",
     ),
     "kvstore-hit-from-head": (
         {"hit_past_local": False},

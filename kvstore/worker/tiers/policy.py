@@ -29,8 +29,8 @@ Sessions (hints from the engine, bookkept by :class:`~kvstore.worker.sessions.Se
   (:meth:`TierPolicy.committed`) or listed, within the same budget;
 - retention yields to writes: when DRAM has no other room for a new block, retained
   blocks go back to the evicting end of the LRU list (``NeedDramRoom``), a session at
-  a time, each from its tail, in :mod:`.retention`'s order (active sessions first,
-  then paused ones, the one expected back last first), so a large ``retain_budget``
+  a time, each from its tail, in :mod:`.retention`'s order (by default the session,
+  running or paused, likely back last first), so a large ``retain_budget``
   never makes a put fail;
 - a paused session's chain is reordered in DRAM's LRU, last block first, so that
   eviction takes its tail before its head (a prefix match stops at the first gap);
@@ -375,7 +375,7 @@ class TierPolicy:
         ssd_retain_budget: int = 0,
         dram_size: Callable[[str, bytes], int] = lambda ns, key: 0,
         session_share: int = 0,
-        session_order: str = "expected",
+        session_order: str = "per-session",
     ) -> None:
         self.has_ssd = has_ssd
         self.ssd = SsdIndex(ssd_capacity if has_ssd else 0, pinned=pinned)
@@ -554,7 +554,7 @@ class TierPolicy:
 
     def _yield_retained(self, nbytes: int, now: float | None = None) -> list[Instruction]:
         """Un-retain at least ``nbytes`` of DRAM blocks in :mod:`.retention`'s order
-        (active sessions, then paused ones by expected return, each chain from its tail);
+        (by default the session likely back last first, each chain from its tail);
         they go to the evicting end of the LRU order (Release, then EvictFirst, tail
         last so that it is evicted first)."""
         out: list[Instruction] = []

@@ -12,26 +12,36 @@ lists.
 
 When DRAM has no other room for a new block, retained blocks *yield*, a session at a
 time and each chain from its tail (a prefix match stops at the first gap, so a chain
-that loses its tail keeps its head's hits):
+that loses its tail keeps its head's hits), in the order of ``order``:
 
-1. active sessions, the least recently hinted first: a running turn has read its
-   prefix already (the engine holds it now), so its next read is the furthest away;
-2. paused sessions, the one expected back last first (``order="expected"``, the
-   default): each session's expected further pause, given how long it has been away,
-   from the pauses this worker saw (:class:`~kvstore.worker.pauses.PauseModel`).
-   With pauses of about one length that is the most recently paused session (plain
-   LRU evicts each session of a cycle larger than DRAM just before its turn; this
-   keeps most of them whole); with agents' tool calls, mostly short and a few long,
-   it is a session already away for a while, and the one that paused a moment ago
-   stays. Until the model has seen enough pauses, and with ``order="recent"``, the
-   most recently paused gives way first;
-3. blocks several live sessions share (a system prompt), and blocks whose sessions
-   left the table, oldest first.
+- ``"per-session"`` (the default): every live session, running or paused, the one
+  whose next read is likely furthest away first. That is its median further pause
+  (:meth:`~kvstore.worker.pauses.PauseModel.median`) from its own last pauses and
+  the pauses this worker saw, given how long it has been away; a running session
+  counts as one that has just paused (its turn has read its prefix; the next turn
+  reads it again after one more pause). Sessions differ by far: agents that call
+  quick tools come back within a second, turn after turn, while others take ten, so
+  a quick session keeps its chain through its turns and a slow one gives way even
+  while it runs;
+- ``"expected"``: running sessions first (the least recently hinted first), then
+  paused ones, the one expected back last first, from the mean further pause of the
+  pauses this worker saw (:meth:`~kvstore.worker.pauses.PauseModel.remaining`): with
+  pauses of about one length the most recently paused session, with agents' tool
+  calls (mostly short, a few long) one already away for a while;
+- ``"recent"``: running sessions first, then the most recently paused.
+
+Until the model has seen enough pauses, every order is ``recent``'s. Last go blocks
+several live sessions share (a system prompt), and blocks whose sessions left the
+table, oldest first.
 
 Measured on engine runs (docs/BENCHMARKS.md, "Memory as the axis"): at a quarter of
-the working set this order took the token hit rate from about 31% to 42-46%; ranking
-paused sessions by expected return added 1.6 points (46.0% against 44.4%, medians of
-three runs). Ranking running sessions among paused ones by a whole pause lost 3.3.
+the working set, retention took the token hit rate from about 31% to 42-46%, and
+``per-session`` from 41.1% (``expected``, in the same invocation) to 49.8% (medians of
+three runs; a mean in place of the median kept 1.6 points less). With ``expected``,
+98% of the blocks that gave way were running sessions': a session that missed wrote
+its whole chain during its turn and gave it way again at once, turn after turn.
+Letting a turn that started under 2 s ago give way last (its engine might not have
+read its prefix yet) lost 4.6 points.
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ Key = tuple[str, bytes]
 Holder = tuple[str, str]  # (namespace, session id)
 
 
-ORDERS = ("expected", "recent")  # which paused session gives way first (module docstring)
+ORDERS = ("per-session", "expected", "recent")  # which session gives way first (docstring)
 # The order is worked out once and reused by the writes that follow (each new block of
 # a full DRAM asks for room) until a hint comes, a session starts holding blocks, or
 # this many seconds pass (the expected returns move with the clock).
@@ -57,7 +67,7 @@ REORDER_S = 0.25
 @dataclass(slots=True)
 class Retention:
     budget: int  # bytes of DRAM retained blocks may occupy
-    order: str = "expected"  # one of ORDERS
+    order: str = "per-session"  # one of ORDERS
     blocks: dict[Key, int] = field(default_factory=dict)  # retained block -> bytes
     nbytes: int = 0
     _holder: dict[Key, Holder] = field(default_factory=dict)
@@ -172,15 +182,27 @@ class Retention:
         return freed
 
     def _order(self, table: SessionTable, now: float | None) -> Iterator[Session]:
-        """Sessions that hold retained blocks: active ones from the least recently
-        hinted, then paused ones, the one expected back last first (or, with
-        ``order="recent"`` or too few pauses seen, the most recently hinted first; the
-        table keeps its sessions in the order of their last hint)."""
+        """Sessions that hold retained blocks, in the order of ``order`` (module
+        docstring). Ties, and ``recent``: active ones from the least recently hinted,
+        then paused ones from the most recently hinted (the table keeps its sessions
+        in the order of their last hint)."""
         live = [s for s in table.sessions.values() if (s.ns, s.name) in self._held]
-        yield from (s for s in live if s.state == "active")
+        active = [s for s in live if s.state == "active"]
         paused = [s for s in reversed(live) if s.state == "paused"]
         model = table.pauses
-        if self.order == "expected" and model.ready and now is not None and len(paused) > 1:
-            t = now  # stable: sessions expected alike keep the most recently paused first
+        ready = model.ready and now is not None
+        t = now if now is not None else 0.0
+        if self.order == "per-session" and ready:
+            ranked = active + paused
+            ranked.sort(
+                key=lambda s: (
+                    -model.median(0.0 if s.state == "active" else max(0.0, t - s.last), s.pauses)
+                )
+            )
+            yield from ranked
+            return
+        yield from active
+        if self.order == "expected" and ready and len(paused) > 1:
+            # stable: sessions expected alike keep the most recently paused first
             paused.sort(key=lambda s: -model.remaining(max(0.0, t - s.last)))
         yield from paused
