@@ -44,7 +44,7 @@ KVSTORE_WORKERS = 2
 
 # Ablations of the kvstore configuration: name -> (connector extra config, or None when
 # the connector has no knob for it, with the reason). The config's "worker_args" are
-# the workers' flags instead.
+# the workers' flags instead, its "workers" their number.
 ABLATIONS: dict[str, tuple[dict[str, Any] | None, str]] = {
     "kvstore-load-or-recompute": (
         {"prefill_tokens_per_s": "auto"},
@@ -100,6 +100,11 @@ ABLATIONS: dict[str, tuple[dict[str, Any] | None, str]] = {
         {"worker_args": ["--session-order", "recent"]},
         "running sessions give way first, then the most recently paused: worker "
         "--session-order recent",
+    ),
+    "kvstore-one-worker": (
+        {"workers": 1},
+        "one worker holding all of the store memory (the default splits it evenly over "
+        "--kvstore-workers workers)",
     ),
     "kvstore-hit-from-head": (
         {"hit_past_local": False},
@@ -203,8 +208,9 @@ def _kvstore(
     extra: dict[str, Any] | None = None,
     name: str = "kvstore",
     worker_args: list[str] | None = None,
+    workers: int | None = None,
 ) -> Backing:
-    workers = ctx.kvstore_workers
+    workers = workers or ctx.kvstore_workers
     slab = kvstore_slab(ctx.block_bytes)
     dram = ctx.memory_bytes // 2 if ctx.ssd else ctx.memory_bytes
     per_worker = dram // workers
@@ -474,12 +480,13 @@ def make_backing(name: str, ctx: Context) -> Backing:
             raise NotRunnable(why)
         extra = dict(extra)
         worker_args = [str(a) for a in extra.pop("worker_args", [])]
+        workers = int(extra.pop("workers", 0)) or None
         if extra.get("prefill_tokens_per_s") == "auto":
             speed = ctx.extra.get("prefill_tokens_per_s")
             if not speed:
                 raise NotRunnable("needs the prefix run's prefill speed (run `prefix` first)")
             extra["prefill_tokens_per_s"] = float(speed)
-        return _kvstore(ctx, extra, name, worker_args)
+        return _kvstore(ctx, extra, name, worker_args, workers)
     raise ValueError(f"unknown configuration {name!r}")
 
 
