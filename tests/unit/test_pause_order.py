@@ -8,6 +8,7 @@ import pytest
 from kvstore.worker.pauses import PauseModel
 from kvstore.worker.sessions import SessionTable
 from kvstore.worker.tiers.policy import EvictFirst, NeedDramRoom, Release, SessionHint, TierPolicy
+from kvstore.worker.tiers.retention import REORDER_S, Retention
 from tests.helpers import key
 
 NS = "m/bf16/b16/tp0of1"
@@ -201,3 +202,64 @@ def test_expected_order_lets_the_running_session_go_first() -> None:
 
 def test_the_default_order_is_per_session() -> None:
     assert TierPolicy(has_ssd=False).retention.order == "per-session"
+
+
+class _Counting(PauseModel):
+    """A pause model that counts the medians it works out."""
+
+    calls = 0
+
+    def median(self, elapsed: float, own: tuple[float, ...] = (), prior: float = 2.0) -> float:
+        self.calls += 1
+        return super().median(elapsed, own, prior)
+
+
+def _many(n: int) -> tuple[SessionTable, Retention, Retention]:
+    """n sessions, session i pausing for about i % 7 + 1 s, all paused at t=100 - i/10,
+    each holding one retained block in two Retentions (the one under test, and a
+    second to work the order out from scratch)."""
+    t = SessionTable(paused_ttl=300)
+    t.pauses = _Counting()
+    for x in [1.0] * 12 + [20.0] * 4:
+        t.pauses.observe(x)
+    kept, fresh = Retention(1 << 30), Retention(1 << 30)
+    for i in range(n):
+        name, pause, at = f"s{i}", float(i % 7 + 1), 0.0
+        t.hint(NS, name, "active", ks(name, 1), now=at)
+        for _ in range(3):
+            t.hint(NS, name, "paused", now=at + 0.5)
+            at += 0.5 + pause
+            t.hint(NS, name, "active", now=at)
+        t.hint(NS, name, "paused", now=100.0 - i / 10)
+        for r in (kept, fresh):
+            r.keep((NS, ks(name, 1)[0]), 100, (NS, name))
+    return t, kept, fresh
+
+
+def test_per_session_ranks_are_reused_until_a_hint_or_reorder_s() -> None:
+    """A hint while DRAM is full ranks the hinted session again, not every session;
+    past REORDER_S every rank is worked out again, and the order is then the one a
+    Retention with nothing cached gives."""
+    t, kept, fresh = _many(40)
+    assert isinstance(t.pauses, _Counting)
+    first = [s.name for s in kept._order(t, 101.0)]
+    assert t.pauses.calls == 40
+    assert first == [s.name for s in fresh._order(t, 101.0)]
+    # s39 pauses 5 s (i % 7 + 1) and has been away 4.9 s: due back, it goes last.
+    # Back and running, it is ranked again at once: its next pause is 5 s away.
+    assert first.index("s39") == 39
+    t.hint(NS, "s39", "active", now=101.1)
+    t.pauses.calls = 0
+    again = [s.name for s in kept._order(t, 101.1)]
+    assert t.pauses.calls == 1, "only the hinted session was ranked again"
+    assert [n for n in again if n != "s39"] == [n for n in first if n != "s39"]
+    assert again.index("s39") < 39
+    assert again.index("s39") == [s.name for s in fresh._order(t, 101.1)].index("s39")
+    t.pauses.calls = 0
+    later = [s.name for s in kept._order(t, 101.2 + REORDER_S)]
+    assert t.pauses.calls == 40
+    assert later == [s.name for s in fresh._order(t, 101.2 + REORDER_S)]
+    # a session that left holds nothing: forgotten with its rank
+    kept.drop((NS, ks("s0", 1)[0]))
+    assert "s0" not in [s.name for s in kept._order(t, 101.3 + REORDER_S)]
+    assert t.sessions[(NS, "s0")].sid not in kept._ranks

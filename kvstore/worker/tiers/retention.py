@@ -17,7 +17,8 @@ that loses its tail keeps its head's hits), in the order of ``order``:
 - ``"per-session"`` (the default): every live session, running or paused, the one
   whose next read is likely furthest away first. That is its median further pause
   (:meth:`~kvstore.worker.pauses.PauseModel.median`) from its own last pauses and
-  the pauses this worker saw, given how long it has been away; a running session
+  the pauses this worker saw, given how long it has been away (each session's rank
+  is reused for up to ``REORDER_S`` while it has no new hint); a running session
   counts as one that has just paused (its turn has read its prefix; the next turn
   reads it again after one more pause). Sessions differ by far: agents that call
   quick tools come back within a second, turn after turn, while others take ten, so
@@ -80,6 +81,11 @@ class Retention:
     _stamp: tuple[int, int] = (-1, -1)  # (the table's hints, _version) it was worked out at
     _built: float = 0.0  # ... and the clock then
     _version: int = 0  # bumped when a holder starts holding blocks
+    # per-session: each session's rank as last worked out -> (rank, clock then, the
+    # session's last hint, state and name then); reused while both are unchanged for up to
+    # REORDER_S, so a hint while DRAM is full ranks the hinted session again, not all
+    # (keyed by the session's sid, with its name: a sid is reused once its session left)
+    _ranks: dict[int, tuple[float, float, float, str, str]] = field(default_factory=dict)
 
     def __contains__(self, key: Key) -> bool:
         return key in self.blocks
@@ -194,11 +200,21 @@ class Retention:
         t = now if now is not None else 0.0
         if self.order == "per-session" and ready:
             ranked = active + paused
-            ranked.sort(
-                key=lambda s: (
-                    -model.median(0.0 if s.state == "active" else max(0.0, t - s.last), s.pauses)
-                )
-            )
+            old, ranks = self._ranks, {}
+            for s in ranked:
+                c = old.get(s.sid)
+                if (
+                    c is None
+                    or c[2] != s.last
+                    or c[3] != s.state
+                    or c[4] != s.name
+                    or abs(t - c[1]) > REORDER_S
+                ):
+                    away = 0.0 if s.state == "active" else max(0.0, t - s.last)
+                    c = (-model.median(away, s.pauses), t, s.last, s.state, s.name)
+                ranks[s.sid] = c
+            self._ranks = ranks  # sessions that left are forgotten here
+            ranked.sort(key=lambda s: ranks[s.sid][0])
             yield from ranked
             return
         yield from active
