@@ -91,12 +91,25 @@ def test_parse_fractions() -> None:
 
 
 def test_kvstore_below_one_slab_per_worker_is_not_run_and_says_its_least(tmp_path: Path) -> None:
-    ctx = Context(Path("/nonexistent/python"), tmp_path, 300 << 10, 32, block_bytes=64 << 10)
-    least = kvstore_min_bytes(64 << 10)
+    ctx = Context(Path("/nonexistent/python"), tmp_path, 200 << 10, 32, block_bytes=64 << 10)
+    assert kvstore_min_bytes(64 << 10) == 256 << 10  # one worker by default
+    with pytest.raises(NotRunnable) as e:
+        make_backing("kvstore", ctx)
+    assert e.value.min_bytes == 256 << 10 and "slab" in str(e.value)
+    # two workers need a slab each, whether asked for by flag or by the ablation
+    ctx = Context(
+        Path("/nonexistent/python"), tmp_path, 300 << 10, 32, block_bytes=64 << 10,
+        kvstore_workers=2,
+    )  # fmt: skip
+    least = kvstore_min_bytes(64 << 10, 2)
     assert least == 2 * (256 << 10)
     with pytest.raises(NotRunnable) as e:
         make_backing("kvstore", ctx)
     assert e.value.min_bytes == least and "slab" in str(e.value)
+    ctx.kvstore_workers = 1
+    with pytest.raises(NotRunnable) as e:
+        make_backing("kvstore-two-workers", ctx)
+    assert e.value.min_bytes == least
 
 
 def test_sweep_rows_and_json_report_every_point_and_the_reason_a_config_did_not_run() -> None:

@@ -156,7 +156,8 @@ def _prefill_speed(run: ConfigRun) -> float | None:
     type=click.IntRange(1, 16),
     default=KVSTORE_WORKERS,
     show_default=True,
-    help="kvstore configs: workers sharing the store memory (the peers run one store process).",
+    help="kvstore configs: workers sharing the store memory evenly (default one, as one "
+    "host runs one worker; the peers run one store process).",
 )
 @click.option(
     "--engine-kv",
