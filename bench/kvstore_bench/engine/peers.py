@@ -42,7 +42,7 @@ HOST = "127.0.0.1"
 CONFIGS = ("prefix", "kvstore", "mooncake", "lmcache", "offload")
 # One worker, as DESIGN deploys kvstore (one worker per host) and as the peers run one
 # store process: the bench is one host. Split over two workers, each evicts by its own
-# share of every chain and the store keeps 2-3 points fewer tokens at a quarter of the
+# share of every chain and the store kept 0.4-2.3 points fewer tokens at a quarter of the
 # working set (the ablation kvstore-two-workers; docs/BENCHMARKS.md).
 KVSTORE_WORKERS = 1
 
