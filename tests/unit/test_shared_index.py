@@ -266,3 +266,34 @@ def test_stats_count_a_read_through_the_index_at_once() -> None:
         index.close()
         store.close()
         arena.close()
+
+
+def test_reads_a_client_logged_count_after_it_closed() -> None:
+    """Bug (a clean-clone CI run, tests/integration/test_ssd_tier.py, again 480 hits for
+    512 blocks read): the client closed right after its last reads, its page went with
+    its connection, and the reads it had logged there since the last drain were lost."""
+    from kvstore.worker.arena import Arena
+    from kvstore.worker.store import BlockStore
+
+    arena = Arena(4 * MiB)
+    store = BlockStore(arena, 1 * MiB)
+    index = SharedIndex(store.tier.capacity, 0x4321, ssd=False)
+    store.tier.shared = index
+    cid, fd = index.add_client()
+    view = IndexView(index.ro_fd, index.size, 0x4321)
+    page = HazardPage(fd)
+    try:
+        keys = [key(i) for i in range(4)]
+        assert all(store.put_bytes(NS, keys, [bytes([i]) * SIZE for i in range(4)]))
+        before = store.stats().hits
+        probe = view.probe(NS.encode(), b"".join(keys[:3]))
+        assert probe.found.all()
+        page.touched(probe.slots(np.arange(3)))
+        index.drop_client(cid)  # its connection closed before the worker drained
+        assert store.stats().hits == before + 3
+        assert store.stats().hits == before + 3, "counted once"
+    finally:
+        store.tier.shared = None
+        index.close()
+        store.close()
+        arena.close()

@@ -19,6 +19,7 @@ import mmap
 import os
 import secrets
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -106,6 +107,10 @@ class SharedIndex:
         self._where: dict[int, int] = {}  # slot -> entry position, or -(bucket + 1)
         self._tags: dict[str, int] = {}
         self.pages: dict[int, _Page] = {}  # replaced whole (copy on write), never mutated
+        # drain and drop_client read the pages' logs under it (different threads); reads
+        # a closed client logged since the last drain wait here for the next drain
+        self._logs = threading.Lock()
+        self._left: list[tuple[int, int]] = []
         self._next_client = 1
         self.held: list[Any] = []  # Blocks the tier holds for hazards
         self.published = 0
@@ -210,17 +215,10 @@ class SharedIndex:
     def drain(self) -> list[tuple[int, int]]:
         """(slot, gen) of the reads clients logged since the last drain (the newest
         NRING of each page); (-1, n) for n misses."""
-        out: list[tuple[int, int]] = []
-        for page in self.pages.values():
-            head = page.atomic.load_u64(8, atomicshm.ACQUIRE)
-            if head == page.tail:
-                continue
-            if head < page.tail or head - page.tail > NRING:  # scribbled, or lapped
-                page.tail = max(0, head - NRING) if head >= NRING else 0
-            for i in range(page.tail, head):
-                w = int(page.ring[i % NRING])
-                out.append(((w >> 32) - 1, w & 0xFFFFFFFF))  # slot -1: that many misses
-            page.tail = head
+        with self._logs:
+            out, self._left = self._left, []
+            for page in self.pages.values():
+                _read_log(page, out)
         return out
 
     # ---- clients ---------------------------------------------------------------
@@ -250,9 +248,13 @@ class SharedIndex:
     def drop_client(self, cid: int) -> None:
         """The client's connection closed: its page (and so its hazards) goes; held
         slots it named are released by the next :meth:`reap`."""
-        pages = dict(self.pages)
-        page = pages.pop(cid, None)
-        self.pages = pages
+        with self._logs:
+            pages = dict(self.pages)
+            page = pages.pop(cid, None)
+            self.pages = pages
+            if page is not None:  # the reads it logged still count (at the next drain)
+                _read_log(page, self._left)
+                del self._left[: max(0, len(self._left) - 4 * NRING)]  # bounded
         if page is not None:
             with contextlib.suppress(OSError):
                 os.close(page.fd)
@@ -263,3 +265,17 @@ class SharedIndex:
         for fd in (self.ro_fd, self.fd):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def _read_log(page: _Page, out: list[tuple[int, int]]) -> None:
+    """Append (slot, gen) of the reads ``page``'s client logged since the last read of
+    its log (the newest NRING); (-1, n) for n misses."""
+    head = page.atomic.load_u64(8, atomicshm.ACQUIRE)
+    if head == page.tail:
+        return
+    if head < page.tail or head - page.tail > NRING:  # scribbled, or lapped
+        page.tail = max(0, head - NRING) if head >= NRING else 0
+    for i in range(page.tail, head):
+        w = int(page.ring[i % NRING])
+        out.append(((w >> 32) - 1, w & 0xFFFFFFFF))  # slot -1: that many misses
+    page.tail = head
