@@ -5,13 +5,17 @@ pinned slot, withdraws before it checks, and reclaims pins a client drops or scr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import xxhash
 
+from kvstore.worker.arena import Arena
+from kvstore.worker.store import BlockStore
 from kvstore.worker.tiers.dram import DramTier
 from kvstore.worker.tiers.shared import SharedIndex
 from kvstore_client.transport import shmindex
@@ -239,42 +243,11 @@ def test_lookups_go_to_the_worker_while_it_asks_for_them(rig: Rig) -> None:
     assert shmlocal.exists(loc, NS.encode(), packed) is not None
 
 
-def test_stats_count_a_read_through_the_index_at_once() -> None:
-    """Bug (a clean-clone CI run, tests/integration/test_ssd_tier.py): a Stats call
-    right after a same-host client's reads reported 480 hits for 512 blocks read, as
-    the last batch's reads waited in the index's log for the next upkeep tick."""
-    from kvstore.worker.arena import Arena
-    from kvstore.worker.store import BlockStore
-
-    arena = Arena(4 * MiB)
-    store = BlockStore(arena, 1 * MiB)
-    index = SharedIndex(store.tier.capacity, 0x4321, ssd=False)
-    store.tier.shared = index
-    _cid, fd = index.add_client()
-    view = IndexView(index.ro_fd, index.size, 0x4321)
-    page = HazardPage(fd)
-    try:
-        keys = [key(i) for i in range(4)]
-        assert all(store.put_bytes(NS, keys, [bytes([i]) * SIZE for i in range(4)]))
-        before = store.stats().hits
-        probe = view.probe(NS.encode(), b"".join(keys[:3]))
-        assert probe.found.all()
-        page.touched(probe.slots(np.arange(3)))  # three blocks read through the index
-        assert store.stats().hits == before + 3
-    finally:
-        store.tier.shared = None
-        index.close()
-        store.close()
-        arena.close()
-
-
-def test_reads_a_client_logged_count_after_it_closed() -> None:
-    """Bug (a clean-clone CI run, tests/integration/test_ssd_tier.py, again 480 hits for
-    512 blocks read): the client closed right after its last reads, its page went with
-    its connection, and the reads it had logged there since the last drain were lost."""
-    from kvstore.worker.arena import Arena
-    from kvstore.worker.store import BlockStore
-
+@contextlib.contextmanager
+def _store_read_through_index() -> Iterator[tuple[BlockStore, SharedIndex, int, int]]:
+    """A BlockStore with its shared index and one client that has read three of its
+    four blocks through the index (logged, not yet drained): (store, index, the
+    client's id, the store's hits before the reads)."""
     arena = Arena(4 * MiB)
     store = BlockStore(arena, 1 * MiB)
     index = SharedIndex(store.tier.capacity, 0x4321, ssd=False)
@@ -288,12 +261,28 @@ def test_reads_a_client_logged_count_after_it_closed() -> None:
         before = store.stats().hits
         probe = view.probe(NS.encode(), b"".join(keys[:3]))
         assert probe.found.all()
-        page.touched(probe.slots(np.arange(3)))
-        index.drop_client(cid)  # its connection closed before the worker drained
-        assert store.stats().hits == before + 3
-        assert store.stats().hits == before + 3, "counted once"
+        page.touched(probe.slots(np.arange(3)))  # three blocks read through the index
+        yield store, index, cid, before
     finally:
         store.tier.shared = None
         index.close()
         store.close()
         arena.close()
+
+
+def test_stats_count_a_read_through_the_index_at_once() -> None:
+    """Bug (a clean-clone CI run, tests/integration/test_ssd_tier.py): a Stats call
+    right after a same-host client's reads reported 480 hits for 512 blocks read, as
+    the last batch's reads waited in the index's log for the next upkeep tick."""
+    with _store_read_through_index() as (store, _index, _cid, before):
+        assert store.stats().hits == before + 3
+
+
+def test_reads_a_client_logged_count_after_it_closed() -> None:
+    """Bug (a clean-clone CI run, tests/integration/test_ssd_tier.py, again 480 hits for
+    512 blocks read): the client closed right after its last reads, its page went with
+    its connection, and the reads it had logged there since the last drain were lost."""
+    with _store_read_through_index() as (store, index, cid, before):
+        index.drop_client(cid)  # its connection closed before the worker drained
+        assert store.stats().hits == before + 3
+        assert store.stats().hits == before + 3, "counted once"
