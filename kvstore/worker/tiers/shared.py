@@ -214,7 +214,8 @@ class SharedIndex:
 
     def drain(self) -> list[tuple[int, int]]:
         """(slot, gen) of the reads clients logged since the last drain (the newest
-        NRING of each page); (-1, n) for n misses."""
+        NRING of each page), those of clients closed since included; (-1, n) for n
+        misses."""
         with self._logs:
             out, self._left = self._left, []
             for page in self.pages.values():
