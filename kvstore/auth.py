@@ -41,6 +41,7 @@ import yaml
 
 from kvstore_client.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from kvstore_client.keys import check_namespace
+from kvstore_client.security import CLIENT_HEADER, IDENTITY_BYTES
 
 from .config import parse_size
 
@@ -196,6 +197,21 @@ def _entry(path: str, i: int, item: Any) -> tuple[Tenant, str]:
                 f"{where}: quota must be positive ({quota} given); omit it for no quota"
             )
     return Tenant(name, namespaces, quota, admin), digest
+
+
+def client_identity(metadata: Sequence[tuple[str, str | bytes]] | None) -> bytes:
+    """The calling client's identity (``kvstore-client`` metadata: 32 hex digits), or
+    b"" when it sent none or a malformed one (see kvstore_client.security)."""
+    for k, v in metadata or ():
+        if k == CLIENT_HEADER:
+            text = v.decode(errors="replace") if isinstance(v, bytes) else v
+            if len(text) == 2 * IDENTITY_BYTES:
+                try:
+                    return bytes.fromhex(text)
+                except ValueError:
+                    return b""
+            return b""
+    return b""
 
 
 def bearer(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:

@@ -44,7 +44,7 @@ from .replicas import (
 from .routing import Links, View, frames, parse_masters
 from .routing import bind as _bind
 from .routing import misses_only as _misses_only
-from .security import Tls, metadata, open_channel
+from .security import Tls, metadata, new_identity, open_channel
 from .sessions import SessionHints
 from .sharding import DEFAULT_VNODES_PER_GIB, build_ring
 from .transport import BlockView, Transfer
@@ -100,13 +100,14 @@ class Client:
         self.timeout = timeout
         self.tls = tls if tls is not None else Tls.from_env()
         self._token = token if token is not None else os.environ.get("KVSTORE_TOKEN", "")
-        self._md = metadata(self._token)
+        self.identity = new_identity()  # who this client is to the workers (security.py)
+        self._md = metadata(self._token, self.identity)
         self._masters = parse_masters(master)
         self._master_idx = 0
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._d = Dispatch(timeout, max_threads, self.tls, self._md)
-        self._links = Links(transport, self.tls, self._token)
+        self._links = Links(transport, self.tls, self._token, self.identity)
         self._channel: grpc.Channel | None = None
         self._watch_call: Any = None  # the open WatchShardMap call, to cancel on close
         self.session_writer = session_writer

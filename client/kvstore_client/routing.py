@@ -112,10 +112,11 @@ class View:
 class Links:
     """Connections to the workers, kept across map versions."""
 
-    def __init__(self, transport: str, tls: Tls | None, token: str) -> None:
+    def __init__(self, transport: str, tls: Tls | None, token: str, identity: bytes = b"") -> None:
         self.transport = transport
         self.tls = tls
         self.token = token
+        self.identity = identity
         self._pools: dict[str, TcpPool] = {}
         self._arenas: dict[str, ShmArena | None] = {}
         self._ucx: dict[str, UcxPool] = {}
@@ -136,7 +137,9 @@ class Links:
             pool = self._pools.get(key)
             if pool is None:
                 host, port = parse_tcp_url(url) if url else ("", 0)
-                pool = self._pools[key] = TcpPool(host, port, tls=self.tls, token=self.token)
+                pool = self._pools[key] = TcpPool(
+                    host, port, tls=self.tls, token=self.token, identity=self.identity
+                )
             arena = None
             if self.transport in ("auto", "shm"):
                 # Keyed by the arena's identity too: a worker restarted behind the

@@ -5,11 +5,20 @@ client gets the same CA (``tls_ca``), daemons a certificate and key, and, with
 mutual TLS, clients too. A token travels as gRPC metadata
 ``authorization: Bearer <token>`` and, on the transfer plane, in an AUTH frame
 at the start of each connection.
+
+Every :class:`~kvstore_client.Client` also has an *identity*: 16 random bytes made
+when it starts, never shown anywhere, sent with its token (gRPC metadata
+``kvstore-client``, the AUTH frame with ``wire.FLAG_IDENTITY``, the shm:// hand-over).
+A worker counts what a client holds (read pins, reservations, hazard words) and which
+sessions it may cut by this identity, not by its address: every engine on a host
+connects from the same address. Guessing another client's identity takes 2^128 tries;
+a process that can read another's memory is that process, as far as any store can tell.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import ssl
 from dataclasses import dataclass
@@ -19,6 +28,13 @@ import grpc
 from .errors import InvalidArgument
 
 AUTH_HEADER = "authorization"
+CLIENT_HEADER = "kvstore-client"  # gRPC metadata: the calling client's identity, in hex
+IDENTITY_BYTES = 16
+
+
+def new_identity() -> bytes:
+    """A fresh client identity (see the module docstring)."""
+    return secrets.token_bytes(IDENTITY_BYTES)
 
 
 @dataclass(slots=True, frozen=True)
@@ -95,9 +111,14 @@ def open_channel(
     return grpc.insecure_channel(addr, options=options)
 
 
-def metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
-    """gRPC call metadata carrying the bearer token."""
-    return ((AUTH_HEADER, f"Bearer {token}"),) if token else None
+def metadata(token: str | None, identity: bytes = b"") -> tuple[tuple[str, str], ...] | None:
+    """gRPC call metadata carrying the bearer token and the client's identity."""
+    md: list[tuple[str, str]] = []
+    if token:
+        md.append((AUTH_HEADER, f"Bearer {token}"))
+    if identity:
+        md.append((CLIENT_HEADER, identity.hex()))
+    return tuple(md) or None
 
 
 def wrap_client_socket(sock: socket.socket, tls: Tls | None, host: str) -> socket.socket:

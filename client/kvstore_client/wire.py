@@ -40,6 +40,10 @@ the client copies bytes itself through its own mapping of the worker's arena:
 
 With tenants configured, a connection's first frame is AUTH (ns_len 0, count =
 token length, body = the token); the answer is OK or UNAUTHENTICATED (then closed).
+With FLAG_IDENTITY the body starts with the client's 16-byte identity (count includes
+it; kvstore_client.security): the worker then counts what this connection holds with
+the client's other connections (and its hazard page), not by the peer's address.
+Without tenants a client sends AUTH only to say who it is.
 A frame for a namespace the tenant does not own is answered PERMISSION_DENIED
 and the connection is closed. With TLS, the connection is wrapped before any frame.
 
@@ -136,6 +140,9 @@ SUMS = struct.Struct("<Q")
 # pays a rendezvous, so many small blocks or parts cost far more than a copy.
 FLAG_PACKED = 8
 MAX_PACKED = 64 << 20
+# Request flag (AUTH): the body starts with the client's 16-byte identity.
+FLAG_IDENTITY = 1
+IDENTITY = 16
 TAG_RUN = 1
 TAG_PACKED = 2  # a GET answer (ucx://) whose hits follow as one packed message
 PART_COUNT = struct.Struct("<I")

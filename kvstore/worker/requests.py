@@ -12,8 +12,9 @@ exists once and every entry point applies it the same way:
   (``max_answer_bytes``: a small request repeating one big hash must not make the
   worker copy gigabytes) -> INVALID_ARGUMENT;
 - :class:`Budget` / :class:`Holder`: bytes and entries a request may hold between
-  frames (shm:// reservations and read pins, tcp:// reserve-ahead), bounded per
-  connection, per client address and per worker;
+  frames (shm:// read pins, tcp:// reserve-ahead), bounded per connection, per client
+  (its identity, kvstore_client.security; a connection that gave none is a client of
+  its own: never the peer's address, which every engine on a host shares) and per worker;
 - :func:`put_status`: one wire status per put slot.
 
 No sockets, no asyncio, no store internals beyond its public calls. Import
@@ -177,6 +178,12 @@ class Holder:
 
     def give(self, nbytes: int, entries: int = 0) -> None:
         self.budget._give(self, nbytes, entries)
+
+    def rebind(self, client: str) -> None:
+        """Count under another client's account from now on (the connection said who
+        it is before holding anything; a holder that holds something stays put)."""
+        if not self.bytes and not self.entries:
+            self.client = client
 
     def close(self) -> None:
         """Give back everything (the connection is gone)."""

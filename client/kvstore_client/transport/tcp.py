@@ -22,7 +22,14 @@ import numpy as np
 import xxhash
 
 from .. import wire
-from ..errors import KVStoreError, ProtocolError, Unavailable, from_code, from_transport_error
+from ..errors import (
+    KVStoreError,
+    ProtocolError,
+    Unauthenticated,
+    Unavailable,
+    from_code,
+    from_transport_error,
+)
 from ..keys import HASH_LEN
 from ..security import Tls, wrap_client_socket
 from .pins import Remote
@@ -44,7 +51,13 @@ class TcpConnection:
     """One blocking connection; not thread-safe (the pool hands it to one caller)."""
 
     def __init__(
-        self, host: str, port: int, timeout: float, tls: Tls | None = None, token: str = ""
+        self,
+        host: str,
+        port: int,
+        timeout: float,
+        tls: Tls | None = None,
+        token: str = "",
+        identity: bytes = b"",
     ) -> None:
         sock = socket.create_connection((host, port), timeout=timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -55,16 +68,18 @@ class TcpConnection:
         self._scratch = memoryview(bytearray(1 << 16))
         try:
             self.sock = wrap_client_socket(sock, tls, host)
-            if token:
-                self._auth(token)
+            if token or identity:
+                self._auth(token, identity)
         except BaseException:
             sock.close()
             raise
 
-    def _auth(self, token: str) -> None:
-        raw = token.encode()
+    def _auth(self, token: str, identity: bytes) -> None:
+        """AUTH: the token, and with FLAG_IDENTITY the client's identity before it."""
+        raw = identity + token.encode()
+        flags = wire.FLAG_IDENTITY if identity else 0
         self._req += 1
-        head = wire.encode_request_header(wire.OP_AUTH, b"", len(raw), self._req)
+        head = wire.encode_request_header(wire.OP_AUTH, b"", len(raw), self._req, flags)
         wire.send_buffers(self.sock, [head, raw])
         self._answer(wire.OP_AUTH, self._req)
 
@@ -195,12 +210,20 @@ class TcpPool:
     """Connections to one worker's tcp:// endpoint, opened on demand."""
 
     def __init__(
-        self, host: str, port: int, *, max_idle: int = 8, tls: Tls | None = None, token: str = ""
+        self,
+        host: str,
+        port: int,
+        *,
+        max_idle: int = 8,
+        tls: Tls | None = None,
+        token: str = "",
+        identity: bytes = b"",
     ) -> None:
         self.host = host
         self.port = port
         self.tls = tls
         self.token = token
+        self.identity = identity  # b"" once a worker that predates identities refused it
         self.max_idle = max_idle
         self._idle: list[TcpConnection] = []
         self._lock = threading.Lock()
@@ -227,10 +250,23 @@ class TcpPool:
         if time.monotonic() < self.down_until:
             raise Unavailable(f"worker {self.host}:{self.port} was unreachable a moment ago")
         try:
-            return TcpConnection(self.host, self.port, timeout, self.tls, self.token)
+            return self._connect(timeout)
         except OSError as e:
             self.down_until = time.monotonic() + 0.5
             raise Unavailable(f"cannot connect to {self.host}:{self.port}: {e}") from e
+
+    def _connect(self, timeout: float) -> TcpConnection:
+        try:
+            return TcpConnection(self.host, self.port, timeout, self.tls, self.token, self.identity)
+        except Unauthenticated:
+            if not (self.identity and self.token):
+                raise
+        # A worker that predates identities reads the identity as part of the token
+        # (with tenants: unknown). Its connections go without one (bounded per
+        # connection there, as before).
+        conn = TcpConnection(self.host, self.port, timeout, self.tls, self.token)
+        self.identity = b""
+        return conn
 
     def give(self, conn: TcpConnection) -> None:
         with self._lock:

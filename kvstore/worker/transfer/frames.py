@@ -145,6 +145,7 @@ class Peer:
     tenant: Tenant | None = None
     authed: bool = False  # AUTH answered OK
     frames: int = 0  # headers seen
+    identity: bytes = b""  # the client's, from AUTH with FLAG_IDENTITY (else none)
 
 
 def ok_answer(h: wire.Header, count: int = 0, tag: int = 0) -> bytes:
@@ -179,7 +180,9 @@ class FrameCore:
         self.scheme = scheme
 
     def peer(self, client: str) -> Peer:
-        """A new connection from ``client`` (its budget account)."""
+        """A new connection, ``client`` naming it (its budget account until an AUTH
+        with the client's identity moves it to the identity's: a client's connections
+        share one account, never the peer's address, see kvstore_client.security)."""
         return Peer(self.core.budget.holder(client))
 
     # ---- the header: checks 1-6 ----------------------------------------------------
@@ -212,8 +215,18 @@ class FrameCore:
         return h
 
     def authenticate(self, p: Peer, h: wire.Header, token: bytes | bytearray) -> bytes:
-        """The answer to an AUTH frame whose token was read; UNAUTHENTICATED (Refused)
-        for an unknown token. Without tenants any token is accepted."""
+        """The answer to an AUTH frame whose body was read; UNAUTHENTICATED (Refused)
+        for an unknown token. Without tenants any token is accepted. With
+        FLAG_IDENTITY the body starts with the client's identity: what this
+        connection holds counts from now on with that client's other holdings."""
+        if h.flags_or_code & ~wire.FLAG_IDENTITY:
+            raise Refused(h, InvalidArgument(f"unknown AUTH flags {h.flags_or_code:#x}"))
+        if h.flags_or_code & wire.FLAG_IDENTITY:
+            if len(token) < wire.IDENTITY:
+                raise Refused(h, InvalidArgument("AUTH with FLAG_IDENTITY is too short"))
+            p.identity = bytes(token[: wire.IDENTITY])
+            token = token[wire.IDENTITY :]
+            p.holder.rebind("id:" + p.identity.hex())
         if self.core.tenants is not None:
             with refusing(h):
                 p.tenant = self.core.tenants.authenticate(bytes(token).decode(errors="replace"))

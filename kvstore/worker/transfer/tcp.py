@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import logging
 import select
 import socket
@@ -31,6 +32,7 @@ from ..store import BlockStore
 from .frames import TCP_OPS, FrameCore, Peer, Refused, observe_frame, own_core
 from .shm import ShmServer, ShmState
 
+_CONNS = itertools.count(1)  # names budget accounts of connections that gave no identity
 log = logging.getLogger(__name__)
 
 SOCK_BUF = 4 << 20
@@ -233,7 +235,8 @@ class TcpTransferServer:
                 self._per_client.pop(peer, None)
 
     def _serve(self, raw: socket.socket, peer: str) -> None:
-        p = self.frames.peer(peer)
+        # Its own budget account until AUTH names the client (never the address).
+        p = self.frames.peer(f"conn:{peer}:{raw.fileno()}:{next(_CONNS)}")
         st = _Conn(raw, [], p, self.shm.state(p.holder))
         conn = raw
         try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +43,7 @@ from ..requests import RequestCore
 from ..store import BlockStore
 from .frames import UCX_OPS, FrameCore, Peer, PutPlan, Refused, observe_frame, own_core
 
+_ENDPOINTS = itertools.count(1)  # names budget accounts of connections that gave no identity
 log = logging.getLogger(__name__)
 
 
@@ -181,9 +183,8 @@ class UcxTransferServer:
             abort(ep)
             return
         self._eps[ep] = False
-        # Budget per endpoint; ucxx does not tell the peer's address, so all ucx://
-        # endpoints share one client account.
-        p = self.frames.peer("ucx://")
+        # Budget per endpoint (an account of its own until AUTH names the client).
+        p = self.frames.peer(f"ucx:{next(_ENDPOINTS)}")
         stage = Staging()  # this endpoint's packed payloads (wire.FLAG_PACKED)
         try:
             assert self._started is not None
