@@ -356,6 +356,18 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
     "tcp:// like remote ones [on].",
 )
 @click.option(
+    "--shm-inbox-size",
+    default=None,
+    help="Each same-host client's inbox, into which it writes the blocks it puts (the "
+    "worker verifies and publishes them); 0 = none, puts go over tcp:// [64MiB].",
+)
+@click.option(
+    "--dumpable/--no-dumpable",
+    default=None,
+    help="Let debuggers of the worker's user attach (py-spy, gdb); off, other processes "
+    "of the user cannot read or write the worker's memory [off].",
+)
+@click.option(
     "--promote",
     type=click.Choice(["always", "second-hit", "never"]),
     default=None,

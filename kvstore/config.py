@@ -114,6 +114,13 @@ class WorkerConfig:
     max_value_size: int = _size("16MiB")  # also the slab size
     shm_dir: str = "/dev/shm"  # where the arena's hand-over socket lives (the arena is a memfd)
     share_arena: bool = True  # hand the arena and index to same-host clients (shm://)
+    # Each same-host client's inbox, into which it writes the blocks it puts (the worker
+    # verifies and publishes them): at least two values; 0 = no inboxes (puts over tcp://)
+    shm_inbox_size: int = _size("64MiB")
+    # Let debuggers of the worker's user attach (py-spy, gdb). Off: other processes of the
+    # user cannot read or write the worker's memory or reopen its descriptors (prctl
+    # PR_SET_DUMPABLE 0); root still can (docs/SECURITY.md)
+    dumpable: bool = False
     huge_pages: int = _size("0")  # page size backing the arena (2MiB, 1GiB); 0: regular pages
     max_connections: int = 1024
     idle_timeout: float = _dur("300s")
@@ -136,7 +143,7 @@ class WorkerConfig:
     max_answer_bytes: int = _size("64MiB")  # payload of one inline (gRPC) Get answer
     reserve_ahead: int = _size("8MiB")  # put bytes a connection reserves before they arrive
     hold_per_connection: int = _size("0")  # bytes one connection may hold pinned/reserved
-    hold_per_client: int = _size("0")  # ... all connections of one client address
+    hold_per_client: int = _size("0")  # ... all connections of one client (its identity)
     hold_per_worker: int = _size("0")  # ... all connections together
     shm_entries_per_connection: int = 65536  # shm blocks one connection may hold open
     tls_cert: str = ""  # PEM certificate of this daemon; with tls_key enables TLS

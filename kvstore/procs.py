@@ -12,6 +12,7 @@ error (``StartError``, ``PeerUnavailable`` ...), with their own wording.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import selectors
@@ -124,6 +125,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+PR_SET_DUMPABLE = 4
+
+
+def set_dumpable(on: bool) -> bool:
+    """prctl(PR_SET_DUMPABLE): off, only root may ptrace this process, read or write its
+    memory through /proc/PID/mem, or open its descriptors through /proc/PID/fd (and it
+    leaves no core dump). True when the call took effect (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_DUMPABLE, int(on), 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def pid_alive(pid: int) -> bool:

@@ -38,3 +38,30 @@ def run_client_process(code: str, timeout: float = 120.0, **params: Any) -> Any:
         if line.startswith("RESULT="):
             return json.loads(line[len("RESULT=") :])
     raise AssertionError(f"client process printed no result:\n{out.stdout[-2000:]}")
+
+
+def corrupt_arena(pid: int, needle: bytes, at: int = 10) -> bool:
+    """Flip the byte ``at`` bytes into the first copy of ``needle`` in the DRAM arena of
+    the worker process ``pid``, through /proc/PID/mem: memory gone bad under a stored
+    block, which no client can do (the arena is sealed read-only for them; writing
+    another process's memory takes ptrace rights, root's here). True if found."""
+    with open(f"/proc/{pid}/maps") as f:
+        spans = [
+            tuple(int(x, 16) for x in line.split()[0].split("-"))
+            for line in f
+            if "kvstore-arena" in line
+        ]
+    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
+        for lo, hi in spans:
+            step = 8 << 20
+            for a in range(lo, hi, step):
+                mem.seek(a)
+                chunk = mem.read(min(step + len(needle), hi - a))
+                i = chunk.find(needle)
+                if i >= 0:
+                    mem.seek(a + i + at)
+                    b = mem.read(1)
+                    mem.seek(a + i + at)
+                    mem.write(bytes([b[0] ^ 0xFF]))
+                    return True
+    return False

@@ -148,7 +148,7 @@ class Links:
                 akey = f"{key}|{surl}"
                 live.add(akey)
                 if akey not in self._arenas:
-                    self._arenas[akey] = shm.try_map(info.endpoints)
+                    self._arenas[akey] = shm.try_map(info.endpoints, self.identity, self.token)
                 arena = self._arenas[akey]
             ucx = None
             ucx_url = find_ucx_url(info.endpoints) if self.transport == "ucx" else ""

@@ -22,21 +22,22 @@ Answer   = header(20) | body
           A worker that predates FLAG_PREFIX ignores it and sends the bitmap (tag 0).
   REMOVE  body: empty; count = number removed
 
-Same-host shared memory (shm://) uses the same connection for control only;
-the client copies bytes itself through its own mapping of the worker's arena:
+Same-host shared memory (shm://) uses the same connection for control only. The
+client maps the worker's arena read-only (sealed: nobody but the worker can write it)
+and copies blocks out itself; it writes blocks into its own *inbox*, memory that only
+it and the worker share, and the worker copies them into the arena, verifying each
+against the checksum the writer took over its source (docs/SECURITY.md):
   GET_LOC    body: count x hash 16
              answer: count x (status u8 | pad 3 | size u32 | xxh3_64 u64 | offset u64),
              then the payloads of INLINE entries (blocks not in the arena, e.g. on SSD).
              LOC entries stay pinned until the client sends RELEASE with this req_id.
-  RELEASE    no body, no answer; req_id names the GET_LOC (or PUT_LOC) to release.
-  PUT_LOC    body: count x (hash 16 | size u32 | xxh3_64 u64)
-             answer: count x (status u8 | pad 7 | offset u64); LOC slots are reserved
-  PUT_COMMIT body: count x ok u8 (the client wrote the slot); req_id names the PUT_LOC
-             answer: count x status u8 (PUT_*). Reserved slots die with the connection.
-             With FLAG_LATE_SUM (on the PUT_LOC and its PUT_COMMIT) the PUT_LOC's
-             checksums are ignored (send 0) and the commit's body is followed by
-             count x xxh3_64 u64: the checksums of the bytes the client wrote, known
-             only after writing (a GPU's DMA straight into the slot).
+  RELEASE    no body, no answer; req_id names the GET_LOC to release.
+  PUT_INBOX  body: count x (hash 16 | size u32 | xxh3_64 u64 | offset u64): blocks the
+             client wrote into its inbox at those offsets (flags: FLAG_SESSION); only
+             on a connection whose AUTH carried the identity its inbox was handed to.
+             answer: count x status u8 (PUT_*): PUT_CORRUPT when the bytes the worker
+             copied do not match the checksum (the key stays absent).
+  (ops 7 and 8, PUT_LOC / PUT_COMMIT, wrote into a shared writable arena: retired.)
 
 With tenants configured, a connection's first frame is AUTH (ns_len 0, count =
 token length, body = the token); the answer is OK or UNAUTHENTICATED (then closed).
@@ -93,7 +94,8 @@ OP_RELEASE = 6
 OP_PUT_LOC = 7
 OP_PUT_COMMIT = 8
 OP_AUTH = 9
-OPS = frozenset(range(1, 10))
+OP_PUT_INBOX = 10
+OPS = frozenset(range(1, 11))
 MAX_TOKEN = 4096
 
 PUT_STORED = 0
@@ -111,10 +113,20 @@ LOC_INLINE = 2  # bytes follow inline in the answer
 PUT_LOC_SLOT = 0  # reserved: write the slot, then commit
 LOC_ENTRY = struct.Struct("<B3xIQQ")  # 24
 PUT_LOC_ENTRY = struct.Struct("<B7xQ")  # 16
+INBOX_ENTRY = struct.Struct("<16sIQQ")  # 36: hash, size, xxh3_64 of the source, inbox offset
 
-# shm:// hand-over: magic | arena id (8 bytes) | arena size u64, with the memfd attached.
-SHM_MAGIC = b"KVSH"
-SHM_HELLO = struct.Struct("<4s8sQ")
+# shm:// hand-over (version 2). The client speaks first: SHM_REQUEST (magic, version,
+# token length, its identity) and the token. The worker answers SHM_HELLO (magic, arena
+# id, arena size, inbox size, hazard budget in bytes, flags) with descriptors attached:
+# the arena (read-only), then with SHM_HAS_INDEX the index (read-only) and the client's
+# hazard page, then with SHM_HAS_INBOX the client's inbox (read-write, its own).
+SHM_REQ_MAGIC = b"KVSR"
+SHM_VERSION = 2
+SHM_REQUEST = struct.Struct("<4sHH16s")
+SHM_MAGIC = b"KVS2"
+SHM_HELLO = struct.Struct("<4s8sQQQI4x")
+SHM_HAS_INDEX = 1
+SHM_HAS_INBOX = 2
 
 MAX_BATCH = 1 << 16
 IOV_MAX = 1024
@@ -131,8 +143,6 @@ FLAG_SESSION = 2
 # Request flag (EXISTS): answer only how many leading keys are present (the worker
 # stops at its first miss); the answer carries TAG_RUN and the run in its count.
 FLAG_PREFIX = 1
-# Request flag (PUT_LOC and its PUT_COMMIT): the checksums come with the commit.
-FLAG_LATE_SUM = 4
 SUMS = struct.Struct("<Q")
 # Request flag (ucx:// PUT and GET): the frame's payloads travel packed, one message
 # of at most MAX_PACKED bytes (PUT: the blocks back to back, not with FLAG_PARTS; GET:
@@ -220,19 +230,48 @@ def encode_answer_header(op: int, code: int, count: int, req_id: int, tag: int =
     return HEADER.pack(ANS_MAGIC, op, code, tag, count, req_id)
 
 
-def encode_shm_hello(arena_id: str, size: int) -> bytes:
-    """The message that carries an arena's descriptor (SCM_RIGHTS) to a same-host client."""
-    return SHM_HELLO.pack(SHM_MAGIC, bytes.fromhex(arena_id), size)
+@dataclass(frozen=True, slots=True)
+class ShmHello:
+    """What a worker's hand-over says besides its descriptors."""
+
+    arena_id: str
+    size: int
+    inbox: int  # bytes of the client's inbox (0: none)
+    budget: int  # bytes of withdrawn slots the client's hazard words may hold
+    flags: int  # SHM_HAS_INDEX | SHM_HAS_INBOX
 
 
-def decode_shm_hello(buf: bytes) -> tuple[str, int]:
-    """(arena id, size) of a hand-over message; ProtocolError when it is not one."""
+def encode_shm_request(identity: bytes, token: str) -> bytes:
+    """What a same-host client sends on the hand-over socket."""
+    raw = token.encode()
+    if len(identity) != IDENTITY or len(raw) > MAX_TOKEN:
+        raise ProtocolError("bad shm hand-over request")
+    return SHM_REQUEST.pack(SHM_REQ_MAGIC, SHM_VERSION, len(raw), identity) + raw
+
+
+def decode_shm_request(buf: bytes) -> tuple[int, bytes, int]:
+    """(version, identity, token length) of a hand-over request's head; ProtocolError."""
+    if len(buf) != SHM_REQUEST.size:
+        raise ProtocolError("bad shm hand-over request")
+    magic, version, tlen, identity = SHM_REQUEST.unpack(buf)
+    if magic != SHM_REQ_MAGIC or tlen > MAX_TOKEN:
+        raise ProtocolError("bad shm hand-over request")
+    return version, identity, tlen
+
+
+def encode_shm_hello(arena_id: str, size: int, inbox: int, budget: int, flags: int) -> bytes:
+    """The message that carries the descriptors (SCM_RIGHTS) to a same-host client."""
+    return SHM_HELLO.pack(SHM_MAGIC, bytes.fromhex(arena_id), size, inbox, budget, flags)
+
+
+def decode_shm_hello(buf: bytes) -> ShmHello:
+    """A hand-over message; ProtocolError when it is not one."""
     if len(buf) != SHM_HELLO.size:
         raise ProtocolError("bad shm hand-over message")
-    magic, raw_id, size = SHM_HELLO.unpack(buf)
+    magic, raw_id, size, inbox, budget, flags = SHM_HELLO.unpack(buf)
     if magic != SHM_MAGIC:
         raise ProtocolError("bad shm hand-over magic")
-    return raw_id.hex(), size
+    return ShmHello(raw_id.hex(), size, inbox, budget, flags)
 
 
 def decode_header(buf: bytes | bytearray | memoryview, magic: bytes) -> Header:

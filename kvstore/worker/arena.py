@@ -17,12 +17,21 @@ being OOM-killed while faulting in.
 The arena is faulted in at start (a first touch costs ~30x a memcpy). Each arena has
 a random identity (``id``, and a 16-bit ``tag`` of it that travels in every shm://
 answer), so a client can never mistake a restarted worker's arena for the old one.
+
+Then it is sealed (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE``): the
+worker's own mapping, made before the seal, stays writable, and no other mapping of the
+memory can ever be (not through the read-only descriptor handed to clients, nor a
+reopen of it through /proc, whose memfd inodes are mode 0777). ``sealed`` says whether
+the kernel enforces it (checked by trying: Linux 5.1 for regular pages, 5.13 for huge
+pages); a worker hands its arena to same-host clients only when it does
+(docs/SECURITY.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import uuid
@@ -35,6 +44,7 @@ from kvstore_client.errors import ResourceExhausted
 from ..config import format_size
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap module lacks the name
+F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1: no new writable mapping; Python 3.11 lacks it
 SHM_PREFIX = "kvstore-"
 MFD_HUGE_SHIFT = 26  # linux/memfd.h: log2(page size) << MFD_HUGE_SHIFT selects the size
 NO_LIMIT = 1 << 60  # cgroup v1 reports "no limit" as a huge number (page-rounded LONG_MAX)
@@ -194,6 +204,28 @@ def check_room(size: int, huge_page: int = 0) -> None:
         )
 
 
+def seal(fd: int, page: int) -> bool:
+    """Seal a memfd against size changes and new writable mappings; True when the
+    kernel enforces it (a writable mapping of a read-only reopen is refused)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
+    except OSError:
+        return False
+    try:
+        probe = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        m = mmap.mmap(probe, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError:
+        return True  # refused: the seal holds
+    finally:
+        os.close(probe)
+    m.close()
+    return False
+
+
 class Arena:
     """An anonymous shared-memory file of ``size`` bytes mapped read-write here.
 
@@ -220,7 +252,7 @@ class Arena:
         self.huge_page = huge_page
         self.id = uuid.uuid4().hex[:16]
         self.tag = int(self.id[:4], 16)  # 16 bits of the identity, sent in shm answers
-        flags = os.MFD_CLOEXEC
+        flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
         if huge_page:
             flags |= os.MFD_HUGETLB | (huge_page.bit_length() - 1) << MFD_HUGE_SHIFT
         self.fd = os.memfd_create(name or f"{SHM_PREFIX}arena-{self.id}", flags)
@@ -240,6 +272,7 @@ class Arena:
             raise
         self.view = memoryview(self._mm)
         self._prefault()
+        self.sealed = seal(self.fd, huge_page or mmap.PAGESIZE)
 
     def _prefault(self) -> None:
         try:
@@ -248,6 +281,11 @@ class Arena:
             # Older kernels: touch one byte per page (huge pages were reserved by mmap,
             # so touching them cannot fail).
             np.frombuffer(self._mm, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
+
+    def read_only_fd(self) -> int:
+        """A new read-only descriptor of the arena (for a client; close it after
+        handing it over)."""
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
     def slot(self, offset: int, size: int) -> memoryview:
         """A view of ``size`` bytes at ``offset`` (no copy)."""

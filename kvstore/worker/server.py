@@ -43,7 +43,7 @@ from .storerecords import StoreStats, stats_message
 from .tiers.budgets import Promoter, QuotaBook, Watermarks, parse_pins
 from .tiers.shared import SharedIndex
 from .tiers.ssd import SsdStore
-from .transfer.shm import ArenaShare
+from .transfer.shm import ArenaShare, Inboxes
 from .transfer.tcp import TcpTransferServer
 from .transfer.ucx import UcxTransferServer
 
@@ -85,10 +85,6 @@ class Worker:
         # listeners or the hand-over socket behind: each is undone as it was made.
         undo = contextlib.ExitStack()
         try:
-            self.share: ArenaShare | None = None
-            if cfg.share_arena:
-                self.share = ArenaShare(self.arena, cfg.shm_dir)
-                undo.callback(_quietly, self.share.close)
             self.store = BlockStore(
                 self.arena,
                 cfg.max_value_size,
@@ -121,10 +117,6 @@ class Worker:
             self.index = SharedIndex(self.store.tier.capacity, self.arena.tag, ssd=ssd is not None)
             undo.callback(_quietly, self.index.close)
             self.store.tier.shared = self.index  # the tier is empty: nothing to publish yet
-            # With tenants every call is checked by the worker (token, namespace): the
-            # index, which would answer without it, is not handed over.
-            if self.share is not None and self.tenants is None:
-                self.share.attach(self.index, self._index_upkeep)
             self.events: KvEventPublisher | None = None
             if cfg.kv_events:
                 self.events = KvEventPublisher(
@@ -153,6 +145,16 @@ class Worker:
                 ),
                 self.tenants,
             )
+            self.share: ArenaShare | None = None
+            self.inboxes: Inboxes | None = None
+            if self._shares(cfg):
+                if cfg.shm_inbox_size:
+                    self.inboxes = Inboxes(max(cfg.shm_inbox_size, 2 * cfg.max_value_size))
+                self.share = ArenaShare(
+                    self.arena, cfg.shm_dir, self.inboxes, self.core.limits.hold_per_client
+                )
+                undo.callback(_quietly, self.share.close)
+                self.share.attach(self.index, self._index_upkeep)
             self.advertise = cfg.advertise_host or (
                 socket.gethostname() if cfg.host in ("0.0.0.0", "::", "") else cfg.host
             )
@@ -170,6 +172,7 @@ class Worker:
                 ssl_context=(
                     self.tls.server_context(cfg.tls_client_auth) if self.tls.enabled else None
                 ),
+                inboxes=self.inboxes,
             )
             undo.callback(_quietly, self.tcp.stop, 0)
             # ucx:// (extra kvstore-cache[ucx]), made before anything else in this process uses UCX
@@ -313,12 +316,28 @@ class Worker:
 
     # ---- shutdown ------------------------------------------------------------
 
+    def _shares(self, cfg: WorkerConfig) -> bool:
+        """Whether same-host clients get the arena (docs/SECURITY.md, shared memory): not
+        with tenants (one tenant's client would map every tenant's blocks), and only
+        when the kernel seals it (no client can write a published block)."""
+        if not cfg.share_arena:
+            return False
+        if self.tenants is not None:
+            log.info("tenants: the arena is not shared; same-host clients use tcp://")
+            return False
+        if not self.arena.sealed:
+            log.warning(
+                "this kernel does not seal the arena%s: same-host clients use tcp://",
+                " (huge pages need Linux 5.13)" if cfg.huge_pages else " (Linux 5.1)",
+            )
+            return False
+        return True
+
     def _index_upkeep(self) -> None:
-        with self.store.lock:
-            self.store.tier.shared_upkeep()
-            # A lookup may resume a paused session (BlockStore.match_prefix): while one
-            # is paused, same-host clients ask the worker for lookups.
-            self.index.ask_lookups(bool(self.store.policy.sessions.paused))
+        self.store.shared_upkeep()
+        # A lookup may resume a paused session (BlockStore.match_prefix): while one is
+        # paused, same-host clients ask the worker for lookups.
+        self.index.ask_lookups(bool(self.store.policy.sessions.paused))
 
     def stop(self) -> None:
         """Drain: report NOT_SERVING, leave the map, finish in-flight calls, close."""
@@ -351,6 +370,8 @@ STALL_AFTER_DRAIN_S = 10.0  # a stop still running this long past --drain-timeou
 
 def run(cfg: WorkerConfig) -> int:
     """Run a worker until SIGTERM/SIGINT; prints one JSON 'ready' line on stdout."""
+    if not cfg.dumpable:  # before any memfd exists: no other process reopens them
+        procs.set_dumpable(False)
     w = Worker(cfg)
     try:
         w.start()

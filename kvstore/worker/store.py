@@ -80,6 +80,7 @@ from .tiers.ssd import SsdStore
 log = logging.getLogger(__name__)
 
 SLICE_KEYS = 256
+_UPKEEP_SLICE = 1024  # logged same-host reads applied per hold of the lock
 _SCALAR_KEYS = 16  # shorter lookups probe key by key (cheaper than one numpy pass)
 
 
@@ -495,6 +496,11 @@ class BlockStore:
                 self._promote(ns, keys[i], h)
         return reading
 
+    def count_checksum_errors(self, n: int) -> None:
+        """Blocks a writer sent whose bytes did not match their checksum (not stored)."""
+        with self.lock:
+            self.counters.checksum_errors += n
+
     def _count_hit(self) -> None:
         """A DRAM miss (already counted) that was found elsewhere."""
         self.tier.counters.hits += 1
@@ -690,12 +696,32 @@ class BlockStore:
 
     # ---- stats and shutdown ----------------------------------------------------
 
+    def shared_upkeep(self) -> None:
+        """Apply what same-host clients did through the index (tiers.shared): their
+        logged reads move blocks up the LRU and count as hits and misses, and slots held
+        for their pins are freed once no live page names them. The logs are read and
+        the pages scanned outside the store lock, the results applied under it a slice
+        at a time: what clients write into their pages never holds the lock longer."""
+        sh = self.tier.shared
+        if sh is None:
+            return
+        logged = sh.drain()
+        for i in range(0, len(logged), _UPKEEP_SLICE):
+            with self.lock:
+                self.tier.apply_reads(logged[i : i + _UPKEEP_SLICE])
+        with self.lock:
+            held = list(sh.held)
+        if held:
+            plan = sh.reap_plan(held)
+            if plan.free.any():
+                with self.lock:
+                    sh.reap_apply(plan, self.tier.release)
+
     def stats(self) -> StoreStats:
         """The counters now. Reads same-host clients made through the shared index
         (tiers.shared) are logged there and applied by the index upkeep; they are
         applied first, so a read already answered is always in ``hits``."""
-        with self.lock:
-            self.tier.shared_upkeep()
+        self.shared_upkeep()
         return snapshot(self.tier, self.policy, self.counters, self.ssd.size if self.ssd else None)
 
     def close(self, demote_timeout: float = 30.0) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from kvstore_client import Client, InvalidArgument
 from tests.conftest import MakeCluster
 from tests.helpers import key, value_for
@@ -120,32 +122,38 @@ def test_reserved_slots_are_written_in_place_and_published_by_commit(
             raise AssertionError("a 0-byte block was accepted")
 
 
-def test_a_commit_that_does_not_match_its_reservation_closes_only_that_connection(
-    make_cluster: MakeCluster,
-) -> None:
-    """PUT_LOC without FLAG_LATE_SUM then a PUT_COMMIT with it (or the reverse): a
-    protocol error; the reservation is dropped with the connection and the worker
-    keeps serving."""
+def test_a_bad_inbox_put_closes_only_that_connection(make_cluster: MakeCluster) -> None:
+    """A PUT_INBOX naming bytes past the inbox's end, or sent on a connection that did
+    not say who it is (no inbox), and the retired shared-arena writes (PUT_LOC): each
+    is answered INVALID_ARGUMENT and closes that connection; the worker keeps serving
+    and the key stays writable."""
     from kvstore_client import wire
+    from kvstore_client.errors import InvalidArgument
+    from kvstore_client.transport.tcp import TcpConnection
 
     cluster = make_cluster(workers=1, dram_size="32MiB")
     k = key(0, "mismatch")
     with Client(cluster.address, transport="shm") as c:
         w = c._view.workers[0]  # type: ignore[union-attr]
-        for loc_flag, commit_flag in ((0, wire.FLAG_LATE_SUM), (wire.FLAG_LATE_SUM, 0)):
-            conn = w.pool.take(5)
+        assert w.arena is not None and w.arena.inbox is not None
+        far = w.arena.inbox.size
+        frames = [
+            (w.pool.take(5), wire.OP_PUT_INBOX, wire.INBOX_ENTRY.pack(k, SIZE, 0, far - 1)),
+            (
+                TcpConnection(w.pool.host, w.pool.port, 5),  # no AUTH: no identity
+                wire.OP_PUT_INBOX,
+                wire.INBOX_ENTRY.pack(k, SIZE, 0, 0),
+            ),
+            (w.pool.take(5), wire.OP_PUT_LOC, wire.PUT_ENTRY.pack(k, SIZE, 0)),
+        ]
+        for conn, op, entry in frames:
             try:
-                entry = wire.PUT_ENTRY.pack(k, SIZE, 0)
-                head = wire.encode_request_header(wire.OP_PUT_LOC, NS.encode(), 1, 1, loc_flag)
+                head = wire.encode_request_header(op, NS.encode(), 1, 1)
                 wire.send_buffers(conn.sock, [head, entry])
-                conn._answer(wire.OP_PUT_LOC, 1)
-                wire.recv_exact(conn.sock, 16)
-                commit = wire.encode_request_header(
-                    wire.OP_PUT_COMMIT, NS.encode(), 1, 1, commit_flag
-                )
-                wire.send_buffers(conn.sock, [commit, b"\x01", bytes(8)])
+                with pytest.raises(InvalidArgument):
+                    conn._answer(op, 1)
                 conn.sock.settimeout(5)
-                try:  # an error frame, then the worker closes the connection
+                try:  # then the worker closes the connection
                     while conn.sock.recv(1 << 16):
                         pass
                 except ConnectionResetError:

@@ -24,7 +24,7 @@ from kvstore.worker.transfer.frames import (
     Refused,
     observe_frame,
 )
-from kvstore.worker.transfer.shm import ShmServer
+from kvstore.worker.transfer.shm import Inboxes, ShmServer
 from kvstore_client import wire
 from kvstore_client.errors import (
     InvalidArgument,
@@ -127,10 +127,10 @@ def test_the_batch_size_comes_before_the_namespace(tmp_path: Path, store: BlockS
     "raw",
     [
         head(wire.OP_PUT, MAX_BATCH + 1),
-        head(wire.OP_GET, 2, flags=wire.FLAG_LATE_SUM),
+        head(wire.OP_GET, 2, flags=4),
         head(wire.OP_EXISTS, 1, flags=0x82),
         head(wire.OP_REMOVE, 1, flags=wire.FLAG_PREFIX),
-        head(wire.OP_PUT, 1, flags=wire.FLAG_LATE_SUM),
+        head(wire.OP_PUT, 1, flags=4),
     ],
 )
 def test_tcp_and_ucx_refuse_the_same_frames_the_same_way(store: BlockStore, raw: bytes) -> None:
@@ -148,8 +148,7 @@ def test_flags_by_op_and_transport(store: BlockStore) -> None:
     ok = [
         (tcp, wire.OP_PUT, wire.FLAG_SESSION),
         (tcp, wire.OP_EXISTS, wire.FLAG_PREFIX),
-        (tcp, wire.OP_PUT_LOC, wire.FLAG_SESSION | wire.FLAG_LATE_SUM),
-        (tcp, wire.OP_PUT_COMMIT, wire.FLAG_LATE_SUM),
+        (tcp, wire.OP_PUT_INBOX, wire.FLAG_SESSION),
         (ucx, wire.OP_PUT, wire.FLAG_PARTS | wire.FLAG_SESSION),
         (ucx, wire.OP_PUT, wire.FLAG_PACKED | wire.FLAG_SESSION),
         (ucx, wire.OP_GET, wire.FLAG_PARTS),
@@ -259,9 +258,7 @@ def test_body_lengths() -> None:
     assert FrameCore.body_len(h(wire.OP_GET, 3, wire.FLAG_PARTS)) == 3 * 20
     assert FrameCore.body_len(h(wire.OP_GET, 3)) == 3 * 16
     assert FrameCore.body_len(h(wire.OP_EXISTS, 3, wire.FLAG_PREFIX)) == 3 * 16
-    assert FrameCore.body_len(h(wire.OP_PUT_LOC, 3, wire.FLAG_LATE_SUM)) == 3 * 28
-    assert FrameCore.body_len(h(wire.OP_PUT_COMMIT, 3)) == 3
-    assert FrameCore.body_len(h(wire.OP_PUT_COMMIT, 3, wire.FLAG_LATE_SUM)) == 3 * 9
+    assert FrameCore.body_len(h(wire.OP_PUT_INBOX, 3)) == 3 * 36
     assert FrameCore.body_len(h(wire.OP_RELEASE, 3)) == 0
 
 
@@ -414,31 +411,70 @@ def test_shm_server_pins_until_release_and_refuses_a_reused_id(store: BlockStore
     assert pins(store) == 0 and st.holder.entries == 0 and st.holder.bytes == 0
 
 
-def test_shm_server_reserve_commit_and_close(store: BlockStore) -> None:
+def test_retired_shared_arena_writes_are_refused(store: BlockStore) -> None:
+    """PUT_LOC / PUT_COMMIT (writes into a shared writable arena, with the writer's
+    late checksum taken as given) are no longer served: INVALID_ARGUMENT."""
+    tcp = FrameCore(store, core_for(store), TCP_OPS, "tcp")
+    for op in (wire.OP_PUT_LOC, wire.OP_PUT_COMMIT):
+        with pytest.raises(Refused, match=f"op {op} is not served") as e:
+            tcp.header(tcp.peer("c"), head(op, 1))
+        assert isinstance(e.value.error, InvalidArgument)
+
+
+def inbox_entries(ks: list[bytes], vals: list[bytes], offs: list[int], sums: list[int]) -> bytes:
+    return b"".join(
+        wire.INBOX_ENTRY.pack(k, len(v), c, o)
+        for k, v, o, c in zip(ks, vals, offs, sums, strict=True)
+    )
+
+
+def test_put_inbox_publishes_only_what_the_worker_verified(store: BlockStore) -> None:
+    """The worker copies each block out of the writer's inbox into its slot, hashes its
+    own copy and publishes only a match. A forged checksum (or bytes that changed)
+    stores nothing: the key stays absent and the next correct writer stores it (a
+    mismatched late sum used to leave the key present but unreadable, refusing every
+    later put of it: first writer wins)."""
+    import mmap as _mmap
+
     core = core_for(store)
-    shm = ShmServer(store, core)
+    inboxes = Inboxes(1 << 20)
+    me = b"\x01" * 16
+    fd = inboxes.add(me)
+    assert fd is not None and inboxes.add(me) is None  # one inbox per client
+    mm = _mmap.mmap(fd, 1 << 20, _mmap.MAP_SHARED, _mmap.PROT_READ | _mmap.PROT_WRITE)
+    os.close(fd)
+    shm = ShmServer(store, core, inboxes)
     st = shm.state(core.budget.holder("c"))
-    ks = keys(2, "loc")
-    vals = [b"x" * 4096, b"y" * 4096]
-    h = wire.Header(wire.OP_PUT_LOC, wire.FLAG_LATE_SUM, 3, 2, 9)
-    answer = shm.put_loc(st, h, "m/x", entries(ks, vals, [0, 0]))
-    offs = [wire.PUT_LOC_ENTRY.unpack_from(answer[1], 16 * i) for i in range(2)]
-    assert [o[0] for o in offs] == [wire.PUT_LOC_SLOT] * 2
-    for (_, off), v in zip(offs, vals, strict=True):
-        store.arena.view[off : off + len(v)] = v
-    with pytest.raises(ProtocolError, match="mismatched"):  # without its FLAG_LATE_SUM
-        shm.put_commit(st, wire.Header(wire.OP_PUT_COMMIT, 0, 3, 2, 9), b"\1\1")
-    sums = b"".join(wire.SUMS.pack(xxhash.xxh3_64_intdigest(v)) for v in vals)
-    commit = wire.Header(wire.OP_PUT_COMMIT, wire.FLAG_LATE_SUM, 3, 2, 9)
-    status, n = shm.put_commit(st, commit, b"\1\0" + sums)
-    assert bytes(status[1]) == bytes([wire.PUT_STORED, wire.PUT_CORRUPT]) and n == 4096
-    assert store.get_bytes("m/x", ks) == [vals[0], None]
-    # An open reservation dies with its connection.
-    used = store.tier.used_bytes
-    shm.put_loc(st, wire.Header(wire.OP_PUT_LOC, 0, 3, 1, 10), "m/x", entries(ks[1:], vals[1:]))
-    assert store.tier.used_bytes > used
-    shm.close(st)
-    assert store.tier.used_bytes == used and st.holder.bytes == 0 and not st.open
+    ks = keys(3, "inbox")
+    vals = [b"x" * 4096, b"y" * 5000, b"z" * 100]
+    offs = [256, 8192 + 256, 20000]
+    for v, o in zip(vals, offs, strict=True):
+        mm[o : o + len(v)] = v
+    sums = [xxhash.xxh3_64_intdigest(v) for v in vals]
+    sums[1] ^= 1  # forged
+    h = wire.Header(wire.OP_PUT_INBOX, 0, 3, 3, 9)
+    answer, n = shm.put_inbox(st, me, h, "m/x", inbox_entries(ks, vals, offs, sums))
+    assert bytes(answer[1]) == bytes([wire.PUT_STORED, wire.PUT_CORRUPT, wire.PUT_STORED])
+    assert n == 4196 and st.holder.bytes == 0 and st.holder.entries == 0
+    assert store.exists("m/x", ks) == [True, False, True]
+    assert store.get_bytes("m/x", ks) == [vals[0], None, vals[2]]
+    # The next correct writer stores it.
+    sums[1] ^= 1
+    h = wire.Header(wire.OP_PUT_INBOX, 0, 3, 1, 9)
+    answer, _ = shm.put_inbox(
+        st, me, h, "m/x", inbox_entries(ks[1:2], vals[1:2], offs[1:2], sums[1:2])
+    )
+    assert bytes(answer[1]) == bytes([wire.PUT_STORED])
+    assert store.get_bytes("m/x", ks[1:2]) == [vals[1]]
+    # A block outside the inbox, or a connection whose identity has no inbox: refused.
+    far = inbox_entries(keys(1, "far"), [b"q" * 10], [(1 << 20) - 5], [0])
+    with pytest.raises(Refused, match="outside the inbox"):
+        shm.put_inbox(st, me, wire.Header(wire.OP_PUT_INBOX, 0, 3, 1, 10), "m/x", far)
+    with pytest.raises(Refused, match="without an inbox"):
+        shm.put_inbox(st, b"\x02" * 16, wire.Header(wire.OP_PUT_INBOX, 0, 3, 1, 11), "m/x", far)
+    inboxes.drop(me)
+    with pytest.raises(Refused, match="without an inbox"):
+        shm.put_inbox(st, me, wire.Header(wire.OP_PUT_INBOX, 0, 3, 1, 12), "m/x", far)
 
 
 def test_packed_put_is_bounded_and_has_no_part_tables(store: BlockStore) -> None:

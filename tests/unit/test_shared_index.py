@@ -61,7 +61,9 @@ class Rig:
         return start
 
     def upkeep(self) -> None:
-        self.tier.shared_upkeep()
+        """What the store's upkeep does (BlockStore.shared_upkeep), in one thread."""
+        self.tier.apply_reads(self.index.drain())
+        self.index.reap(self.tier.release)
 
     def close(self) -> None:
         self.index.close()

@@ -58,15 +58,7 @@ def test_a_read_releases_its_pins_before_it_returns(
     store, pool, mapped = served
     keys = [os.urandom(16) for _ in range(8)]
     values = [os.urandom(SIZE) for _ in keys]
-    status = pool.call(
-        5.0,
-        shm.put,
-        mapped,
-        NS,
-        keys,
-        [memoryview(v) for v in values],
-    )
-    assert status == bytes(len(keys))  # all PUT_STORED
+    assert store.put_bytes(NS.decode(), keys, values) == [True] * len(keys)
     bufs = [memoryview(bytearray(SIZE)) for _ in keys]
     for _ in range(3):  # each read's RELEASE is on the wire when the call returns
         got = pool.call(5.0, shm.get, mapped, NS, keys, bufs)

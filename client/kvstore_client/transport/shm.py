@@ -2,32 +2,37 @@
 
 The worker advertises ``shm://SOCKET?host=HOSTID&arena=ID&size=N``: a Unix socket
 (mode 0600) that hands out the arena's descriptor (a memfd). A client on the same
-host (same host id) that may connect receives the descriptor with SCM_RIGHTS and
-maps it once, after checking that the worker's message names the same arena id and
-size as the map, and that the descriptor is a regular file of that size. The client
-never opens a path the map names: a forged or stale entry only ever falls back to
-tcp://. Every LOC answer carries the arena's tag; a mismatch (the worker restarted
-behind the same address) is an error for that call and the mapping is dropped.
+host (same host id) that may connect sends its identity and token
+(``wire.SHM_REQUEST``) and receives the descriptors with SCM_RIGHTS, after checking
+that the worker's message names the same arena id and size as the map, and that the
+descriptor is a regular file of that size. The client never opens a path the map
+names: a forged or stale entry only ever falls back to tcp://. Every answer carries
+the arena's tag; a mismatch (the worker restarted behind the same address) is an error
+for that call and the mapping is dropped.
 
-With the arena the worker hands over its same-host index (read-only) and a hazard
-page of this client's own (:mod:`.shmindex`, :mod:`.shmlocal`): lookups, gets and pins
-of the blocks the index holds need no round trip at all; the hand-over connection
-stays open so each side learns when the other is gone. What the index cannot answer
-(SSD blocks, full buckets, entries that changed under the probe) goes the socket way:
-a get is one GET_LOC round trip for the locations, one numpy copy per block out
-of the mapping into the caller's buffer, whose bytes are then checked against the
-block's xxh3-64 (a mismatch is a miss), and a one-way RELEASE sent as soon as the
-copies are done, before the call returns: a client stopped right after a read (a
-debugger, a checkpoint, a GC pause) holds no pins. A block read into several parts is copied
-out of the mapping once, into a per-thread bounce buffer, verified there and scattered
-from cache. A single same-host worker's get runs on the caller's thread. A put is a
-PUT_LOC round trip for reserved slots, copies into them (each slot's xxh3-64 taken
-right after its copy), and a PUT_COMMIT round trip.
-Control frames travel over the tcp:// connection (codec in kvstore_client.wire).
+The arena is mapped **read-only** (the worker seals it: no process but the worker can
+write it). With it come the same-host index (read-only) and a hazard page of this
+client's own (:mod:`.shmindex`, :mod:`.shmlocal`): lookups, gets and pins of the
+blocks the index holds need no round trip at all; the hand-over connection stays open
+so each side learns when the other is gone. What the index cannot answer (SSD blocks,
+full buckets, entries that changed under the probe) goes the socket way: a get is one
+GET_LOC round trip for the locations, one copy per block out of the mapping into the
+caller's buffer, whose bytes are then checked against the block's xxh3-64 (a mismatch
+is a miss), and a one-way RELEASE sent as soon as the copies are done, before the call
+returns: a client stopped right after a read (a debugger, a checkpoint, a GC pause)
+holds no pins. A block read into several parts is copied out of the mapping once, into
+a per-thread bounce buffer, verified there and scattered from cache. A single
+same-host worker's get runs on the caller's thread.
+
+Writes go through this client's **inbox** (:mod:`.shminbox`): the client copies
+blocks there with their checksums taken over its own bytes, the worker copies them
+into its arena and publishes only what matches. Control frames travel over the tcp://
+connection (codec in kvstore_client.wire), whose AUTH names this client's identity.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import socket
@@ -43,7 +48,8 @@ import xxhash
 
 from .. import wire
 from ..errors import KVStoreError, Unavailable, from_transport_error
-from . import pins, shmindex, shmlocal
+from . import pins, shminbox, shmindex, shmlocal
+from .shminbox import Inbox
 from .tcp import GetResult, TcpConnection, TcpPool, TcpTransfer
 
 SOCKET_PREFIX = "kvstore-"
@@ -97,33 +103,41 @@ class ArenaClosed(Unavailable):
 
 
 class ShmArena:
-    """A read-write mapping of a worker's arena, from the descriptor it handed over,
-    and (when the worker handed them too) its same-host index and this client's
-    hazard page (``local``; see :mod:`.shmlocal`), kept with the hand-over
-    connection: closing it tells the worker this client is gone."""
+    """A read-only mapping of a worker's arena, from the descriptor it handed over; and
+    (when the worker handed them too) its same-host index and this client's hazard page
+    (``local``; see :mod:`.shmlocal`) and this client's inbox (``inbox``; see
+    :mod:`.shminbox`), kept with the hand-over connection: closing it tells the worker
+    this client is gone. ``budget``: bytes of slots this client's hazard words may hold
+    (the worker ignores a page that names more)."""
 
-    def __init__(self, fd: int, arena_id: str, size: int) -> None:
+    def __init__(self, fd: int, arena_id: str, size: int, budget: int = 1 << 62) -> None:
         # MAP_POPULATE: fault the whole mapping in now, not one page per first touch.
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         # Only the array and the view hold the mapping (and the descriptor mmap keeps):
         # it goes when the last of them does, see close().
-        mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = mmap.mmap(fd, size, flags, mmap.PROT_READ)
         self.id = arena_id
         self.tag = int(arena_id[:4], 16)
-        self.array = np.frombuffer(mm, dtype=np.uint8)
-        self.view = memoryview(mm)  # small per-part copies: slice assignment
+        self.budget = budget
+        self.array = np.frombuffer(mm, dtype=np.uint8)  # read-only
+        self.view = memoryview(mm)  # read-only; small per-part copies: slice assignment
         self.stale = False
         self.local: shmlocal.Local | None = None
+        self.inbox: Inbox | None = None
         self._link: socket.socket | None = None
 
-    def attach(self, index_fd: int, page_fd: int, link: socket.socket) -> None:
-        """Map the index (read-only) and the hazard page handed over on ``link``;
-        ValueError when they are not what they must be (then only the arena is used)."""
+    def attach(self, index_fd: int, page_fd: int) -> None:
+        """Map the index (read-only) and the hazard page; ValueError when they are not
+        what they must be (then only the arena is used)."""
         st = os.fstat(index_fd)
         if not stat.S_ISREG(st.st_mode) or os.fstat(page_fd).st_size != shmindex.PAGE_BYTES:
             raise ValueError("not an index and a hazard page")
         index = shmindex.IndexView(index_fd, st.st_size, self.tag)
-        self.local = shmlocal.Local(self.array, self.view, index, shmindex.HazardPage(page_fd))
+        page = shmindex.HazardPage(page_fd, self.budget)
+        self.local = shmlocal.Local(self.array, self.view, index, page)
+
+    def keep(self, link: socket.socket) -> None:
+        """Hold the hand-over connection (the worker's end closing means it is gone)."""
         link.setblocking(False)
         self._link = link
 
@@ -140,42 +154,55 @@ class ShmArena:
         """The index and hazard page while the worker that handed them is alive (it
         sends nothing after the hand-over: anything readable on the link is its end
         closing). When it is gone the mapping is stale: calls go over tcp://."""
-        loc, link = self.local, self._link
-        if loc is None or link is None or self.stale:
+        loc = self.local
+        if loc is None or not self.alive():
             return None
+        return loc
+
+    def alive(self) -> bool:
+        """False once the worker that handed the mapping over is gone (or it was closed)."""
+        link = self._link
+        if link is None or self.stale:
+            return False
         try:  # thread-safe and non-blocking: one syscall
             link.recv(1, socket.MSG_PEEK)
         except BlockingIOError:
-            return loc  # nothing to read: the worker is there
+            return True  # nothing to read: the worker is there
         except OSError:
             pass
         self.stale = True  # its end closed (or it broke the protocol)
-        return None
+        return False
 
     def check(self, tag: int) -> None:
         """An answer's arena tag must be ours: else the worker restarted behind its
-        address, and writing or reading through this mapping would be wrong."""
+        address, and reading through this mapping would be wrong."""
         if tag != self.tag:
             self.stale = True
             raise Unavailable("the worker's arena changed (restarted?): shm mapping dropped")
 
     def close(self) -> None:
         if self._link is not None:
-            self._link.close()  # the worker drops our hazard page: nothing stays pinned
+            self._link.close()  # the worker drops our page and inbox: nothing stays pinned
             self._link = None
-        # New calls take the socket path. The mappings (arena, index, hazard page) and
-        # the descriptors mmap keeps for them go as soon as nothing holds them: now,
-        # or when the calls in flight on other threads (and leases) let go of the
-        # arrays and views they took. Releasing the view under them failed a put with
-        # "operation forbidden on released memoryview".
+        # New calls take the socket path. The mappings (arena, index, hazard page,
+        # inbox) and the descriptors mmap keeps for them go as soon as nothing holds
+        # them: now, or when the calls in flight on other threads (and leases) let go
+        # of the arrays and views they took. Releasing the view under them failed a
+        # put with "operation forbidden on released memoryview".
         self.stale = True
         self.local = None
+        if self.inbox is not None:
+            self.inbox.close()
+            self.inbox = None
         self.array = np.empty(0, dtype=np.uint8)
         self.view = memoryview(b"")
 
 
-def try_map(endpoints: Sequence[str], timeout: float = 2.0) -> ShmArena | None:
-    """Map the arena of a worker on this host if it hands it over, else None (tcp://)."""
+def try_map(
+    endpoints: Sequence[str], identity: bytes = b"", token: str = "", timeout: float = 2.0
+) -> ShmArena | None:
+    """Map the arena of a worker on this host if it hands it over, else None (tcp://).
+    ``identity`` (this client's, kvstore_client.security) names its page and inbox."""
     me = host_id()
     for url in endpoints:
         if not url.startswith("shm://"):
@@ -187,13 +214,13 @@ def try_map(endpoints: Sequence[str], timeout: float = 2.0) -> ShmArena | None:
         if ep.host != me or not ep.arena or ep.size <= 0:
             return None
         try:
-            return _receive(ep, timeout)
+            return _receive(ep, identity or bytes(wire.IDENTITY), token, timeout)
         except (OSError, ValueError, KVStoreError):
             return None
     return None
 
 
-def _receive(ep: ShmEndpoint, timeout: float) -> ShmArena | None:
+def _receive(ep: ShmEndpoint, identity: bytes, token: str, timeout: float) -> ShmArena | None:
     name = os.path.basename(ep.path)
     if not (name.startswith(SOCKET_PREFIX) and name.endswith(".sock")):
         return None
@@ -205,22 +232,28 @@ def _receive(ep: ShmEndpoint, timeout: float) -> ShmArena | None:
     try:
         sock.settimeout(timeout)
         sock.connect(ep.path)
-        msg, fds, _, _ = socket.recv_fds(sock, wire.SHM_HELLO.size, 3)
-        if len(fds) not in (1, 3):
+        sock.sendall(wire.encode_shm_request(identity, token))
+        msg, fds, _, _ = socket.recv_fds(sock, wire.SHM_HELLO.size, 4)
+        hello = wire.decode_shm_hello(msg)
+        want = 1 + 2 * bool(hello.flags & wire.SHM_HAS_INDEX)
+        want += bool(hello.flags & wire.SHM_HAS_INBOX)
+        if len(fds) != want:
             return None
-        arena_id, size = wire.decode_shm_hello(msg)
         st = os.fstat(fds[0])
-        if arena_id != ep.arena or size != ep.size or not stat.S_ISREG(st.st_mode):
+        if hello.arena_id != ep.arena or hello.size != ep.size or not stat.S_ISREG(st.st_mode):
             return None
-        if st.st_size != size:
+        if st.st_size != hello.size:
             return None
-        arena = ShmArena(fds[0], arena_id, size)
-        if len(fds) == 3:
-            try:
-                arena.attach(fds[1], fds[2], sock)
-                keep = True
-            except (OSError, ValueError):
-                pass  # the arena alone: every call asks the worker
+        arena = ShmArena(fds[0], hello.arena_id, hello.size, hello.budget)
+        if hello.flags & wire.SHM_HAS_INDEX:
+            with contextlib.suppress(OSError, ValueError):  # else every read asks the worker
+                arena.attach(fds[1], fds[2])
+        if hello.flags & wire.SHM_HAS_INBOX:
+            fd = fds[-1]
+            if os.fstat(fd).st_size == hello.inbox and hello.inbox >= shminbox.PAGE:
+                arena.inbox = Inbox(fd, hello.inbox, hello.arena_id)
+        arena.keep(sock)
+        keep = True
         return arena
     finally:
         for fd in fds:
@@ -385,86 +418,6 @@ def _get_piece(
     return total
 
 
-def put(
-    conn: TcpConnection,
-    arena: ShmArena,
-    ns: bytes,
-    hashes: Sequence[bytes],
-    values: Sequence[memoryview | list[memoryview]],
-    flags: int = 0,
-) -> bytes:
-    """Write blocks through the mapping; returns one wire.PUT_* status per block
-    (``flags``: wire.FLAG_SESSION or 0, on each PUT_LOC). A block given as parts gets
-    one copy per part into its slot. The checksums are taken over the slots right
-    after the copy, while their bytes are in cache (FLAG_LATE_SUM: they travel with
-    the commit), so a put reads the caller's bytes once. Pipelined: every piece's
-    PUT_LOC is sent at once; each piece is copied and committed as its slots arrive,
-    and the commit answers are read at the end."""
-    dst, mv = arena.maps()  # before anything is sent
-    sizes = [wire.block_size(v) for v in values]
-    cuts = pieces(sizes)
-    sock = conn.sock
-    reqs: list[int] = []
-    out: list[bytes | bytearray | memoryview] = []
-    late = flags | wire.FLAG_LATE_SUM
-    for a, b in cuts:
-        conn._req += 1
-        reqs.append(conn._req)
-        entries = bytearray((b - a) * wire.PUT_ENTRY.size)
-        for j in range(a, b):
-            wire.PUT_ENTRY.pack_into(entries, (j - a) * wire.PUT_ENTRY.size, hashes[j], sizes[j], 0)
-        out += [wire.encode_request_header(wire.OP_PUT_LOC, ns, b - a, conn._req, late), entries]
-    wire.send_buffers(sock, out)
-    digest = xxhash.xxh3_64_intdigest
-    all_locs: list[tuple[int, int]] = []
-    for (a, b), req in zip(cuts, reqs, strict=True):
-        h = conn._answer(wire.OP_PUT_LOC, req)
-        try:
-            arena.check(h.ns_len)
-            if h.count != b - a:
-                raise Unavailable(f"{h.count} slots for {b - a} blocks")
-        except Unavailable:
-            conn.close()
-            raise
-        locs = list(wire.PUT_LOC_ENTRY.iter_unpack(wire.recv_exact(sock, h.count * 16)))
-        written = bytearray(h.count)
-        sums = bytearray(h.count * wire.SUMS.size)
-        for j, (status, off) in enumerate(locs):
-            if status != wire.PUT_LOC_SLOT:
-                continue
-            v = values[a + j]
-            n = sizes[a + j]
-            if off + n > len(dst):
-                continue
-            if isinstance(v, list):
-                at = off
-                for p in v:
-                    k = p.nbytes
-                    if k < SMALL_PART:
-                        mv[at : at + k] = p
-                    else:
-                        np.copyto(dst[at : at + k], _as_array(p))
-                    at += k
-            else:
-                np.copyto(dst[off : off + n], _as_array(v))
-            wire.SUMS.pack_into(sums, j * wire.SUMS.size, digest(mv[off : off + n]))
-            written[j] = 1
-        commit = wire.encode_request_header(
-            wire.OP_PUT_COMMIT, ns, h.count, req, wire.FLAG_LATE_SUM
-        )
-        wire.send_buffers(sock, [commit, written, sums])
-        all_locs += locs
-    status = bytearray()
-    for req in reqs:
-        h = conn._answer(wire.OP_PUT_COMMIT, req)
-        status += wire.recv_exact(sock, h.count)
-    # Entries refused at PUT_LOC keep their PUT_LOC status (present / full).
-    return bytes(
-        s if loc[0] == wire.PUT_LOC_SLOT else loc[0]
-        for s, loc in zip(status, all_locs, strict=True)
-    )
-
-
 # ---- leases (see .pins) -----------------------------------------------------------
 
 
@@ -540,57 +493,49 @@ def reserve(
     sizes: Sequence[int],
     flags: int = 0,
 ) -> pins.ArenaSlots:
-    """Reserve slots for ``hashes`` (one PUT_LOC with FLAG_LATE_SUM and ``flags``,
-    e.g. FLAG_SESSION, on a leased connection). Raises a PeerError when the worker
-    cannot be reached or answers wrongly (the connection is closed, which drops
-    what it reserved)."""
-    conn = pool.lease(timeout)
-    conn.sock.settimeout(max(timeout, 0.001))
+    """Regions of this client's inbox for ``hashes`` to be written into (a GPU's DMA),
+    with no round trip: blocks the index says the worker holds are ``present`` and get
+    no region. The lease's commit takes each written block's checksum over its region
+    and sends one PUT_INBOX on a pooled connection (``flags``, e.g. FLAG_SESSION);
+    nothing is reserved at the worker until then."""
     n = len(hashes)
-    try:
-        conn._req += 1
-        req = conn._req
-        entries = bytearray(n * wire.PUT_ENTRY.size)
-        for j in range(n):
-            wire.PUT_ENTRY.pack_into(entries, j * wire.PUT_ENTRY.size, hashes[j], sizes[j], 0)
-        head = wire.encode_request_header(wire.OP_PUT_LOC, ns, n, req, wire.FLAG_LATE_SUM | flags)
-        wire.send_buffers(conn.sock, [head, entries])
-        h = conn._answer(wire.OP_PUT_LOC, req)
-        arena.check(h.ns_len)
-        if h.count != n:
-            raise Unavailable(f"{h.count} slots for {n} blocks")
-        locs = list(wire.PUT_LOC_ENTRY.iter_unpack(wire.recv_exact(conn.sock, n * 16)))
-    except (KVStoreError, OSError) as e:
-        pool.end_lease(conn, keep=False)
-        err = from_transport_error(e, f"{pool.host}:{pool.port}")
-        if err is e:
-            raise
-        raise err from e
-    mv = arena.view
-    views: list[memoryview | None] = [None] * n
-    for j, (status, off) in enumerate(locs):
-        if status == wire.PUT_LOC_SLOT and off + sizes[j] <= len(mv):
-            views[j] = mv[off : off + sizes[j]]
-    present = [status == wire.PUT_PRESENT for status, _ in locs]
+    inbox = arena.inbox
+    present = [False] * n
+    loc = arena.usable()
+    if loc is not None:
+        got = shmlocal.exists(loc, ns, b"".join(hashes), anyway=True)
+        if got is not None:
+            present = got.tolist()
+    if inbox is None:
+        return pins.ArenaSlots([None] * n, present, [])
+    views, give, offsets = shminbox.reserve(inbox, sizes, present)
 
     def commit(written: list[bool]) -> list[bool]:
-        flags = bytes(1 if w and v is not None else 0 for w, v in zip(written, views, strict=True))
-        sums = bytearray(n * wire.SUMS.size)
-        for j, v in enumerate(views):
-            if flags[j] and v is not None:
-                wire.SUMS.pack_into(sums, j * wire.SUMS.size, xxhash.xxh3_64_intdigest(v))
+        idx = [j for j in range(n) if written[j] and views[j] is not None]
         try:
-            head = wire.encode_request_header(wire.OP_PUT_COMMIT, ns, n, req, wire.FLAG_LATE_SUM)
-            wire.send_buffers(conn.sock, [head, flags, sums])
-            conn._answer(wire.OP_PUT_COMMIT, req)
-            status = wire.recv_exact(conn.sock, n)
+            if not idx:
+                return [False] * n
+            vs = [views[j] for j in idx]
+            status = pool.call(
+                timeout,
+                shminbox.commit,
+                arena.tag,
+                ns,
+                [hashes[j] for j in idx],
+                vs,
+                [offsets[j] for j in idx],
+                flags,
+            )
         except (KVStoreError, OSError):
-            pool.end_lease(conn, keep=False)  # closing drops the reservations
             return [False] * n
-        pool.end_lease(conn, keep=True)
-        return [s == wire.PUT_STORED for s in status]
+        finally:
+            give()
+        out = [False] * n
+        for j, s in zip(idx, status, strict=True):
+            out[j] = s == wire.PUT_STORED
+        return out
 
-    out = pins.ArenaSlots(views, present, [arena])
+    out = pins.ArenaSlots(views, present, [inbox])
     out._commits.append((list(range(n)), commit))
     return out
 
@@ -604,9 +549,6 @@ class ShmTransfer(TcpTransfer):
     def __init__(self, pool: TcpPool, arena: ShmArena, max_value: int) -> None:
         super().__init__(pool)
         self.arena = arena
-        # A worker lets one connection hold at least two values' worth of shm
-        # reservations at a time: a put is cut into requests that always fit.
-        self.put_limit = 2 * max(max_value, 1)
 
     @property
     def local(self) -> bool:
@@ -623,20 +565,41 @@ class ShmTransfer(TcpTransfer):
         checksums: Sequence[int],
         flags: int = 0,
     ) -> bytes:
-        """``checksums`` are not used while the arena is mapped (they are taken over
-        the slots after the copy; a local client passes zeros); once it is stale they
-        are computed here for tcp://."""
-        if self.arena.stale:
-            sums = [wire.block_checksum(v) for v in values]
-            return super().put(timeout, ns, hashes, values, sums, flags)
+        """Through this client's inbox while the worker is alive (``checksums`` are
+        not used: they are taken while copying; a local client passes zeros); what
+        finds no room there, and everything once the mapping is stale, over tcp://
+        (checksums computed here)."""
+        inbox = self.arena.inbox
+        if inbox is None or not self.arena.alive():
+            return self._tcp_put(timeout, ns, hashes, values, flags)
         vs = [v if isinstance(v, list | memoryview) else memoryview(v) for v in values]
-        out = bytearray()
-        for a, b in wire.runs([wire.block_size(v) for v in vs], self.put_limit):
-            try:
-                out += self.pool.call(timeout, put, self.arena, ns, hashes[a:b], vs[a:b], flags)
-            except ArenaClosed:  # closed meanwhile: the rest over tcp://
-                return bytes(out) + self.put(timeout, ns, hashes[a:], values[a:], checksums, flags)
-        return bytes(out)
+        skip = [False] * len(vs)
+        loc = self.arena.usable()
+        if loc is not None:  # blocks the worker holds: no copy at all
+            got = shmlocal.exists(loc, ns, b"".join(hashes), anyway=True)
+            if got is not None:
+                skip = got.tolist()
+        status, left = self.pool.call(
+            timeout, shminbox.put, inbox, self.arena.tag, ns, hashes, vs, skip, flags
+        )
+        if left:
+            rest = self._tcp_put(
+                timeout, ns, [hashes[i] for i in left], [values[i] for i in left], flags
+            )
+            for i, st in zip(left, rest, strict=True):
+                status[i] = st
+        return bytes(status)
+
+    def _tcp_put(
+        self,
+        timeout: float,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        values: Sequence[wire.Block],
+        flags: int,
+    ) -> bytes:
+        sums = [wire.block_checksum(v) for v in values]
+        return super().put(timeout, ns, hashes, values, sums, flags)
 
     def get(
         self,
@@ -744,8 +707,8 @@ class ShmTransfer(TcpTransfer):
         sizes: Sequence[int],
         flags: int = 0,
     ) -> pins.ArenaSlots | None:
-        """Reserve slots in the mapped arena to write into directly (see
-        :mod:`.pins`); None once the mapping is stale."""
-        if self.arena.stale:
+        """Regions of this client's inbox to write into directly (see :mod:`.pins`);
+        None once the mapping is stale or without an inbox."""
+        if self.arena.inbox is None or not self.arena.alive():
             return None
         return reserve(self.pool, self.arena, timeout, ns, hashes, sizes, flags)

@@ -220,9 +220,15 @@ class IndexView:
 class HazardPage:
     """This client's hazard page (read-write, its own): ranges of hazard words for
     pins, and the ring of touched slots the worker drains (LRU order, hit counts).
-    Thread-safe: a lock hands out ranges; each range belongs to one caller."""
+    Thread-safe: a lock hands out ranges; each range belongs to one caller.
 
-    def __init__(self, fd: int) -> None:
+    ``budget``: bytes of slots the words may hold at once. The worker ignores a page
+    found naming more (it revokes it), so ranges past the budget are refused here and
+    those reads take the socket path, which the worker bounds itself. The count word
+    (how many words the worker scans) falls again when the top ranges are given back,
+    so a client that once pinned many blocks does not cost every later eviction."""
+
+    def __init__(self, fd: int, budget: int = 1 << 62) -> None:
         self._mm = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         raw = np.frombuffer(self._mm, dtype=np.uint8)
         self.haz = raw[HAZ_AT:RING_AT].view("<u8")
@@ -232,10 +238,15 @@ class HazardPage:
         self._free: list[tuple[int, int]] = [(0, NHAZ)]  # (start, length), by start
         self._high = 0
         self._head = 0
+        self.budget = budget
+        self.held = 0  # bytes the taken ranges may pin
 
-    def take(self, n: int) -> int:
-        """The start of ``n`` free hazard words, or -1 (then use the socket path)."""
+    def take(self, n: int, nbytes: int = 0) -> int:
+        """The start of ``n`` free hazard words for pins of ``nbytes`` in all, or -1 (no
+        words free, or over the budget: then use the socket path)."""
         with self._lock:
+            if self.held + nbytes > self.budget:
+                return -1
             for i, (a, k) in enumerate(self._free):
                 if k >= n:
                     if k == n:
@@ -245,6 +256,7 @@ class HazardPage:
                     if a + n > self._high:
                         self._high = a + n
                         self._atomic.store_u64(0, self._high)
+                    self.held += nbytes
                     return a
         return -1
 
@@ -254,10 +266,11 @@ class HazardPage:
         self.haz[start : start + len(words)] = words
         atomicshm.fence(atomicshm.SEQ_CST)
 
-    def give(self, start: int, n: int) -> None:
-        """Clear and give back a range taken by :meth:`take`."""
+    def give(self, start: int, n: int, nbytes: int = 0) -> None:
+        """Clear and give back a range taken by :meth:`take` (with its ``nbytes``)."""
         self.haz[start : start + n] = 0
         with self._lock:
+            self.held -= nbytes
             free = self._free
             free.append((start, n))
             free.sort()
@@ -268,6 +281,10 @@ class HazardPage:
                 else:
                     merged.append((a, k))
             self._free = merged
+            last_start, last_len = merged[-1]
+            if last_start + last_len == NHAZ and last_start < self._high:
+                self._high = last_start  # the words above are all free: scanned no more
+                self._atomic.store_u64(0, self._high)
 
     def touched(self, words: U64) -> None:
         """Log reads for the worker (it moves them up its LRU and counts the hits)."""

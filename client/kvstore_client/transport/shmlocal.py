@@ -35,7 +35,7 @@ Bounce = Callable[[int], tuple[np.ndarray, memoryview]]
 
 @dataclass(slots=True)
 class Local:
-    """What a same-host client holds of one worker: its arena mapped read-write
+    """What a same-host client holds of one worker: its arena mapped read-only
     (``src`` / ``mv``), its index read-only, and this client's hazard page."""
 
     src: np.ndarray
@@ -72,21 +72,26 @@ def exists(
 class _Pinned:
     """Keys pinned through the index: ``rows`` (indices into the batch) whose
     entries held still after the pin, their (offset, size, checksum, hazard word)
-    columns, and the hazard range."""
+    columns, and the hazard range with the bytes it was taken for."""
 
     rows: npt.NDArray[np.int64]
     cols: list[tuple[int, int, int, int]]
     start: int
     count: int
+    nbytes: int = 0
+
+    def give(self, hazards: HazardPage) -> None:
+        hazards.give(self.start, self.count, self.nbytes)
 
 
 def _pin(loc: Local, p: Probe) -> _Pinned | None:
     rows = p.stable(np.flatnonzero(p.found))  # entries mid-write: the socket path
     if not len(rows):
         return _Pinned(rows, [], 0, 0)
-    start = loc.hazards.take(len(rows))
+    nbytes = int((p.words[rows, W_SIZESLOT] & np.uint64(0xFFFFFFFF)).sum())
+    start = loc.hazards.take(len(rows), nbytes)
     if start < 0:
-        return None  # no hazard words free: the socket path
+        return None  # no hazard words free, or over the budget: the socket path
     words = p.slots(rows)
     loc.hazards.publish(start, words)
     still = loc.index.still(p, rows)
@@ -101,7 +106,7 @@ def _pin(loc: Local, p: Probe) -> _Pinned | None:
             strict=True,
         )
     )
-    return _Pinned(rows, cols, start, len(still))
+    return _Pinned(rows, cols, start, len(still), nbytes)
 
 
 def _log(loc: Local, pinned: _Pinned, got: Sequence[bool], misses: int) -> None:
@@ -152,7 +157,7 @@ def read(
             got.append(ok)
             total += size if ok else 0
     finally:
-        loc.hazards.give(pinned.start, pinned.count)
+        pinned.give(loc.hazards)
     sure_miss = ~p.found & ~p.unsure
     _log(loc, pinned, got, int(sure_miss.sum()))
     left = np.flatnonzero(~done & ~sure_miss)
@@ -227,10 +232,10 @@ def pin(
         got.append(ok)
     sure_miss = ~p.found & ~p.unsure
     _log(loc, pinned, got, int(sure_miss.sum()))
-    hazards, start, count = loc.hazards, pinned.start, pinned.count
+    hazards = loc.hazards
 
     def release() -> None:
-        hazards.give(start, count)
+        pinned.give(hazards)
 
     return views, np.flatnonzero(~done & ~sure_miss).tolist(), release
 

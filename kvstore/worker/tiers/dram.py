@@ -54,6 +54,12 @@ from .slots import DOOMED, FREE, M64, PENDING, READY, U32, UNUSED, SlotIndex
 _SCALAR_BATCH = 8  # exists_many probes shorter batches one key at a time
 
 
+# Reads same-host clients logged that an eviction applies first (tiers.shared; the
+# upkeep applies the rest off the store lock): a put right after a read must not evict
+# what was just read, and junk in a client's log must not make an eviction long.
+ROOM_READS = 1024
+
+
 class DramTier(SlotIndex):
     """Index, allocator and LRU of one arena of ``capacity`` bytes.
 
@@ -368,19 +374,11 @@ class DramTier(SlotIndex):
         self._link(s)
         return True
 
-    def shared_upkeep(self) -> None:
-        """Apply what same-host clients did through the index (tiers.shared): their
-        reads move blocks up the LRU and count as hits and misses, and the slots held
-        for their pins are freed once no client names them."""
-        sh = self.shared
-        if sh is None:
-            return
-        self._shared_reads(sh)
-        sh.reap(self.release)
-
-    def _shared_reads(self, sh: SharedIndex) -> None:
-        """The reads same-host clients logged: up the LRU, counted as hits / misses."""
-        for s, g in sh.drain():
+    def apply_reads(self, logged: Sequence[tuple[int, int]]) -> None:
+        """Apply reads same-host clients logged in the index (tiers.shared): up the LRU,
+        counted as hits / misses; (-1, n) is n misses. Entries naming a slot that is
+        not that generation's ready block are ignored (a client writes its log freely)."""
+        for s, g in logged:
             if s < 0:  # a count of misses
                 self.counters.misses += min(g, 1 << 16)
             elif s < self.nslots and self.gen[s] == g and self.state[s] == READY:
@@ -696,7 +694,7 @@ class DramTier(SlotIndex):
         """Free a slot of class ``c``, or a slab it can take (ResourceExhausted if none
         can be: every block that could make room is pinned or being written)."""
         if self.shared is not None:  # same-host reads count in the LRU before anything goes
-            self._shared_reads(self.shared)
+            self.apply_reads(self.shared.drain(ROOM_READS))  # bounded, whatever is logged
         if self.free_slabs:
             self._assign(self.free_slabs.pop(), c)
         elif self.empty_slabs:  # an emptied slab of another class: no eviction

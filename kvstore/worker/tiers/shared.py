@@ -8,12 +8,20 @@ slot it asks :meth:`SharedIndex.hazarded` (after the withdrawal's fence), and ho
 a hazarded slot (a pin of its own) until :meth:`SharedIndex.reap` finds no client
 page naming it any more. Bookkeeping over memory; the caller serialises the tier
 calls with the store lock. Client pages come and go from the hand-over thread.
+
+Bounds (a client writes its page as it likes, so nothing here may cost more because
+of what it wrote): each page belongs to one client identity and may hold at most its
+``budget`` bytes of withdrawn slots; a page found naming more is *revoked*: its words
+are ignored from then on (the client library never goes over it, so only a hostile or
+broken client is revoked, and it loses only its own pins; its copies are still
+verified in its own buffers). The upkeep's log drain reads at most ``limit`` entries
+per call, round robin over the pages, and its reap scans pages outside the store lock
+(:meth:`SharedIndex.reap_plan`), then releases under it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import mmap
 import os
@@ -48,10 +56,11 @@ from kvstore_client.transport.shmindex import (
     regions,
 )
 
+from ..arena import seal
+
 log = logging.getLogger(__name__)
 
 KEY = struct.Struct("<QQ")
-F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1: no new writable mappings, ours stays
 # Buckets for this many bytes of arena each (two such blocks per 8-way bucket): smaller
 # blocks overflow buckets, whose extra keys clients then ask the worker for.
 BYTES_PER_BUCKET = 128 << 10
@@ -63,11 +72,33 @@ class _Page:
     """One client's hazard page as the worker sees it."""
 
     mm: mmap.mmap
-    fd: int
     atomic: Any
     haz: np.ndarray
     ring: np.ndarray
+    identity: bytes  # the client's (kvstore_client.security), b"" if it gave none
+    budget: int  # bytes of withdrawn slots its words may hold
     tail: int = 0
+    revoked: bool = False  # named more than its budget: its words are ignored
+
+    def words(self) -> np.ndarray:
+        """The hazard words in use (the client's high-water count, at most NHAZ)."""
+        if self.revoked:
+            return _NONE
+        n = min(int(self.atomic.load_u64(0, atomicshm.ACQUIRE)), NHAZ)
+        return self.haz[:n]
+
+
+_NONE = np.empty(0, np.uint64)
+
+
+@dataclass(slots=True)
+class ReapPlan:
+    """What a reap found, outside the store lock: of the held blocks it looked at
+    (``blocks``), which no live page names (``free``), and the pages it revoked."""
+
+    blocks: list[Any]
+    free: np.ndarray  # bool per block
+    revoked: list[int]
 
 
 class SharedIndex:
@@ -85,11 +116,9 @@ class SharedIndex:
         try:
             os.ftruncate(self.fd, self.size)
             self._mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED)
-            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-            try:
-                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, seals | F_SEAL_FUTURE_WRITE)
-            except OSError:  # an older kernel: the read-only descriptor still holds
-                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, seals)
+            # Only the worker may write the index: a client that could would point a key
+            # at another block's slot and checksum. Not handed over unless this holds.
+            self.sealed = seal(self.fd, mmap.PAGESIZE)
             # What clients get: a read-only open of the same memory.
             self.ro_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
         except BaseException:
@@ -112,8 +141,10 @@ class SharedIndex:
         self._logs = threading.Lock()
         self._left: list[tuple[int, int]] = []
         self._next_client = 1
+        self._turn = 0  # the page the next bounded drain starts at (round robin)
         self.held: list[Any] = []  # Blocks the tier holds for hazards
         self.published = 0
+        self.revoked = 0  # pages revoked for naming more than their budget
 
     # ---- the index -------------------------------------------------------------
 
@@ -180,12 +211,13 @@ class SharedIndex:
     # ---- hazards ---------------------------------------------------------------
 
     def hazarded(self, slot: int, gen: int) -> bool:
-        """Whether some client's page names this slot generation (call after
-        :meth:`withdraw`)."""
+        """Whether some client's live page names this slot generation (call after
+        :meth:`withdraw`). One compare per word in use per page: a client that keeps
+        few words costs little; a page costs at most NHAZ words."""
         w = np.uint64(hazard_word(slot, gen))
         for page in self.pages.values():
-            n = min(page.atomic.load_u64(0), NHAZ)
-            if n and bool((page.haz[:n] == w).any()):
+            words = page.words()
+            if len(words) and bool((words == w).any()):
                 return True
         return False
 
@@ -193,39 +225,81 @@ class SharedIndex:
         """Keep ``block`` (pinned by the tier) until no page names it."""
         self.held.append(block)
 
-    def reap(self, release: Callable[[Any], None]) -> int:
-        """Release the held blocks no page names any more; returns how many."""
-        if not self.held:
+    def reap_plan(self, blocks: list[Any]) -> ReapPlan:
+        """Which of ``blocks`` (held blocks, a snapshot taken under the store lock) no
+        live page names any more; revokes the pages that name more than their budget.
+        Needs no store lock: the blocks were withdrawn before they were held, so a
+        client that names one now did not pin it (its re-check failed)."""
+        if not blocks:
+            return ReapPlan(blocks, np.zeros(0, dtype=bool), [])
+        held = np.array([hazard_word(b.slot, b.gen) for b in blocks], dtype=np.uint64)
+        sizes = np.array([b.size for b in blocks], dtype=np.int64)
+        named = np.zeros(len(blocks), dtype=bool)
+        revoked: list[int] = []
+        for cid, page in list(self.pages.items()):
+            words = page.words()
+            if not len(words):
+                continue
+            mine = np.isin(held, words)
+            if int(sizes[mine].sum()) > page.budget:
+                page.revoked = True  # ignored from now on (see the module docstring)
+                revoked.append(cid)
+                continue
+            named |= mine
+        if revoked:
+            self.revoked += len(revoked)
+            log.warning(
+                "same-host index: %d client page(s) named more than their budget of held "
+                "slots and were revoked (their pins no longer hold)",
+                len(revoked),
+            )
+        return ReapPlan(blocks, ~named, revoked)
+
+    def reap_apply(self, plan: ReapPlan, release: Callable[[Any], None]) -> int:
+        """Release what :meth:`reap_plan` found free (under the store lock); returns how
+        many. Blocks held since the plan was made stay for the next one."""
+        if not plan.blocks:
             return 0
-        words = [p.haz[: min(p.atomic.load_u64(0), NHAZ)] for p in self.pages.values()]
-        named = np.unique(np.concatenate(words)) if words else np.empty(0, np.uint64)
+        free = {id(b) for b, f in zip(plan.blocks, plan.free.tolist(), strict=True) if f}
         keep = []
-        gone = 0
         for b in self.held:
-            w = np.uint64(hazard_word(b.slot, b.gen))
-            i = int(np.searchsorted(named, w))
-            if i < len(named) and named[i] == w:
-                keep.append(b)
-            else:
+            if id(b) in free:
                 release(b)
-                gone += 1
+            else:
+                keep.append(b)
+        gone = len(self.held) - len(keep)
         self.held = keep
         return gone
 
-    def drain(self) -> list[tuple[int, int]]:
-        """(slot, gen) of the reads clients logged since the last drain (the newest
-        NRING of each page), those of clients closed since included; (-1, n) for n
-        misses."""
+    def reap(self, release: Callable[[Any], None]) -> int:
+        """Release the held blocks no live page names any more; returns how many."""
+        return self.reap_apply(self.reap_plan(list(self.held)), release)
+
+    def drain(self, limit: int = 1 << 14) -> list[tuple[int, int]]:
+        """(slot, gen) of the reads clients logged since the last drain, those of
+        clients closed since included; (-1, n) for n misses. At most about ``limit``
+        entries, taken round robin from the pages (each keeps its newest NRING): what
+        a client logs can never make one drain longer."""
         with self._logs:
             out, self._left = self._left, []
-            for page in self.pages.values():
-                _read_log(page, out)
+            pages = list(self.pages.values())
+            if pages:
+                per = max(1, limit // len(pages))
+                start = self._turn % len(pages)
+                self._turn += 1
+                for page in pages[start:] + pages[:start]:
+                    if len(out) >= limit:
+                        break
+                    _read_log(page, out, per)
         return out
 
     # ---- clients ---------------------------------------------------------------
 
-    def add_client(self) -> tuple[int, int]:
-        """A new hazard page: (client id, its descriptor to hand over)."""
+    def add_client(self, identity: bytes = b"", budget: int = 1 << 62) -> tuple[int, int]:
+        """A new hazard page for the client ``identity`` whose words may hold at most
+        ``budget`` bytes of withdrawn slots: (client id, its descriptor, which the
+        caller hands over and then closes: the worker keeps only the mapping, so no
+        other process can reopen the page through /proc)."""
         fd = os.memfd_create("kvstore-hazards", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, PAGE_BYTES)
@@ -236,15 +310,20 @@ class SharedIndex:
         raw = np.frombuffer(mm, dtype=np.uint8)
         page = _Page(
             mm,
-            fd,
             atomicshm.AtomicView(mm),
             raw[HAZ_AT:RING_AT].view("<u8"),
             raw[RING_AT : RING_AT + 8 * NRING].view("<u8"),
+            identity,
+            budget,
         )
         cid = self._next_client
         self._next_client += 1
         self.pages = {**self.pages, cid: page}
         return cid, fd
+
+    def client_pages(self, identity: bytes) -> int:
+        """How many pages the client ``identity`` has now."""
+        return sum(p.identity == identity for p in self.pages.values())
 
     def drop_client(self, cid: int) -> None:
         """The client's connection closed: its page (and so its hazards) goes; held
@@ -254,11 +333,8 @@ class SharedIndex:
             page = pages.pop(cid, None)
             self.pages = pages
             if page is not None:  # the reads it logged still count (at the next drain)
-                _read_log(page, self._left)
+                _read_log(page, self._left, NRING)
                 del self._left[: max(0, len(self._left) - 4 * NRING)]  # bounded
-        if page is not None:
-            with contextlib.suppress(OSError):
-                os.close(page.fd)
 
     def close(self) -> None:
         for cid in list(self.pages):
@@ -268,15 +344,21 @@ class SharedIndex:
                 os.close(fd)
 
 
-def _read_log(page: _Page, out: list[tuple[int, int]]) -> None:
-    """Append (slot, gen) of the reads ``page``'s client logged since the last read of
-    its log (the newest NRING); (-1, n) for n misses."""
-    head = page.atomic.load_u64(8, atomicshm.ACQUIRE)
+def _read_log(page: _Page, out: list[tuple[int, int]], limit: int) -> None:
+    """Append (slot, gen) of at most ``limit`` of the reads ``page``'s client logged
+    since the last read of its log (of the newest NRING: older ones are lost); (-1, n)
+    for n misses. The rest wait for the next call."""
+    head = int(page.atomic.load_u64(8, atomicshm.ACQUIRE))
     if head == page.tail:
         return
     if head < page.tail or head - page.tail > NRING:  # scribbled, or lapped
         page.tail = max(0, head - NRING) if head >= NRING else 0
-    for i in range(page.tail, head):
-        w = int(page.ring[i % NRING])
-        out.append(((w >> 32) - 1, w & 0xFFFFFFFF))  # slot -1: that many misses
-    page.tail = head
+    end = min(head, page.tail + limit)
+    if end <= page.tail:
+        return
+    idx = np.arange(page.tail, end, dtype=np.int64) % NRING
+    w = page.ring[idx]
+    slots = (w >> np.uint64(32)).astype(np.int64) - 1
+    gens = (w & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    out.extend(zip(slots.tolist(), gens.tolist(), strict=True))  # slot -1: that many misses
+    page.tail = end

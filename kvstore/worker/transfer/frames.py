@@ -63,8 +63,7 @@ TCP_OPS: Mapping[int, int] = {
     wire.OP_REMOVE: 0,
     wire.OP_GET_LOC: 0,
     wire.OP_RELEASE: 0,
-    wire.OP_PUT_LOC: wire.FLAG_SESSION | wire.FLAG_LATE_SUM,
-    wire.OP_PUT_COMMIT: wire.FLAG_LATE_SUM,
+    wire.OP_PUT_INBOX: wire.FLAG_SESSION,
 }
 UCX_OPS: Mapping[int, int] = {
     wire.OP_PUT: wire.FLAG_PARTS | wire.FLAG_SESSION | wire.FLAG_PACKED,
@@ -80,8 +79,7 @@ OP_NAMES = {
     wire.OP_EXISTS: "exists",
     wire.OP_REMOVE: "remove",
     wire.OP_GET_LOC: "shm_get",
-    wire.OP_PUT_LOC: "shm_reserve",
-    wire.OP_PUT_COMMIT: "shm_commit",
+    wire.OP_PUT_INBOX: "shm_put",
     wire.OP_RELEASE: "shm_release",  # not counted (one-way, between reads)
 }
 
@@ -245,11 +243,10 @@ class FrameCore:
         """Bytes of a checked request's body after its namespace, up to its payloads
         (PUT) or part-size table (FLAG_PARTS)."""
         n = h.count
-        if h.op in (wire.OP_PUT, wire.OP_PUT_LOC):
+        if h.op == wire.OP_PUT:
             size = n * wire.PUT_ENTRY.size
-        elif h.op == wire.OP_PUT_COMMIT:
-            late = h.flags_or_code & wire.FLAG_LATE_SUM
-            return n * (1 + (wire.SUMS.size if late else 0))
+        elif h.op == wire.OP_PUT_INBOX:
+            return n * wire.INBOX_ENTRY.size
         elif h.op == wire.OP_RELEASE:
             return 0
         else:  # GET, EXISTS, REMOVE, GET_LOC: the hashes

@@ -1,16 +1,30 @@
-"""Server half of the shm:// transport: hand the arena over, hand out locations, pin, commit.
+"""Server half of the shm:// transport: hand the arena over, pin for readers, publish
+what writers put in their inboxes.
 
-The arena is an anonymous memfd (worker/arena.py). :class:`ArenaShare` listens on a
-Unix socket (mode 0600, in the shm directory) and hands the arena's descriptor to
-same-host clients with SCM_RIGHTS, with the arena's identity and size; a client maps
-only what the live worker handed it, never a path from the map. Such a client copies
-bytes directly; the worker only answers where blocks live (over the tcp:// control
-connection; every LOC answer carries the arena's 16-bit tag in its header) and keeps
-them from being freed or reused while a copy is in flight. Blocks that are not in the
-arena (SSD hits) come back inline.
+The arena is an anonymous memfd (worker/arena.py), sealed so that only the worker's
+own mapping can write it. :class:`ArenaShare` listens on a Unix socket (mode 0600, in
+the shm directory). A same-host client connects and speaks first
+(``wire.SHM_REQUEST``: its identity and token); the worker answers with
+``wire.SHM_HELLO`` and descriptors attached (SCM_RIGHTS): the arena, read-only; when
+the same-host index is attached (:mod:`kvstore.worker.tiers.shared`) the index
+(read-only) and a hazard page of the client's own; and the client's *inbox*, memory
+only it and the worker share, into which it writes the blocks it puts. The worker
+closes its own descriptors of the page and the inbox once handed over (it keeps the
+mappings), so no other process can reopen them through /proc. The connection then
+stays open: it is how the worker learns the client is gone, and drops its page (which
+releases what it pinned) and its inbox.
 
-The client is trusted with the checksums it reports for shm writes (it can
-write the whole arena anyway); every read is verified by the reader.
+Readers copy out of their read-only mapping and verify in their own buffer (a pin's
+views point at published slots, which nobody can write). Writers never write the
+arena: a PUT_INBOX names blocks in the writer's inbox with the checksums it took over
+its source; the worker reserves slots, copies each block into its slot, hashes its own
+copy and publishes only a match (:meth:`ShmServer.put_inbox`). A mismatch (a forged
+sum, bytes that changed while the worker copied) aborts that block: the key stays
+absent, and the next correct writer stores it. docs/SECURITY.md states what this
+holds against.
+
+A worker with tenants shares nothing (a client of one tenant would map blocks of
+every tenant): its same-host clients use tcp://.
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ import contextlib
 import errno
 import glob
 import logging
+import mmap
 import os
 import selectors
 import socket
@@ -27,13 +42,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvstore_client import wire
-from kvstore_client.errors import (
-    InvalidArgument,
-    ProtocolError,
-    ResourceExhausted,
-)
+from kvstore_client.errors import InvalidArgument, ProtocolError, ResourceExhausted
 from kvstore_client.keys import split_hashes
+from kvstore_client.verified import copy_sum
 
 from ...procs import pid_alive
 from ..arena import SHM_PREFIX, Arena
@@ -49,28 +63,95 @@ Bytes = bytes | bytearray | memoryview
 log = logging.getLogger(__name__)
 
 
+class Inboxes:
+    """The same-host clients' inboxes, by client identity: memfds of ``size`` bytes
+    that the client writes and the worker copies from. Thread-safe. A client has at
+    most one; its pages are charged to whoever touches them first (the client, which
+    writes them), and go when both sides let go of the mapping."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._by: dict[bytes, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self._by)
+
+    def add(self, identity: bytes) -> int | None:
+        """A new inbox for ``identity``: its descriptor (the caller hands it over and
+        closes it), or None when this identity has one already."""
+        with self._lock:
+            if identity in self._by:
+                return None
+            fd = os.memfd_create("kvstore-inbox", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, self.size)
+                mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._by[identity] = np.frombuffer(mm, dtype=np.uint8)
+            return fd
+
+    def get(self, identity: bytes) -> np.ndarray | None:
+        with self._lock:
+            return self._by.get(identity)
+
+    def drop(self, identity: bytes) -> None:
+        """The client is gone: its inbox goes once no copy in flight holds it."""
+        with self._lock:
+            self._by.pop(identity, None)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A hand-over connection whose request is not all in yet."""
+
+    deadline: float
+    buf: bytearray = field(default_factory=bytearray)
+    need: int = wire.SHM_REQUEST.size
+
+
+@dataclass(slots=True)
+class _Client:
+    """A client that got its descriptors: its page (0: none) and identity."""
+
+    cid: int
+    identity: bytes
+    inbox: bool
+
+
 class ArenaShare:
-    """Hands the arena's descriptor to same-host clients over a Unix socket.
+    """Hands the arena (read-only), the index, a hazard page and an inbox to same-host
+    clients over a Unix socket.
 
     The socket file is ``DIR/kvstore-PID-ID.sock`` with mode 0600 (the worker's user
-    only; the peer's uid is checked again with SO_PEERCRED). Each connection gets one
-    message, ``wire.SHM_HELLO`` (magic, arena id, size), with the descriptors
-    attached: the arena, and once :meth:`attach` gave it the same-host index
-    (:mod:`kvstore.worker.tiers.shared`), the index (read-only) and a hazard page of
-    the client's own. The connection then stays open: it is how the worker learns
-    the client is gone (its end closes with its process), and drops its page, which
-    releases whatever it pinned. The same thread runs the index's upkeep every
-    ``UPKEEP`` seconds. :meth:`close` removes the socket file.
+    only; the peer's uid is checked again with SO_PEERCRED). Requests are read without
+    blocking (a client that connects and says nothing is dropped after
+    ``REQUEST_TIMEOUT`` and holds up nobody); at most ``MAX_PENDING`` wait at once. At
+    most ``MAX_CLIENTS`` pages exist, ``MAX_PAGES_PER_CLIENT`` per identity; a client
+    beyond gets the arena and its inbox only (its reads ask the worker). The same thread
+    runs the index's upkeep every ``UPKEEP`` seconds. :meth:`close` removes the socket.
     """
 
     UPKEEP = 0.02
-    MAX_CLIENTS = 1024  # more get the arena alone (no index, no pins of their own)
+    MAX_CLIENTS = 256
+    MAX_PAGES_PER_CLIENT = 4
+    MAX_PENDING = 64
+    REQUEST_TIMEOUT = 2.0
 
-    def __init__(self, arena: Arena, directory: str) -> None:
+    def __init__(
+        self, arena: Arena, directory: str, inboxes: Inboxes | None = None, budget: int = 0
+    ) -> None:
+        if not arena.sealed:
+            raise OSError("the arena is not sealed: it cannot be handed over")
         self.arena = arena
+        self.inboxes = inboxes
+        self.budget = budget or arena.size // 2  # bytes a client's hazard words may hold
         self.index: SharedIndex | None = None
         self._upkeep: Callable[[], None] | None = None
         sweep_stale(directory)
+        self._ro = arena.read_only_fd()
         self.path = os.path.join(directory, f"{SHM_PREFIX}{os.getpid()}-{arena.id}.sock")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
@@ -78,6 +159,7 @@ class ArenaShare:
             self._sock.bind(self.path)
         except BaseException:
             self._sock.close()
+            os.close(self._ro)
             raise
         finally:
             os.umask(old)
@@ -86,18 +168,22 @@ class ArenaShare:
         self._sock.setblocking(False)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._sock, selectors.EVENT_READ, None)
+        self._pending: dict[socket.socket, _Pending] = {}
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="shm-share", daemon=True)
         self._thread.start()
 
     def attach(self, index: SharedIndex, upkeep: Callable[[], None]) -> None:
-        """Hand ``index`` to clients from now on; ``upkeep`` (the store's, under its
-        lock) runs on this thread every UPKEEP seconds and when a client leaves."""
+        """Hand ``index`` to clients from now on; ``upkeep`` (the store's) runs on this
+        thread every UPKEEP seconds and when a client leaves. An index the kernel
+        would not seal is never handed over."""
         self._upkeep = upkeep
-        self.index = index
+        if index.sealed:
+            self.index = index
+        else:
+            log.warning("the same-host index could not be sealed: not handed to clients")
 
     def _loop(self) -> None:
-        hello = wire.encode_shm_hello(self.arena.id, self.arena.size)
         me = os.getuid()
         next_upkeep = 0.0
         while not self._stopping.is_set():
@@ -108,11 +194,17 @@ class ArenaShare:
                     return
                 raise
             for key, _ in ready:
-                if key.data is None:
-                    self._accept(hello, me)
+                conn, data = key.fileobj, key.data
+                if data is None:
+                    self._accept(me)
+                elif isinstance(data, _Pending):
+                    self._read_request(conn, data)  # type: ignore[arg-type]
                 else:
-                    self._gone(key.fileobj, key.data)  # type: ignore[arg-type]
+                    self._gone(conn, data)  # type: ignore[arg-type]
             now = time.monotonic()
+            for conn, p in list(self._pending.items()):
+                if now > p.deadline:  # said nothing (or too little) in time
+                    self._forget(conn)
             if self._upkeep is not None and now >= next_upkeep:
                 next_upkeep = now + self.UPKEEP
                 try:
@@ -120,51 +212,124 @@ class ArenaShare:
                 except Exception as e:  # the hand-over must go on
                     log.warning("same-host index upkeep failed: %s", e)
 
-    def _accept(self, hello: bytes, me: int) -> None:
+    def _accept(self, me: int) -> None:
         try:
             conn, _ = self._sock.accept()
         except OSError:
             return
-        cid = 0
         try:
-            conn.settimeout(2.0)
             cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
             uid = int.from_bytes(cred[4:8], "little")
-            if uid not in (me, 0):
-                conn.close()
-                return
-            fds = [self.arena.fd]
-            index = self.index
-            if index is not None and len(index.pages) < self.MAX_CLIENTS:
-                cid, page = index.add_client()
-                fds += [index.ro_fd, page]
-            socket.send_fds(conn, [hello], fds)
-            if not cid:
+            if uid not in (me, 0) or len(self._pending) >= self.MAX_PENDING:
                 conn.close()
                 return
             conn.setblocking(False)
-            self._sel.register(conn, selectors.EVENT_READ, cid)
-        except (BrokenPipeError, ConnectionResetError) as e:
+            p = _Pending(time.monotonic() + self.REQUEST_TIMEOUT)
+            self._pending[conn] = p
+            self._sel.register(conn, selectors.EVENT_READ, p)
+        except OSError:
+            conn.close()
+
+    def _forget(self, conn: socket.socket) -> None:
+        self._pending.pop(conn, None)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._sel.unregister(conn)
+        conn.close()
+
+    def _read_request(self, conn: socket.socket, p: _Pending) -> None:
+        try:
+            got = conn.recv(p.need - len(p.buf))
+        except BlockingIOError:
+            return
+        except OSError:
+            got = b""
+        if not got:  # closed before its request was in
+            self._forget(conn)
+            return
+        p.buf += got
+        if len(p.buf) < p.need:
+            return
+        head = bytes(p.buf[: wire.SHM_REQUEST.size])
+        try:
+            version, identity, tlen = wire.decode_shm_request(head)
+        except ProtocolError:
+            self._forget(conn)
+            return
+        if p.need == wire.SHM_REQUEST.size and tlen:
+            p.need += tlen  # the token follows
+            return
+        self._pending.pop(conn, None)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._sel.unregister(conn)
+        if version != wire.SHM_VERSION:
+            conn.close()
+            return
+        self._hand_over(conn, identity)
+
+    def _hand_over(self, conn: socket.socket, identity: bytes) -> None:
+        """Send the descriptors; keep the connection while the client holds a page or
+        an inbox (its close tells the worker the client is gone)."""
+        cid = 0
+        inbox = False
+        owned: list[int] = []  # descriptors made for this client: closed once sent
+        flags = 0
+        fds = [self._ro]
+        try:
+            index = self.index
+            if (
+                index is not None
+                and len(index.pages) < self.MAX_CLIENTS
+                and index.client_pages(identity) < self.MAX_PAGES_PER_CLIENT
+            ):
+                cid, page = index.add_client(identity, self.budget)
+                owned.append(page)
+                fds += [index.ro_fd, page]
+                flags |= wire.SHM_HAS_INDEX
+            size = 0
+            if self.inboxes is not None and any(identity):
+                fd = self.inboxes.add(identity)
+                if fd is not None:
+                    inbox = True
+                    owned.append(fd)
+                    fds.append(fd)
+                    flags |= wire.SHM_HAS_INBOX
+                    size = self.inboxes.size
+            hello = wire.encode_shm_hello(self.arena.id, self.arena.size, size, self.budget, flags)
+            conn.setblocking(True)
+            conn.settimeout(self.REQUEST_TIMEOUT)
+            socket.send_fds(conn, [hello], fds)
+            if not cid and not inbox:
+                conn.close()
+                return
+            conn.setblocking(False)
+            self._sel.register(conn, selectors.EVENT_READ, _Client(cid, identity, inbox))
+        except (BrokenPipeError, ConnectionResetError, TimeoutError) as e:
             # A peer that only checked the socket is alive (another worker's
             # sweep_stale at its start) and left: routine, not worth a log line.
             log.debug("shm hand-over: the peer left first (%s)", e)
-            self._drop(conn, cid)
+            self._drop(conn, _Client(cid, identity, inbox))
         except Exception as e:  # one client must not stop the hand-over for others
             log.warning("shm hand-over failed: %s", e)
-            self._drop(conn, cid)
+            self._drop(conn, _Client(cid, identity, inbox))
+        finally:
+            for fd in owned:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
-    def _gone(self, conn: socket.socket, cid: int) -> None:
+    def _gone(self, conn: socket.socket, client: _Client) -> None:
         """A client's connection is readable: it closed (or sent garbage, which
         nothing asks for): either way it is done."""
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(KeyError, ValueError, OSError):
             self._sel.unregister(conn)
-        self._drop(conn, cid)
+        self._drop(conn, client)
         if self._upkeep is not None:
             self._upkeep()  # release what it held now, not at the next tick
 
-    def _drop(self, conn: socket.socket, cid: int) -> None:
-        if cid and self.index is not None:
-            self.index.drop_client(cid)
+    def _drop(self, conn: socket.socket, client: _Client) -> None:
+        if client.cid and self.index is not None:
+            self.index.drop_client(client.cid)
+        if client.inbox and self.inboxes is not None:
+            self.inboxes.drop(client.identity)
         conn.close()
 
     def close(self) -> None:
@@ -176,9 +341,13 @@ class ArenaShare:
             os.unlink(self.path)
         self._thread.join(timeout=2)
         for key in list(self._sel.get_map().values()):
-            if key.data:
+            if isinstance(key.data, _Client):
                 self._drop(key.fileobj, key.data)  # type: ignore[arg-type]
+            elif isinstance(key.data, _Pending):
+                key.fileobj.close()  # type: ignore[union-attr]
         self._sel.close()
+        with contextlib.suppress(OSError):
+            os.close(self._ro)
 
 
 def sweep_stale(directory: str) -> int:
@@ -214,19 +383,17 @@ def sweep_stale(directory: str) -> int:
 
 @dataclass(slots=True)
 class _Open:
-    """One unreleased LOC request: what it pins or reserves, and the budget it holds."""
+    """One unreleased GET_LOC: what it pins, and the budget it holds."""
 
-    reading: Reading | None
-    slots: list[Block | ResourceExhausted | None]
+    reading: Reading
     nbytes: int
     entries: int
-    late: bool = False  # PUT_LOC with FLAG_LATE_SUM: the commit brings the checksums
 
 
 @dataclass(slots=True)
 class ShmState:
-    """What one connection holds: pinned reads and reserved slots, by request id, within
-    the connection's budget (bytes and entries, see worker.requests)."""
+    """What one connection holds: pinned reads by request id, within the connection's
+    budget (bytes and entries, see worker.requests)."""
 
     holder: Holder
     open: dict[int, _Open] = field(default_factory=dict)
@@ -249,26 +416,30 @@ class LocAnswer:
 
 
 class ShmServer:
-    """The server half of shm:// over a connection's frames: answers where blocks
-    live (pinned until RELEASE), reserves slots for same-host writers and commits them.
+    """The server half of shm:// over a connection's frames: answers where blocks live
+    (pinned until RELEASE) and publishes what same-host writers put in their inboxes.
 
     Pure bookkeeping over the frame core: the tcp:// server reads each frame's body,
-    calls the op here and sends what it returns. Every LOC answer carries the arena's
+    calls the op here and sends what it returns. Every answer carries the arena's
     16-bit tag in its header. INVALID_ARGUMENT and RESOURCE_EXHAUSTED are answered
     (:class:`~kvstore.worker.transfer.frames.Refused`); a frame that breaks the
-    protocol (an unknown commit, too many open requests) raises ProtocolError.
+    protocol (too many open requests) raises ProtocolError.
     """
 
-    def __init__(self, store: BlockStore, core: RequestCore) -> None:
+    def __init__(
+        self, store: BlockStore, core: RequestCore, inboxes: Inboxes | None = None
+    ) -> None:
         self.store = store
         self.core = core
+        self.inboxes = inboxes
+        self._arena = np.frombuffer(store.arena.view, dtype=np.uint8)
 
     def state(self, holder: Holder) -> ShmState:
         """What a new connection holds: nothing, within ``holder``'s budget."""
         return ShmState(holder)
 
     def close(self, st: ShmState) -> None:
-        """The connection is gone: release its pins, abort its reservations."""
+        """The connection is gone: release its pins."""
         for req in list(st.open):
             self._release(st, req)
 
@@ -280,19 +451,15 @@ class ShmServer:
         o = st.open.pop(req, None)
         if o is None:
             return False
-        if o.reading is not None:
-            self.store.done(o.reading)
-        blocks = [b for b in o.slots if isinstance(b, Block)]
-        if blocks:
-            self.store.finish_many(blocks, [False] * len(blocks))
+        self.store.done(o.reading)
         st.holder.give(o.nbytes, o.entries)
         return True
 
     def _check_new(self, st: ShmState, h: wire.Header) -> None:
         """At most max_open_requests per connection (ProtocolError); and a request id
-        names one open request: a LOC request that reuses the id of one still open is
+        names one open request: a GET_LOC that reuses the id of one still open is
         refused (INVALID_ARGUMENT, then the connection closes and gives back everything
-        it holds), so no pin or reservation is ever orphaned by an overwritten entry."""
+        it holds), so no pin is ever orphaned by an overwritten entry."""
         if len(st.open) >= self.core.limits.max_open_requests:
             raise ProtocolError("too many unreleased shm requests on one connection")
         if h.req_id in st.open:
@@ -337,71 +504,69 @@ class ShmServer:
             raise Refused(
                 h, ResourceExhausted("too many shm entries or bytes held open: release some first")
             )
-        st.open[h.req_id] = _Open(reading, [], pinned, h.count)
+        st.open[h.req_id] = _Open(reading, pinned, h.count)
         head = ok_answer(h, h.count, store.arena.tag)
         return LocAnswer(store, reading, [head, meta, *inline], sum(len(v) for v in inline))
 
-    def put_loc(self, st: ShmState, h: wire.Header, ns: str, body: Bytes) -> Buffers:
-        """PUT_LOC: reserve slots for a same-host writer, within the connection's budget:
-        entries over it are answered full (the client writes them over tcp:// or not at all)."""
-        self._check_new(st, h)
-        entries = list(wire.PUT_ENTRY.iter_unpack(body))
+    def put_inbox(
+        self, st: ShmState, identity: bytes, h: wire.Header, ns: str, body: Bytes
+    ) -> tuple[Buffers, int]:
+        """PUT_INBOX: publish blocks the client wrote into its inbox; (the answer,
+        payload bytes stored). Each block is copied into a reserved slot and hashed
+        there, in the worker's own copy, and committed only if that matches the sum
+        the writer sent; otherwise aborted (PUT_CORRUPT, the key stays absent). The
+        slots are held only while this frame is served, within the connection's budget."""
+        inbox = self.inboxes.get(identity) if self.inboxes is not None and identity else None
+        if inbox is None:
+            raise Refused(
+                h, InvalidArgument("PUT_INBOX on a connection without an inbox (AUTH identity)")
+            )
+        entries = list(wire.INBOX_ENTRY.iter_unpack(body))
+        sizes = [e[1] for e in entries]
         with refusing(h):
-            self.core.check_sizes([e[1] for e in entries])
-        nbytes = sum(e[1] for e in entries)
-        slots: list[Block | ResourceExhausted | None]
-        if st.holder.take(nbytes, h.count, wait=0.5):
+            self.core.check_sizes(sizes)
+            for i, (_, size, _, off) in enumerate(entries):
+                if off + size > len(inbox):
+                    raise InvalidArgument(f"block {i} lies outside the inbox")
+        status = bytearray(h.count)
+        nbytes = sum(sizes)
+        if not st.holder.take(nbytes, h.count, wait=0.5, whole=True):
+            status[:] = bytes([wire.PUT_FULL]) * h.count
+            return [ok_answer(h, h.count, self.store.arena.tag), status], 0
+        try:
             slots = self.store.reserve_many(
                 ns,
                 [e[0] for e in entries],
-                [e[1] for e in entries],
+                sizes,
                 [e[2] for e in entries],
                 hinted=bool(h.flags_or_code & wire.FLAG_SESSION),
             )
-        else:
-            nbytes = 0
-            slots = [ResourceExhausted("shm reservation budget exhausted")] * h.count
-            st.holder.take(0, h.count)
-        answer = bytearray(h.count * wire.PUT_LOC_ENTRY.size)
-        for i, s in enumerate(slots):
-            off = i * wire.PUT_LOC_ENTRY.size
-            if isinstance(s, Block):
-                wire.PUT_LOC_ENTRY.pack_into(answer, off, wire.PUT_LOC_SLOT, s.offset)
-            else:
-                wire.PUT_LOC_ENTRY.pack_into(answer, off, put_status(s), 0)
-        late = bool(h.flags_or_code & wire.FLAG_LATE_SUM)
-        st.open[h.req_id] = _Open(None, slots, nbytes, h.count, late)
-        return [ok_answer(h, h.count, self.store.arena.tag), answer]
-
-    def put_commit(self, st: ShmState, h: wire.Header, body: Bytes) -> tuple[Buffers, int]:
-        """PUT_COMMIT: commit the slots the client wrote; (the answer, payload bytes
-        committed). ``body``: an ok byte per slot, then with FLAG_LATE_SUM (as on its
-        PUT_LOC) the checksums. Until the body is in, the reservation stays with the
-        connection, so a peer that vanishes before has it aborted by :meth:`close`."""
-        o = st.open.get(h.req_id)
-        late = bool(h.flags_or_code & wire.FLAG_LATE_SUM)
-        if o is None or o.reading is not None or len(o.slots) != h.count or o.late != late:
-            raise ProtocolError(f"PUT_COMMIT for unknown or mismatched request {h.req_id}")
-        flags = bytes(body[: h.count])
-        sums: list[int] | None = None
-        if late:
-            sums = [c for (c,) in wire.SUMS.iter_unpack(body[h.count :])]
-        del st.open[h.req_id]
-        blocks: list[Block] = []
-        ok: list[bool] = []
-        at: list[int] = []
-        status = bytearray(h.count)
-        for i, (s, f) in enumerate(zip(o.slots, flags, strict=True)):
-            if isinstance(s, Block):
-                blocks.append(s)
-                ok.append(bool(f))
-                at.append(i)
-            else:
-                status[i] = put_status(s)
-        late_sums = None if sums is None else [sums[i] for i in at]
-        ok = self.store.finish_many(blocks, ok, late_sums)
-        for i, good in zip(at, ok, strict=True):
-            status[i] = wire.PUT_STORED if good else wire.PUT_CORRUPT
-        st.holder.give(o.nbytes, o.entries)
+            at = [i for i, s in enumerate(slots) if isinstance(s, Block)]
+            blocks = [s for s in slots if isinstance(s, Block)]
+            for i, s in enumerate(slots):
+                if not isinstance(s, Block):
+                    status[i] = put_status(s)
+            ok: list[bool] = []
+            arena = self._arena
+            try:
+                for i, b in zip(at, blocks, strict=True):
+                    _, size, claimed, off = entries[i]
+                    got = copy_sum(arena[b.offset : b.offset + size], inbox[off : off + size])
+                    ok.append(got == claimed)
+            except BaseException:
+                self.store.finish_many(blocks, [False] * len(blocks))  # nothing published
+                raise
+            good = self.store.finish_many(blocks, ok)
+            bad = 0
+            for i, g in zip(at, good, strict=True):
+                status[i] = wire.PUT_STORED if g else wire.PUT_CORRUPT
+                bad += not g
+            if bad:
+                self.store.count_checksum_errors(bad)
+        finally:
+            st.holder.give(nbytes, h.count)
         head = ok_answer(h, h.count, self.store.arena.tag)
-        return [head, status], sum(b.size for b, good in zip(blocks, ok, strict=True) if good)
+        return [head, status], sum(b.size for b, g in zip(blocks, good, strict=True) if g)
+
+
+__all__ = ["ArenaShare", "Inboxes", "LocAnswer", "ShmServer", "ShmState"]

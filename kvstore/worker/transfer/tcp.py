@@ -30,7 +30,7 @@ from ...auth import Tenants
 from ..requests import RequestCore
 from ..store import BlockStore
 from .frames import TCP_OPS, FrameCore, Peer, Refused, observe_frame, own_core
-from .shm import ShmServer, ShmState
+from .shm import Inboxes, ShmServer, ShmState
 
 _CONNS = itertools.count(1)  # names budget accounts of connections that gave no identity
 log = logging.getLogger(__name__)
@@ -127,6 +127,7 @@ class TcpTransferServer:
         tenants: Tenants | None = None,
         ssl_context: ssl.SSLContext | None = None,
         core: RequestCore | None = None,
+        inboxes: Inboxes | None = None,
     ) -> None:
         self.store = store
         # Admission, limits and budgets: the worker passes the one core all its servers
@@ -134,7 +135,7 @@ class TcpTransferServer:
         self.core = own_core(store, core, tenants)
         self.tenants = self.core.tenants
         self.frames = FrameCore(store, self.core, TCP_OPS, "tcp")
-        self.shm = ShmServer(store, self.core)
+        self.shm = ShmServer(store, self.core, inboxes)  # inboxes: same-host writers
         self.ssl_context = ssl_context
         self.max_per_client = max_per_client
         self._per_client: dict[str, int] = {}
@@ -344,10 +345,8 @@ class TcpTransferServer:
                 finally:
                     loc.sent()
                 self._count("shm", "tx", loc.inline)
-            elif h.op == wire.OP_PUT_LOC:
-                wire.send_buffers(conn, self.shm.put_loc(st.shm, h, ns, body))
-            else:  # OP_PUT_COMMIT
-                answer, n = self.shm.put_commit(st.shm, h, body)
+            else:  # OP_PUT_INBOX
+                answer, n = self.shm.put_inbox(st.shm, st.peer.identity, h, ns, body)
                 wire.send_buffers(conn, answer)
                 self._count("shm", "rx", n)
 
