@@ -76,8 +76,13 @@ class Limits:
         return Limits(**fields)
 
 
+def account(identity: bytes) -> str:
+    """The budget account of a client identity (kvstore_client.security)."""
+    return "id:" + identity.hex()
+
+
 class Budget:
-    """Bytes and entries held by requests, per connection, client address and worker.
+    """Bytes and entries held by requests, per connection, client and worker.
 
     Thread-safe. A connection gets a :class:`Holder`; what it holds is given back
     when the request ends or, at the latest, when the connection closes.
@@ -88,6 +93,9 @@ class Budget:
         self._cond = threading.Condition()
         self._client_bytes: dict[str, int] = {}
         self._client_entries: dict[str, int] = {}
+        # Bytes each client's hazard words hold in the same-host index (slots the worker
+        # could not free because the client names them), as the index upkeep last found.
+        self._hazard_bytes: dict[str, int] = {}
         self.bytes = 0
         self.entries = 0
         self.refused = 0  # takes that did not fit (also after waiting)
@@ -107,7 +115,7 @@ class Budget:
             return False
         if entries and h.entries + entries > lim.entries_per_connection:
             return False
-        cb = self._client_bytes.get(h.client, 0)
+        cb = self._client_bytes.get(h.client, 0) + self._hazard_bytes.get(h.client, 0)
         if nbytes and cb + nbytes > lim.hold_per_client and (cb or not one):
             return False
         if entries and self._client_entries.get(h.client, 0) + entries > lim.entries_per_client:
@@ -115,6 +123,21 @@ class Budget:
         if nbytes and self.bytes + nbytes > lim.hold_per_worker and (self.bytes or not single):
             return False
         return not (entries and self.entries + entries > lim.entries_per_worker)
+
+    def client_bytes(self, client: str) -> int:
+        """Bytes the client's connections hold now (its hazard holds not included)."""
+        with self._cond:
+            return self._client_bytes.get(client, 0)
+
+    def set_hazards(self, held: dict[str, int]) -> None:
+        """Each client's bytes held through hazard words (the index upkeep's finding; a
+        client absent from ``held`` holds none): counted with what its connections
+        hold, so one client holds at most hold_per_client either way."""
+        with self._cond:
+            freed = any(held.get(k, 0) < v for k, v in self._hazard_bytes.items())
+            self._hazard_bytes = {k: v for k, v in held.items() if v}
+            if freed:
+                self._cond.notify_all()
 
     def _take(self, h: Holder, nbytes: int, entries: int, wait: float, whole: bool) -> bool:
         deadline = time.monotonic() + wait

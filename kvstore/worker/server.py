@@ -35,7 +35,7 @@ from ..errors import InvalidArgument, RejectUndecodable
 from .arena import Arena
 from .events import SSD, KvEventPublisher
 from .masterlink import IdInUse, MasterLink
-from .requests import Limits, RequestCore
+from .requests import Limits, RequestCore, account
 from .servicer import StoreServicer
 from .sessions import SessionTable
 from .store import BlockStore
@@ -334,7 +334,9 @@ class Worker:
         return True
 
     def _index_upkeep(self) -> None:
-        self.store.shared_upkeep()
+        budget = self.core.budget
+        held = self.store.shared_upkeep(lambda ident: budget.client_bytes(account(ident)))
+        budget.set_hazards({account(k): v for k, v in held.items()})
         # A lookup may resume a paused session (BlockStore.match_prefix): while one is
         # paused, same-host clients ask the worker for lookups.
         self.index.ask_lookups(bool(self.store.policy.sessions.paused))

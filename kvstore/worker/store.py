@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -696,26 +696,30 @@ class BlockStore:
 
     # ---- stats and shutdown ----------------------------------------------------
 
-    def shared_upkeep(self) -> None:
+    def shared_upkeep(self, elsewhere: Callable[[bytes], int] | None = None) -> dict[bytes, int]:
         """Apply what same-host clients did through the index (tiers.shared): their
         logged reads move blocks up the LRU and count as hits and misses, and slots held
-        for their pins are freed once no live page names them. The logs are read and
-        the pages scanned outside the store lock, the results applied under it a slice
-        at a time: what clients write into their pages never holds the lock longer."""
+        for their pins are freed once no live page names them (``elsewhere``: what a
+        client identity holds by other means, counted against its page's budget).
+        Returns the bytes each identity's pages still hold. The logs are read and the
+        pages scanned outside the store lock, the results applied under it a slice at a
+        time: what clients write into their pages never holds the lock longer."""
         sh = self.tier.shared
         if sh is None:
-            return
+            return {}
         logged = sh.drain()
         for i in range(0, len(logged), _UPKEEP_SLICE):
             with self.lock:
                 self.tier.apply_reads(logged[i : i + _UPKEEP_SLICE])
         with self.lock:
             held = list(sh.held)
-        if held:
-            plan = sh.reap_plan(held)
-            if plan.free.any():
-                with self.lock:
-                    sh.reap_apply(plan, self.tier.release)
+        if not held:
+            return {}
+        plan = sh.reap_plan(held, elsewhere)
+        if plan.free.any():
+            with self.lock:
+                sh.reap_apply(plan, self.tier.release)
+        return plan.held
 
     def stats(self) -> StoreStats:
         """The counters now. Reads same-host clients made through the shared index

@@ -125,6 +125,14 @@ class ShmArena:
         self.local: shmlocal.Local | None = None
         self.inbox: Inbox | None = None
         self._link: socket.socket | None = None
+        self._pins_lock = threading.Lock()
+        self.socket_pinned = 0  # bytes of socket-path pin leases now held (see pin())
+
+    def pinned(self, nbytes: int) -> None:
+        """Socket-path pin leases of ``nbytes`` were taken (negative: released); the
+        worker counts them with the hazard words against one budget."""
+        with self._pins_lock:
+            self.socket_pinned += nbytes
 
     def attach(self, index_fd: int, page_fd: int) -> None:
         """Map the index (read-only) and the hazard page; ValueError when they are not
@@ -133,7 +141,7 @@ class ShmArena:
         if not stat.S_ISREG(st.st_mode) or os.fstat(page_fd).st_size != shmindex.PAGE_BYTES:
             raise ValueError("not an index and a hazard page")
         index = shmindex.IndexView(index_fd, st.st_size, self.tag)
-        page = shmindex.HazardPage(page_fd, self.budget)
+        page = shmindex.HazardPage(page_fd, self.budget, lambda: self.socket_pinned)
         self.local = shmlocal.Local(self.array, self.view, index, page)
 
     def keep(self, link: socket.socket) -> None:
@@ -694,9 +702,14 @@ class ShmTransfer(TcpTransfer):
             except BaseException:
                 release()
                 raise
+            held = sum(v.nbytes for v in rest.views if v is not None)
+            if loc.hazards.room() < held:  # over this client's budget: not pinned
+                rest.release()
+                return out
+            self.arena.pinned(held)
             for j, i in enumerate(left):
                 out.views[i] = rest.views[j]
-            out._releases += rest._releases
+            out._releases += [*rest._releases, lambda: self.arena.pinned(-held)]
         return out
 
     def reserve(

@@ -31,6 +31,7 @@ from __future__ import annotations
 import mmap
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import atomicshm  # the fences and atomic words of the hazard protocol
@@ -228,7 +229,9 @@ class HazardPage:
     (how many words the worker scans) falls again when the top ranges are given back,
     so a client that once pinned many blocks does not cost every later eviction."""
 
-    def __init__(self, fd: int, budget: int = 1 << 62) -> None:
+    def __init__(
+        self, fd: int, budget: int = 1 << 62, elsewhere: Callable[[], int] | None = None
+    ) -> None:
         self._mm = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         raw = np.frombuffer(self._mm, dtype=np.uint8)
         self.haz = raw[HAZ_AT:RING_AT].view("<u8")
@@ -240,12 +243,21 @@ class HazardPage:
         self._head = 0
         self.budget = budget
         self.held = 0  # bytes the taken ranges may pin
+        # bytes this client holds at the worker by other means (socket-path pins): the
+        # worker counts them against the same budget
+        self._elsewhere = elsewhere
+
+    def room(self) -> int:
+        """Bytes more the budget lets this client's words pin now."""
+        other = self._elsewhere() if self._elsewhere is not None else 0
+        return max(0, self.budget - self.held - other)
 
     def take(self, n: int, nbytes: int = 0) -> int:
         """The start of ``n`` free hazard words for pins of ``nbytes`` in all, or -1 (no
         words free, or over the budget: then use the socket path)."""
+        other = self._elsewhere() if self._elsewhere is not None else 0
         with self._lock:
-            if self.held + nbytes > self.budget:
+            if self.held + nbytes + other > self.budget:
                 return -1
             for i, (a, k) in enumerate(self._free):
                 if k >= n:

@@ -17,7 +17,7 @@ changed between the probe and the pin.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -79,16 +79,26 @@ class _Pinned:
     start: int
     count: int
     nbytes: int = 0
+    over: npt.NDArray[np.int64] = field(default_factory=lambda: np.empty(0, np.int64))
 
     def give(self, hazards: HazardPage) -> None:
         hazards.give(self.start, self.count, self.nbytes)
 
 
 def _pin(loc: Local, p: Probe) -> _Pinned | None:
+    """Pin what the probe found, within this client's budget: the leading rows that fit
+    (a chain's head matters most), the others in ``over``; None when no hazard words
+    are free."""
     rows = p.stable(np.flatnonzero(p.found))  # entries mid-write: the socket path
     if not len(rows):
         return _Pinned(rows, [], 0, 0)
-    nbytes = int((p.words[rows, W_SIZESLOT] & np.uint64(0xFFFFFFFF)).sum())
+    sizes = (p.words[rows, W_SIZESLOT] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    fit = int(np.searchsorted(np.cumsum(sizes), loc.hazards.room(), side="right"))
+    over = rows[fit:]
+    rows = rows[:fit]
+    if not len(rows):
+        return _Pinned(rows, [], 0, 0, 0, over)
+    nbytes = int(sizes[:fit].sum())
     start = loc.hazards.take(len(rows), nbytes)
     if start < 0:
         return None  # no hazard words free, or over the budget: the socket path
@@ -106,7 +116,7 @@ def _pin(loc: Local, p: Probe) -> _Pinned | None:
             strict=True,
         )
     )
-    return _Pinned(rows, cols, start, len(still), nbytes)
+    return _Pinned(rows, cols, start, len(still), nbytes, over)
 
 
 def _log(loc: Local, pinned: _Pinned, got: Sequence[bool], misses: int) -> None:
@@ -222,6 +232,7 @@ def pin(
     views: list[memoryview | None] = [None] * n
     done = np.zeros(n, dtype=bool)
     done[pinned.rows] = True
+    done[pinned.over] = True  # over this client's budget: not pinned (views None)
     mv = loc.mv
     got: list[bool] = []
     digest = xxhash.xxh3_64_intdigest

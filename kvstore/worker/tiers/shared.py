@@ -94,11 +94,13 @@ _NONE = np.empty(0, np.uint64)
 @dataclass(slots=True)
 class ReapPlan:
     """What a reap found, outside the store lock: of the held blocks it looked at
-    (``blocks``), which no live page names (``free``), and the pages it revoked."""
+    (``blocks``), which no live page names (``free``), the pages it revoked, and the
+    bytes each client identity's live pages hold."""
 
     blocks: list[Any]
     free: np.ndarray  # bool per block
     revoked: list[int]
+    held: dict[bytes, int]
 
 
 class SharedIndex:
@@ -225,26 +227,35 @@ class SharedIndex:
         """Keep ``block`` (pinned by the tier) until no page names it."""
         self.held.append(block)
 
-    def reap_plan(self, blocks: list[Any]) -> ReapPlan:
+    def reap_plan(
+        self, blocks: list[Any], elsewhere: Callable[[bytes], int] | None = None
+    ) -> ReapPlan:
         """Which of ``blocks`` (held blocks, a snapshot taken under the store lock) no
-        live page names any more; revokes the pages that name more than their budget.
-        Needs no store lock: the blocks were withdrawn before they were held, so a
-        client that names one now did not pin it (its re-check failed)."""
+        live page names any more; revokes the pages that name more than their budget
+        less what their client holds ``elsewhere`` (its connections' pins, by
+        identity). Needs no store lock: the blocks were withdrawn before they were
+        held, so a client that names one now did not pin it (its re-check failed)."""
         if not blocks:
-            return ReapPlan(blocks, np.zeros(0, dtype=bool), [])
+            return ReapPlan(blocks, np.zeros(0, dtype=bool), [], {})
         held = np.array([hazard_word(b.slot, b.gen) for b in blocks], dtype=np.uint64)
         sizes = np.array([b.size for b in blocks], dtype=np.int64)
         named = np.zeros(len(blocks), dtype=bool)
         revoked: list[int] = []
+        by_client: dict[bytes, int] = {}
         for cid, page in list(self.pages.items()):
             words = page.words()
             if not len(words):
                 continue
             mine = np.isin(held, words)
-            if int(sizes[mine].sum()) > page.budget:
+            nbytes = int(sizes[mine].sum())
+            if not nbytes:
+                continue
+            other = elsewhere(page.identity) if elsewhere is not None and page.identity else 0
+            if by_client.get(page.identity, 0) + nbytes + other > page.budget:
                 page.revoked = True  # ignored from now on (see the module docstring)
                 revoked.append(cid)
                 continue
+            by_client[page.identity] = by_client.get(page.identity, 0) + nbytes
             named |= mine
         if revoked:
             self.revoked += len(revoked)
@@ -253,7 +264,7 @@ class SharedIndex:
                 "slots and were revoked (their pins no longer hold)",
                 len(revoked),
             )
-        return ReapPlan(blocks, ~named, revoked)
+        return ReapPlan(blocks, ~named, revoked, by_client)
 
     def reap_apply(self, plan: ReapPlan, release: Callable[[Any], None]) -> int:
         """Release what :meth:`reap_plan` found free (under the store lock); returns how

@@ -51,7 +51,7 @@ from kvstore_client.keys import HASH_LEN, split_hashes, to_bitmap
 from kvstore_client.transport.ucxcodec import ERROR_MAX, read_part_counts, slices, split_sizes
 
 from ...auth import Tenant, Tenants
-from ..requests import Holder, Limits, RequestCore, put_status
+from ..requests import Holder, Limits, RequestCore, account, put_status
 from ..store import BlockStore
 from ..tiers.blocks import Block
 
@@ -224,7 +224,7 @@ class FrameCore:
                 raise Refused(h, InvalidArgument("AUTH with FLAG_IDENTITY is too short"))
             p.identity = bytes(token[: wire.IDENTITY])
             token = token[wire.IDENTITY :]
-            p.holder.rebind("id:" + p.identity.hex())
+            p.holder.rebind(account(p.identity))
         if self.core.tenants is not None:
             with refusing(h):
                 p.tenant = self.core.tenants.authenticate(bytes(token).decode(errors="replace"))
