@@ -34,6 +34,7 @@ import numpy as np
 from rich.console import Console
 
 from kvstore.worker.tiers.dram import DramTier
+from kvstore.worker.tiers.shared import SharedIndex
 from kvstore_bench import report
 
 BLOCK = 4096
@@ -60,8 +61,10 @@ def needed_bytes(n: int) -> int:
     return n * 400 + (512 << 20)
 
 
-def measure(n: int, ops: int, seed: int = 0) -> dict[str, Any]:
-    """Fill a tier with ``n`` blocks and time ``ops`` of each operation (see module doc)."""
+def measure(n: int, ops: int, seed: int = 0, *, shared: bool = False) -> dict[str, Any]:
+    """Fill a tier with ``n`` blocks and time ``ops`` of each operation (see module doc);
+    ``shared``: with the same-host index attached, as a worker runs it (its entries live
+    in shared memory, not the heap; its bookkeeping does)."""
     ops = max(1, min(ops, n))
     rng = np.random.default_rng(seed)
     keys = rng.bytes(16 * (n + 2 * ops))  # n to fill, ops into free room, ops evicting
@@ -72,6 +75,8 @@ def measure(n: int, ops: int, seed: int = 0) -> dict[str, Any]:
     base = tracemalloc.get_traced_memory()[0]
     t0 = time.perf_counter()
     tier = DramTier(slabs * SLAB, SLAB)
+    if shared:
+        tier.shared = SharedIndex(tier.capacity, 0x1234, ssd=False)
     reserve, commit = tier.reserve, tier.commit
     for i in range(n):
         b = reserve(NS, keys[16 * i : 16 * i + 16], BLOCK, i)
@@ -115,8 +120,11 @@ def measure(n: int, ops: int, seed: int = 0) -> dict[str, Any]:
     for _ in range(rounds):
         tier.exists_many(NS, batch)
     exists_s = (time.process_time() - c0) / rounds
+    if tier.shared is not None:
+        tier.shared.close()
     return {
         "blocks": n,
+        "with_shared_index": shared,
         "block_bytes": BLOCK,
         "heap_bytes": heap,
         "heap_bytes_per_block": heap / n,
@@ -136,7 +144,7 @@ def measure(n: int, ops: int, seed: int = 0) -> dict[str, Any]:
 
 
 def run_index_memory(
-    counts: list[int], ops: int, out: str, console: Console
+    counts: list[int], ops: int, out: str, console: Console, shared: bool = False
 ) -> list[dict[str, Any]]:
     """Measure each block count in turn; refuse counts the machine cannot hold."""
     rows: list[dict[str, Any]] = []
@@ -149,7 +157,7 @@ def run_index_memory(
             )
             continue
         with console.status(f"filling a DRAM tier with {n:,} blocks"):
-            rows.append(measure(n, ops))
+            rows.append(measure(n, ops, shared=shared))
         gc.collect()
     if not rows:
         return rows
@@ -157,7 +165,8 @@ def run_index_memory(
     cols += ["... evicting", "exists_many x1000"]
     console.print(
         report.table(
-            f"DRAM tier index memory (goal <= {GOAL_BYTES} B/block; was ~490 B)",
+            f"DRAM tier index memory{' with the same-host index' if shared else ''} "
+            f"(goal <= {GOAL_BYTES} B/block; was ~490 B)",
             cols,
             [
                 [
@@ -193,9 +202,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--blocks", default="1M,10M", help="block counts, e.g. 1M,10M or 20000")
     p.add_argument("--ops", type=int, default=200_000, help="operations timed per kind")
     p.add_argument("--out", default="bench/results")
+    p.add_argument(
+        "--shared", action="store_true", help="with the same-host index attached (a worker's tier)"
+    )
     a = p.parse_args(argv)
     counts = [int(x.strip().replace("M", "000000")) for x in a.blocks.split(",") if x.strip()]
-    run_index_memory(counts, a.ops, a.out, Console())
+    run_index_memory(counts, a.ops, a.out, Console(), a.shared)
 
 
 if __name__ == "__main__":

@@ -35,19 +35,30 @@ TOOLS = textwrap.dedent(
     """
     import json, mmap, os, socket, struct, sys, time
 
+    SPEAKS = []  # learned once: does the worker wait for the client to speak first?
+
     def steal(path, identity=None):
         '''Every descriptor the worker's hand-over socket gives a process that asks
         (speaking the current protocol; an older worker sends without being asked).'''
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(path)
-        s.settimeout(0.5)
-        try:  # a worker of the first protocol sends at once (and takes any byte as a bye)
-            msg, fds, _, _ = socket.recv_fds(s, 64, 8)
+        if not SPEAKS:
+            s.settimeout(0.5)
+            try:  # a worker of the first protocol sends at once (any byte is a bye to it)
+                msg, fds, _, _ = socket.recv_fds(s, 64, 8)
+                SPEAKS.append(False)
+                return s, fds
+            except TimeoutError:
+                SPEAKS.append(True)
+            except OSError:
+                return s, []
+        elif not SPEAKS[0]:
+            s.settimeout(3)
+            try:
+                msg, fds, _, _ = socket.recv_fds(s, 64, 8)
+            except OSError:
+                return s, []
             return s, fds
-        except TimeoutError:
-            pass
-        except OSError:
-            return s, []
         s.settimeout(3)
         ident = identity or os.urandom(16)
         try:

@@ -135,7 +135,9 @@ class SharedIndex:
         self.live = self.flat["live"]
         self.overflow = raw[over].view("<u4")
         self._atomic = atomicshm.AtomicView(self._mm)
-        self._where: dict[int, int] = {}  # slot -> entry position, or -(bucket + 1)
+        # Per slot id: 0 (not mirrored), its entry's position + 1, or -(bucket + 1) when
+        # it overflowed its bucket. An array, 8 bytes a slot (a dict cost ~120 B a block).
+        self._where = np.zeros(1024, dtype=np.int64)
         self._tags: dict[str, int] = {}
         self.pages: dict[int, _Page] = {}  # replaced whole (copy on write), never mutated
         # drain and drop_client read the pages' logs under it (different threads); reads
@@ -168,6 +170,10 @@ class SharedIndex:
         b = bucket_of(lx, self.bits)
         ways = self.live[b * WAYS : (b + 1) * WAYS]
         free = np.flatnonzero(ways == 0)
+        if slot >= len(self._where):
+            grown = np.zeros(max(2 * len(self._where), slot + 1), dtype=np.int64)
+            grown[: len(self._where)] = self._where
+            self._where = grown
         if not len(free):
             self.overflow[b] += 1
             self._where[slot] = -(b + 1)
@@ -180,19 +186,23 @@ class SharedIndex:
         self.flat[p] = (seq + 1, gen, lx, hi, t, off, size, slot, csum, 1)
         self._atomic.store_u32(at, (seq + 2) & 0xFFFFFFFF, atomicshm.RELEASE)
         self.lx[p] = lx  # findable from now on (the entry is complete)
-        self._where[slot] = p
+        self._where[slot] = p + 1
         self.published += 1
 
     def withdraw(self, slot: int) -> None:
         """Take a block out of the mirror, then fence: a client that pins it after
         this sees the change on its re-check; one that pinned before is seen by
         :meth:`hazarded`."""
-        p = self._where.pop(slot, None)
-        if p is None:
+        if slot >= len(self._where):
             return
-        if p < 0:
-            self.overflow[-p - 1] -= 1
+        w = int(self._where[slot])
+        if not w:
             return
+        self._where[slot] = 0
+        if w < 0:
+            self.overflow[-w - 1] -= 1
+            return
+        p = w - 1
         at = self._entries_at + p * ENTRY.itemsize
         seq = int(self.flat[p]["seq"])
         self._atomic.store_u32(at, (seq + 1) & 0xFFFFFFFF)
