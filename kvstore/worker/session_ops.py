@@ -141,7 +141,7 @@ def hint(
     walk_cuts(store)  # these, and those of blocks lost here since the last walk
     if store._demoter is None and time.monotonic() >= store._next_tick:
         store.session_tick(time.monotonic())  # no demoter thread to expire sessions
-    if not _claim(store, ns, session, client, keys, depths, whole):
+    if not _claim(store, ns, session, client, keys, depths, whole, step):
         return HintAnswer(resend=True)
     _advance(store, ns, session, step)  # an earlier change of this session, if pending
     now = time.monotonic()
@@ -184,13 +184,17 @@ def _claim(
     keys: Sequence[bytes],
     depths: Sequence[int],
     whole: bool,
+    step: int,
 ) -> bool:
     """May ``client``'s hint change the session (SessionTable.claim)? The hint's keys
-    are indexed outside the lock, and only when another client holds the session."""
+    are indexed outside the lock, and only when another client holds the session; a
+    pending state change of its chain moves first, ``step`` keys per hold of the lock
+    (a session that starts over would finish it at once)."""
     with store.lock:
         holder = store.policy.sessions.client_of(ns, session)
     if holder is None or holder == client:
         return True
+    _advance(store, ns, session, step)
     shown = dict(zip(keys, depths, strict=True)) if depths else dict.fromkeys(keys, -1)
     with store.lock:
         verdict, todo = store.policy.claim(ns, session, client, shown, whole)

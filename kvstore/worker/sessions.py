@@ -384,7 +384,10 @@ class SessionTable:
         chain but is ``whole``: the session leaves the table (its blocks become plain
         LRU blocks, as when it expires; the returned changes say so) and the hint
         starts it again as ``client``'s. REFUSED otherwise: nothing changes (the
-        caller asks the client for its whole chain). Cost: a few dictionary lookups."""
+        caller asks the client for its whole chain). Cost: a few dictionary lookups,
+        and for RESTARTED what :meth:`_drop` costs (a long chain leaves a slice at a
+        time, by :meth:`drain`; a pending state change is finished first, so the
+        caller moves it on by :meth:`advance` before)."""
         s = self.sessions.get((ns, name))
         if s is None or s.client == client:
             return OWN, []
