@@ -202,6 +202,16 @@ class StatsCollector(Collector):
                 "share_declined",
                 "New blocks of a session already holding its share, not stored",
             ),
+            (
+                "kvstore_session_cuts_refused",
+                "session_cuts_refused",
+                "Chain-cut notices for a session of another client, ignored",
+            ),
+            (
+                "kvstore_session_hints_refused",
+                "session_hints_refused",
+                "Hints of another client's session that did not show its chain, ignored",
+            ),
         ):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], s.get(key, 0))

@@ -4,10 +4,12 @@ A probe client sends 1-key EXISTS frames over tcp:// back to back and records th
 latency, first alone, then while another client runs each big request in turn:
 65,536-block shm:// and tcp:// puts and gets, a 65,536-value gRPC Put, session hints
 growing one chain to 262,144 blocks (four of 65,536; each walks the whole chain) and
-pausing it, and a RemoveNamespace of 524,288 blocks (``--quick``: 16,384 / 65,536 /
-65,536). The worker processes big requests in slices (``slice_keys`` per hold of its
-store lock, granted first come, first served), so the probe's p99 should stay under
-50 ms. Runs against a local cluster it starts (one worker).
+pausing it, the session's own client cutting that chain at depth 0 in a loop (a new
+turn, then a cut notice: each cut walks the whole chain), and a RemoveNamespace of
+524,288 blocks (``--quick``: 16,384 / 65,536 / 65,536). The worker processes big
+requests in slices (``slice_keys`` per hold of its store lock, granted first come,
+first served), so the probe's p99 should stay under 50 ms. Runs against a local
+cluster it starts (one worker); ``--only cuts`` runs one point (and what it needs).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from rich.table import Table
 from kvstore.cluster import LocalCluster
 from kvstore_client import Client
 from kvstore_client.proto import store_pb2, store_pb2_grpc
+from kvstore_client.security import metadata
 
 NS = "contention"
 
@@ -89,8 +92,17 @@ def _pcts(lat: list[float]) -> dict[str, float]:
     }
 
 
+CUTS = 8  # cuts of the long chain in the cut point
+
+
 def _runs(
-    big: Client, tcp: Client, probe: Connection, blocks: int, value_size: int, removal: int
+    big: Client,
+    tcp: Client,
+    probe: Connection,
+    blocks: int,
+    value_size: int,
+    removal: int,
+    only: str = "",
 ) -> dict[str, dict[str, float]]:
     value = os.urandom(value_size)
     grpc_addr = big.workers()[0].grpc
@@ -121,8 +133,25 @@ def _runs(
 
     def hint_chain() -> None:  # hints are incremental: the chain grows by a batch each
         for i in range(0, len(chain), blocks):
-            tcp.session_hint(NS, "long", "active", hashes=chain[i : i + blocks])
+            tcp.session_hint(NS, "long", "active", hashes=chain[: i + blocks])
         tcp.session_hint(NS, "long", "paused", ttl=60)  # a tool call: the chain changes state
+
+    def cut_chain() -> None:
+        """The chain's own client (its identity) cuts it at depth 0, CUTS times, each
+        after a new turn (a cut no shallower than the last is ignored until then). The
+        chain's blocks were never written: the cost is the walk, not the drops."""
+        with grpc.insecure_channel(grpc_addr) as ch:
+            stub = store_pb2_grpc.StoreStub(ch)
+            for turn in range(5, 5 + CUTS):  # the hint point made 4 turns
+                tcp.session_hint(NS, "long", "active")
+                cut = store_pb2.SessionCut(namespace=NS, session_id="long", depth=0, turn=turn)
+                stub.SessionHint(
+                    store_pb2.SessionHintRequest(
+                        namespace=NS, session_id="cutter", state="active", cuts=[cut]
+                    ),
+                    metadata=metadata(None, tcp.identity),
+                    timeout=120,
+                )
 
     def fill_removal() -> None:  # not measured
         step = 1 << 16
@@ -136,8 +165,14 @@ def _runs(
         (f"tcp get x{blocks}", lambda: tcp.batch_get(NS, tkeys)),
         (f"gRPC Put x{blocks}", grpc_put),
         (f"session hints + pause, {len(chain)}-block chain", hint_chain),
+        (f"{CUTS} turns + cuts at depth 0 of the {len(chain)}-block chain", cut_chain),
         (f"RemoveNamespace of {removal}", remove_ns),
     ]
+    if only:
+        keep = {n for n, _ in points if only in n}
+        if any("cuts" in n for n in keep):  # the chain to cut comes from the hint point
+            keep.add(points[5][0])
+        points = [(n, f) for n, f in points if n in keep]
     for name, fn in points:
         if name.startswith("RemoveNamespace"):
             fill_removal()
@@ -155,8 +190,13 @@ def _runs(
     help="Blocks of the namespace removed in the last point [8 x blocks, 4 x quick].",
 )
 @click.option("--quick", is_flag=True, help="16,384 blocks per request.")
+@click.option(
+    "--only", default="", help="Run only the points whose name contains this text (e.g. cuts)."
+)
 @click.option("--json", "json_path", default="", help="Write results as JSON here.")
-def contention_cmd(blocks: int, value_size: int, removal: int, quick: bool, json_path: str) -> None:
+def contention_cmd(
+    blocks: int, value_size: int, removal: int, quick: bool, only: str, json_path: str
+) -> None:
     """Latency of another client's 1-key EXISTS while a big request runs."""
     if quick:
         blocks = min(blocks, 16384)
@@ -177,7 +217,7 @@ def contention_cmd(blocks: int, value_size: int, removal: int, quick: bool, json
         probe.start()
         try:
             assert mine.recv() == "ready"
-            results.update(_runs(big, tcp, mine, blocks, value_size, removal))
+            results.update(_runs(big, tcp, mine, blocks, value_size, removal, only))
         finally:
             mine.send("quit")
             probe.join(10)

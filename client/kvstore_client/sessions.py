@@ -19,11 +19,22 @@ seconds passed (a worker may have dropped the session meanwhile).
 Chain cuts: each hash goes with its depth in the chain. A worker that loses a live
 session's block for good (evicted, no SSD copy) drops that session's deeper blocks
 (a prefix match cannot reach them until the chain is written again) and returns a
-notice in its next hint answer; the client carries it to every worker in its next
-hint of that namespace, and each drops its own deeper blocks of the session unless
-the session has had an ``active`` hint since (a new turn rewrites the chain). With
-chains spread over workers, the room goes to chains that can still hit instead of
-tails no lookup reaches.
+notice in its answer to the session's own client's next hint of that namespace; the
+client carries it to every worker in its next hint of that namespace, and each drops
+its own deeper blocks of the session unless the session has had an ``active`` hint
+since (a new turn rewrites the chain). With chains spread over workers, the room
+goes to chains that can still hit instead of tails no lookup reaches.
+
+Whose session: at each worker a session belongs to the client that first hinted it
+(its ``Client.identity``, sent with every call); only that client's hints change
+it, only its cut notices are applied, and only it gets the session's notices. An
+agent's next turn may run on another engine (another Client): its first hint of the
+session carries the whole chain (``whole``), which shows the chain the worker holds
+(its last hash there), and the session is the new client's from then on. A worker
+that holds another client's session and got only the newer part of the chain
+answers ``resend``, and this client sends it the whole chain at once. A whole chain
+that shows nothing of the held one (a history that changed) starts the session over
+there under this client. See docs/SECURITY.md ("Shared tables").
 """
 
 from __future__ import annotations
@@ -181,6 +192,7 @@ class SessionHints:
                 ttl_seconds=ttl or 0.0,
                 depths=(idx + skip).tolist(),
                 cuts=cuts,
+                whole=not skip and bool(hashes),
             )
             tasks.append(self._task(link.info.grpc, req))
         errors: list[KVStoreError] = []
@@ -188,8 +200,12 @@ class SessionHints:
         def on_error(_: int, e: KVStoreError) -> None:
             errors.append(e)
 
-        answers = [r for r in d.fan_out(tasks, on_error) if r is not None]
-        took = len(answers)
+        got = d.fan_out(tasks, on_error)
+        answers = [r for r in got if r is not None]
+        again = {view.workers[w].info.grpc for w, r in enumerate(got) if r is not None and r.resend}
+        if again and skip:  # another client's session there: show it the whole chain
+            answers += self._resend(ns, session_id, state, ttl, hashes, again, on_error)
+        took = sum(1 for r in answers if not r.resend)
         for r in answers:
             if r.cuts:
                 self._keep_cuts(r.cuts)
@@ -198,6 +214,38 @@ class SessionHints:
             if isinstance(e, InvalidArgument | PermissionDenied | Unauthenticated):
                 raise e
         return took
+
+    def _resend(
+        self,
+        ns: str,
+        session_id: str,
+        state: str,
+        ttl: float | None,
+        hashes: list[bytes],
+        addresses: set[str],
+        on_error: Callable[[int, KVStoreError], None],
+    ) -> list[store_pb2.SessionHintResponse]:
+        """The hint again, with the whole chain, to the workers at ``addresses`` (they
+        hold the session as another client's and answered ``resend``)."""
+        view, groups = self._d.copy_groups(ns, hashes)
+        owned = {w: idx for w, idx in groups}
+        empty = np.zeros(0, dtype=np.int64)
+        tasks = []
+        for w, link in enumerate(view.workers):
+            if link.info.grpc not in addresses:
+                continue
+            idx = owned.get(w, empty)
+            req = store_pb2.SessionHintRequest(
+                namespace=ns,
+                session_id=session_id,
+                state=state,
+                hashes=b"".join(hashes[i] for i in idx),
+                ttl_seconds=ttl or 0.0,
+                depths=idx.tolist(),
+                whole=True,
+            )
+            tasks.append(self._task(link.info.grpc, req))
+        return [r for r in self._d.fan_out(tasks, on_error) if r is not None]
 
     def _task(
         self, address: str, req: store_pb2.SessionHintRequest

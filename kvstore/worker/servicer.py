@@ -16,7 +16,7 @@ from kvstore_client.keys import HASH_LEN, split_hashes, to_bitmap
 from kvstore_client.proto import store_pb2, store_pb2_grpc
 
 from .. import metrics
-from ..auth import Tenant, bearer
+from ..auth import Tenant, bearer, client_identity
 from ..errors import InvalidArgument, Unavailable, abort, to_grpc_code
 from . import removal
 from .requests import RequestCore
@@ -166,8 +166,19 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
                     f"ttl_seconds must not be negative, got {request.ttl_seconds}"
                 )
             depths, cuts = session_cuts(ns, request, len(keys))
-            matched = self.store.session_hint(
-                ns, request.session_id, request.state, keys, ttl, depths, cuts
+            # The client whose session it is (kvstore.worker.sessions): its cut notices
+            # are applied and handed to it alone.
+            client = client_identity(context.invocation_metadata())
+            got = self.store.session_hint(
+                ns,
+                request.session_id,
+                request.state,
+                keys,
+                ttl,
+                depths,
+                cuts,
+                client=client,
+                whole=request.whole,
             )
             with self.store.lock:
                 table = self.store.policy.sessions
@@ -175,9 +186,9 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             metrics.observe_session_hit_ratios(closed)
             out = [
                 store_pb2.SessionCut(namespace=request.namespace, session_id=n, depth=d, turn=t)
-                for n, d, t in self.store.take_cuts(ns)
+                for n, d, t in self.store.take_cuts(ns, client)
             ]
-            return store_pb2.SessionHintResponse(matched=matched, cuts=out)
+            return store_pb2.SessionHintResponse(matched=got.matched, cuts=out, resend=got.resend)
 
         return self._run("session_hint", context, go)
 
@@ -213,6 +224,10 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
                     retain_budget_bytes=self.store.policy.retain_budget,
                     prefetched=self.store.counters.prefetched,
                     blocks_refused=c.blocks_refused,
+                    cuts_refused=c.cuts_refused,
+                    hints_refused=c.hints_refused,
+                    moved=c.moved,
+                    restarted=c.restarted,
                 )
 
         return self._run("sessions", context, go)

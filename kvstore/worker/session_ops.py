@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import islice
 from typing import Protocol
 
 import xxhash
@@ -20,7 +22,7 @@ import xxhash
 from kvstore_client.errors import InvalidArgument, ResourceExhausted
 
 from .fairlock import FairLock
-from .sessions import check_hint
+from .sessions import REFUSED, check_hint
 from .storerecords import LOOKUP_SLICES, Held, StoreCounters, _Todo
 from .tiers.blocks import Block
 from .tiers.dram import DramTier
@@ -29,6 +31,7 @@ from .tiers.policy import (
     NeedDramRoom,
     SessionAdvance,
     SessionCut,
+    SessionCutStep,
     SessionDrain,
     SessionHint,
     SessionKeys,
@@ -50,6 +53,7 @@ class SessionHost(Protocol):
     counters: StoreCounters
     _todo: _Todo
     _stop: threading.Event
+    _cut_walker: threading.Lock
     _demoter: threading.Thread | None
     _next_tick: float
 
@@ -80,6 +84,17 @@ def reserve_yielding(
     return err
 
 
+@dataclass(frozen=True, slots=True)
+class HintAnswer:
+    """What a hint did: ``matched`` leading blocks of the session's chain here are
+    present (``active`` hints; 0 otherwise); ``resend``: the session is another
+    client's here and this hint did not show its chain: send the whole chain
+    (SessionTable.claim)."""
+
+    matched: int = 0
+    resend: bool = False
+
+
 def hint(
     store: SessionHost,
     ns: str,
@@ -89,12 +104,18 @@ def hint(
     ttl: float | None,
     depths: Sequence[int] = (),
     cuts: Sequence[tuple[str, int, int]] = (),
-) -> int:
-    """Apply a session hint (see :mod:`kvstore.worker.sessions`). For ``active``,
-    returns how many leading blocks of the session's whole chain here (every key it
-    listed so far, in order, not only this hint's: hints are incremental) are present,
-    counted into its hit rate; 0 otherwise. InvalidArgument for a bad state, id or TTL
-    (nothing changes). Any thread.
+    client: bytes = b"",
+    whole: bool = False,
+) -> HintAnswer:
+    """Apply a session hint from ``client`` (its identity; b"": an old client) (see
+    :mod:`kvstore.worker.sessions`). For ``active``, ``matched`` is how many leading
+    blocks of the session's whole chain here (every key it listed so far, in order,
+    not only this hint's: hints are incremental) are present, counted into its hit
+    rate. InvalidArgument for a bad state, id or TTL (nothing changes). Any thread.
+
+    A session another client holds here changes hands only as SessionTable.claim
+    says (``whole``: the hint carries the sender's whole chain); a refused hint
+    changes nothing and answers ``resend``.
 
     A long hint runs in slices with the store lock released between them: its hashes
     but the last slice's are added in the session's current state, then the last
@@ -106,18 +127,22 @@ def hint(
 
     ``depths`` (empty, or one per key) are the keys' depths in the whole chain;
     ``cuts`` are other workers' cut notices the client carries, ``(session, depth,
-    turn)`` of this namespace, applied first (TierPolicy.take_cuts)."""
+    turn)`` of this namespace: recorded first (those of ``client``'s own sessions
+    only, SessionTable.cut_from), then walked a slice per hold of the lock
+    (:func:`walk_cuts`)."""
     check_hint(session, state, ttl)
     if depths and len(depths) != len(keys):
         raise InvalidArgument(f"{len(depths)} depths for {len(keys)} hashes")
-    for name, depth, turn in cuts:
+    step = store.slice_keys * LOOKUP_SLICES
+    for i in range(0, len(cuts), step):  # recording a cut is a few dictionary operations
         with store.lock:
-            store._queue(store.policy.handle(SessionCut(ns, name, depth, turn)))
-    if cuts:
-        store._execute()
+            for name, depth, turn in cuts[i : i + step]:
+                store._queue(store.policy.handle(SessionCut(ns, name, depth, turn, client)))
+    walk_cuts(store)  # these, and those of blocks lost here since the last walk
     if store._demoter is None and time.monotonic() >= store._next_tick:
         store.session_tick(time.monotonic())  # no demoter thread to expire sessions
-    step = store.slice_keys * LOOKUP_SLICES
+    if not _claim(store, ns, session, client, keys, depths, whole, step):
+        return HintAnswer(resend=True)
     _advance(store, ns, session, step)  # an earlier change of this session, if pending
     now = time.monotonic()
     cut = max(0, len(keys) - step)
@@ -128,29 +153,96 @@ def hint(
     for i in range(0, cut, step):
         with store.lock:
             j = min(i + step, cut)
-            ev = SessionKeys(ns, session, tuple(keys[i:j]), now, tuple(depths[i:j]))
+            ev = SessionKeys(ns, session, tuple(keys[i:j]), now, tuple(depths[i:j]), client)
             store._queue(store.policy.handle(ev))
         store._execute()
     with store.lock:
         last = SessionHint(
-            ns, session, state, tuple(keys[cut:]), ttl, now, False, tuple(depths[cut:])
+            ns, session, state, tuple(keys[cut:]), ttl, now, False, tuple(depths[cut:]), client
         )
         store._queue(store.policy.handle(last))
     store._execute()
     _advance(store, ns, session, step)
     drain(store)  # sessions this hint pushed out of a full table
-    with store.lock:
-        s = store.policy.sessions.get(ns, session)
-        chain = list(s.keys) if s is not None and s.state != "ended" else []
+    chain = _chain(store, ns, session, client, step)
     if not chain:
-        return 0
+        return HintAnswer()
     _measure_room(store, ns, session, chain, step)
     if state != "active":
-        return 0
+        return HintAnswer()
     hits = store.match_prefix(ns, chain)
     with store.lock:
         store.policy.sessions.record(ns, session, hits, len(chain))
-    return hits
+    return HintAnswer(hits)
+
+
+def _claim(
+    store: SessionHost,
+    ns: str,
+    session: str,
+    client: bytes,
+    keys: Sequence[bytes],
+    depths: Sequence[int],
+    whole: bool,
+    step: int,
+) -> bool:
+    """May ``client``'s hint change the session (SessionTable.claim)? The hint's keys
+    are indexed outside the lock, and only when another client holds the session; a
+    pending state change of its chain moves first, ``step`` keys per hold of the lock
+    (a session that starts over would finish it at once)."""
+    with store.lock:
+        holder = store.policy.sessions.client_of(ns, session)
+    if holder is None or holder == client:
+        return True
+    _advance(store, ns, session, step)
+    shown = dict(zip(keys, depths, strict=True)) if depths else dict.fromkeys(keys, -1)
+    with store.lock:
+        verdict, todo = store.policy.claim(ns, session, client, shown, whole)
+        store._queue(todo)
+    store._execute()
+    drain(store)  # a long chain that started over leaves a slice at a time
+    return verdict != REFUSED
+
+
+def _chain(store: SessionHost, ns: str, session: str, client: bytes, step: int) -> list[bytes]:
+    """The session's chain here, in order, copied ``step`` keys per hold of the lock
+    ([] when it is gone, ended or another client's). A chain that grows meanwhile
+    (another hint of it) is copied up to where it grew: what this hint measures."""
+    with store.lock:
+        s = store.policy.sessions.get(ns, session)
+        if s is None or s.state == "ended" or s.client != client:
+            return []
+        keys = s.keys
+        it = iter(keys)
+    out: list[bytes] = []
+    while True:
+        with store.lock:
+            try:
+                part = list(islice(it, step))
+            except RuntimeError:  # the chain grew (or ended) meanwhile
+                return out
+        out += part
+        if len(part) < step:
+            return out
+
+
+def walk_cuts(store: SessionHost) -> None:
+    """Walk the recorded chain cuts (SessionTable.cut_step), ``slice_keys *
+    LOOKUP_SLICES`` keys per hold of the store lock, and drop the dead blocks they
+    find (outside it). The store runs it after any instructions it executes (a cut
+    is recorded where a block is lost: an eviction, an SSD eviction), a hint after
+    the notices it carries; one thread walks at a time (another returns at once:
+    the walking one goes on until no cut is left)."""
+    if not store._cut_walker.acquire(blocking=False):
+        return
+    try:
+        step = store.slice_keys * LOOKUP_SLICES
+        while store.policy.sessions.cutting:
+            with store.lock:
+                store._queue(store.policy.handle(SessionCutStep(step)))
+            store._execute()
+    finally:
+        store._cut_walker.release()
 
 
 def drain(store: SessionHost) -> None:

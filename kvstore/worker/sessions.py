@@ -31,9 +31,23 @@ any client) sends hints: ``(namespace, session id, state, block hashes, ttl)``.
   whole chain.
 - Each key may come with its depth in the session's whole chain (this worker holds
   only its share). When a live session's block is lost, :meth:`SessionTable.cut`
-  names its deeper blocks: a prefix match cannot reach them until the next turn
+  marks its deeper blocks dead: a prefix match cannot reach them until the next turn
   (``turn``: the session's count of ``active`` hints, alike on every worker) writes
-  the chain again.
+  the chain again. The cut only records its depth; :meth:`SessionTable.cut_step`
+  walks the chain back from its end a bounded number of keys per call (the store
+  calls it with its lock released in between) and names the blocks to drop.
+- A session belongs to one client here (``Session.client``: the identity its hints
+  carry, b"" for an old client that sends none): the first client that hints it.
+  Only that client's hints change it and only its cut notices are applied
+  (:meth:`SessionTable.cut_from`); others are refused and counted. Another client
+  takes the session over (an agent's next turn runs on another engine) by showing
+  its chain (:meth:`SessionTable.claim`): its hint lists the session's last key here
+  at the same depth, which nobody can name without the conversation's tokens (hashes
+  are chained over them). A hint that shows nothing of it but carries the sender's
+  whole chain (``whole``: a chain that really changed, e.g. an edited history)
+  makes the session start over under the sender: the old chain's blocks become
+  plain LRU blocks, none is dropped. Anything else (an incremental hint that does
+  not reach the last key) is refused and the client is asked for its whole chain.
 
 Every call returns :class:`Change` records saying which blocks changed protection,
 which were orphaned and which belong to a session that just resumed (to prefetch);
@@ -43,9 +57,8 @@ the policy turns them into tier instructions.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 
 from kvstore_client.errors import InvalidArgument
 from kvstore_client.sessions import MAX_SESSION_ID_BYTES, STATES
@@ -55,6 +68,12 @@ from .pauses import PauseModel
 MAX_TTL = 7 * 86400.0
 OWN_PAUSES = 8  # a session's own last pauses kept (retention's "per-session" order)
 NO_CUT = 1 << 62
+
+# What :meth:`SessionTable.claim` decided about a hint of a session another client holds.
+OWN = "own"  # no other client holds it (absent, or the sender's own)
+MOVED = "moved"  # the hint showed the session's chain: the sender holds it now
+RESTARTED = "restarted"  # the sender's whole, different chain: it starts over under the sender
+REFUSED = "refused"  # nothing shown, not the whole chain: unchanged (ask for the whole chain)
 
 Key = tuple[str, bytes]
 
@@ -76,7 +95,12 @@ class Session:
     room: int = -1  # bytes it may still add within its share (-1: no limit known)
     turn: int = 0  # active hints so far (not lookups' resumes): alike on every worker
     cut: int = NO_CUT  # the shallowest depth its chain lost this turn, since keys were added
-    cut_skip: int = 0  # keys from the chain's end already given up by that cut
+    # The cut's walk back from the chain's end (cut_step): the keys not walked yet, the
+    # key it stopped at (looked at again first by a shallower cut). Only a growth of
+    # ``keys`` invalidates the iterator, and a growth ends the walk.
+    cut_walk: Iterator[bytes] | None = None
+    cut_next: bytes | None = None
+    client: bytes = b""  # the client whose session it is here (its identity; b"": none sent)
     account: str = ""  # the tenant its namespace belongs to ("" without tenants)
     # A state change of a long chain moves its keys a slice at a time (advance): the
     # keys of ``moving`` from ``moving_at`` on are still counted under ``moving_from``.
@@ -121,6 +145,11 @@ class SessionCounters:
     expired: int = 0  # paused sessions whose TTL ended, idle active ones
     resumed_by_lookup: int = 0
     blocks_refused: int = 0  # hashes over the block cap, ignored
+    cut_walked: int = 0  # keys cut walks looked at (cut_step)
+    cuts_refused: int = 0  # cut notices from a client whose session it is not, ignored
+    hints_refused: int = 0  # hints of another client's session that did not show its chain
+    moved: int = 0  # sessions another client took over by showing their chain
+    restarted: int = 0  # sessions that started over under another client's whole chain
 
 
 def check_hint(name: str, state: str, ttl: float | None) -> None:
@@ -166,6 +195,7 @@ class SessionTable:
         self.by_sid: dict[int, Session] = {}
         self._free_sids: list[int] = []
         self.dropping: deque[Session] = deque()  # left the table, keys still moving out
+        self.cutting: dict[int, Session] = {}  # by sid: sessions whose cut is still walked
         self._next_sid = 1
         self._sessions_of: dict[str, int] = {}  # per account: sessions in the table
         self._blocks_of: dict[str, int] = {}  # per account: (session, block) pairs
@@ -194,6 +224,11 @@ class SessionTable:
         """The ``k`` sessions that asked about the most blocks."""
         return sorted(self.sessions.values(), key=lambda s: -s.lookup_blocks)[: max(0, k)]
 
+    def client_of(self, ns: str, name: str) -> bytes | None:
+        """The identity of the client whose session it is here; None: not in the table."""
+        s = self.sessions.get((ns, name))
+        return None if s is None else s.client
+
     # ---- transitions ---------------------------------------------------------
 
     def hint(
@@ -207,10 +242,14 @@ class SessionTable:
         depths: Sequence[int] = (),
         *,
         sent: bool = True,
+        client: bytes = b"",
     ) -> list[Change]:
         """Apply a hint: add ``keys`` (at ``depths`` in the whole chain, when given) to
         the session, then move it to ``state``. ``sent`` False: not a client's hint
         but a lookup's resume (this worker's alone: it does not count as a turn).
+        ``client``: the sender's identity. A new session is the sender's; a session
+        another client holds is left as it is (``counters.hints_refused``: see
+        :meth:`claim`, which the caller runs first, for how a session changes hands).
 
         InvalidArgument for an unknown state, an empty or oversized id or a TTL out of
         range. An ``ended`` hint for an unknown session does nothing.
@@ -222,7 +261,10 @@ class SessionTable:
         if s is None:
             if state == "ended":
                 return out
-            s = self._new(ns, name, now, out)
+            s = self._new(ns, name, now, out, client)
+        elif s.client != client:
+            self.counters.hints_refused += 1
+            return out
         else:
             self.sessions.move_to_end((ns, name))
             if state == "active" and s.state == "paused":
@@ -233,7 +275,7 @@ class SessionTable:
         s.last = now
         if state == "active" and sent:  # a new turn: the engine writes its chain again
             s.turn += 1
-            s.cut, s.cut_skip = NO_CUT, 0
+            self._uncut(s)
         ch = Change(ns, session=name)
         if s.moving is not None:  # the previous change is still moving: finish it
             self._step(s, None, ch)
@@ -252,16 +294,26 @@ class SessionTable:
         return out
 
     def add_keys(
-        self, ns: str, name: str, keys: Sequence[bytes], now: float, depths: Sequence[int] = ()
+        self,
+        ns: str,
+        name: str,
+        keys: Sequence[bytes],
+        now: float,
+        depths: Sequence[int] = (),
+        client: bytes = b"",
     ) -> list[Change]:
         """Add ``keys`` to the session in its current state (a new one starts
-        ``active``), with no state change: a long hint is fed in slices this way, its
-        last slice as a :meth:`hint`. InvalidArgument for an empty or oversized id."""
+        ``active``, the sender's), with no state change: a long hint is fed in slices
+        this way, its last slice as a :meth:`hint`. Another client's session is left
+        as it is (as :meth:`hint`). InvalidArgument for an empty or oversized id."""
         check_hint(name, "active", None)
         out: list[Change] = []
         s = self.sessions.get((ns, name))
         if s is None:
-            s = self._new(ns, name, now, out)
+            s = self._new(ns, name, now, out, client)
+        elif s.client != client:
+            self.counters.hints_refused += 1
+            return out
         ch = Change(ns, session=name)
         self._add(s, keys, ch, depths)
         if ch:
@@ -314,32 +366,110 @@ class SessionTable:
             self.owner[(ns, k)] = s.sid
             self._ref(s.state, ns, k, +1, ch, orphan=False)
         if added:
-            s.cut, s.cut_skip = NO_CUT, 0  # its chain grew: a new cut walks it from its end
+            self._uncut(s)  # its chain grew: a new cut walks it from its end
             self.blocks += added
             self._blocks_of[s.account] = self._blocks_of.get(s.account, 0) + added
 
-    def cut(self, s: Session, depth: int) -> list[bytes]:
+    def claim(
+        self, ns: str, name: str, client: bytes, shown: Mapping[bytes, int], whole: bool
+    ) -> tuple[str, list[Change]]:
+        """May a hint from ``client`` change the session? Run before the hint's keys
+        are added; ``shown`` maps the hint's keys to their depths (-1: not given) and
+        ``whole`` says the hint carries the sender's whole chain (its share here).
+
+        OWN: the session is not in the table or is ``client``'s. MOVED: another
+        client's session, and the hint lists its last key here (at the same depth when
+        both know it), or it holds no key here: it is ``client``'s from now on (an
+        agent's next turn on another engine). RESTARTED: the hint shows nothing of its
+        chain but is ``whole``: the session leaves the table (its blocks become plain
+        LRU blocks, as when it expires; the returned changes say so) and the hint
+        starts it again as ``client``'s. REFUSED otherwise: nothing changes (the
+        caller asks the client for its whole chain). Cost: a few dictionary lookups,
+        and for RESTARTED what :meth:`_drop` costs (a long chain leaves a slice at a
+        time, by :meth:`drain`; a pending state change is finished first, so the
+        caller moves it on by :meth:`advance` before)."""
+        s = self.sessions.get((ns, name))
+        if s is None or s.client == client:
+            return OWN, []
+        last = next(reversed(s.keys), None)
+        if last is None or (
+            last in shown and (s.keys[last] < 0 or shown[last] < 0 or shown[last] == s.keys[last])
+        ):
+            self.counters.moved += 1
+            s.client = client
+            return MOVED, []
+        if whole:
+            self.counters.restarted += 1
+            return RESTARTED, self._drop(s)
+        self.counters.hints_refused += 1
+        return REFUSED, []
+
+    def cut(self, s: Session, depth: int) -> bool:
         """The session's chain lost its block at ``depth`` (on this worker or another):
         a prefix match stops there, so its blocks deeper than that are of no use until
         the chain is written again, and they take room that chains which can still hit
-        could use. Returns those of them that no other live session holds (the caller
-        drops them); [] for an ended session or a cut no shallower than an earlier one
-        since the chain last grew. Keys are in chain order, so a cut walks back from
-        the chain's end and each key is walked once until the chain grows."""
+        could use. Only records the cut (a few operations): :meth:`cut_step` walks the
+        chain and names those blocks. False (nothing to do) for an ended session or a
+        cut no shallower than an earlier one since the chain last grew."""
         if s.state == "ended" or depth >= s.cut:
-            return []
-        out: list[bytes] = []
-        walked = 0
+            return False
+        s.cut = depth
+        if s.cut_walk is None:
+            s.cut_walk, s.cut_next = reversed(s.keys), None
+        self.cutting[s.sid] = s
+        return True
+
+    def cut_from(self, ns: str, name: str, depth: int, turn: int, client: bytes) -> bool:
+        """A cut notice ``client`` carried here (another worker lost the session's
+        block at ``depth`` during its ``turn``-th active hint): applied as
+        :meth:`cut` when the session is ``client``'s and still in that turn; another
+        client's notice is ignored and counted (``counters.cuts_refused``)."""
+        s = self.sessions.get((ns, name))
+        if s is None:
+            return False
+        if s.client != client:
+            self.counters.cuts_refused += 1
+            return False
+        return s.turn == turn and self.cut(s, depth)
+
+    def cut_step(self, n: int) -> tuple[str, list[bytes]]:
+        """Walk up to ``n`` more keys of the first recorded cut, back from its chain's
+        end, down to the first key at or above its depth; returns its namespace and
+        the walked keys deeper than the cut that no other live session holds (the
+        caller drops them), ("", []) when no cut is left. Each key is walked once
+        until the chain grows (a shallower cut goes on from where the last stopped)."""
+        n = max(1, n)
         refs = self.refs
-        for k in islice(reversed(s.keys), s.cut_skip, None):
-            d = s.keys[k]
-            if 0 <= d <= depth:
-                break
-            walked += 1
-            if d > depth and refs.get((s.ns, k), 0) <= 1:
-                out.append(k)
-        s.cut, s.cut_skip = depth, s.cut_skip + walked
-        return out
+        while self.cutting:
+            sid, s = next(iter(self.cutting.items()))
+            if s.cut_walk is None or s.state == "ended":
+                del self.cutting[sid]
+                continue
+            out: list[bytes] = []
+            walked, ns, depth, done = 0, s.ns, s.cut, False
+            while walked < n:
+                k = s.cut_next if s.cut_next is not None else next(s.cut_walk, None)
+                s.cut_next = None
+                if k is None:
+                    done = True
+                    break
+                d = s.keys[k]
+                if 0 <= d <= depth:
+                    s.cut_next, done = k, True
+                    break
+                walked += 1
+                if d > depth and refs.get((ns, k), 0) <= 1:
+                    out.append(k)
+            self.counters.cut_walked += walked
+            if done:
+                del self.cutting[sid]
+            return ns, out
+        return "", []
+
+    def _uncut(self, s: Session) -> None:
+        """Forget the session's cut (its chain grew, or a new turn writes it again)."""
+        s.cut, s.cut_walk, s.cut_next = NO_CUT, None, None
+        self.cutting.pop(s.sid, None)
 
     def record(self, ns: str, name: str, hits: int, lookups: int) -> None:
         """Count a lookup of the session's chain: ``hits`` leading blocks of ``lookups``."""
@@ -362,7 +492,7 @@ class SessionTable:
             s = self.by_sid.get(self.owner.get((ns, k), 0))
             if s is not None and s.state == "paused" and s.ns == ns and s.moving is None:
                 self.counters.resumed_by_lookup += 1
-                return self.hint(ns, s.name, "active", (), None, now, sent=False)
+                return self.hint(ns, s.name, "active", (), None, now, sent=False, client=s.client)
         return []
 
     def tick(self, now: float) -> list[Change]:
@@ -377,7 +507,7 @@ class SessionTable:
 
     # ---- internals -------------------------------------------------------------
 
-    def _new(self, ns: str, name: str, now: float, out: list[Change]) -> Session:
+    def _new(self, ns: str, name: str, now: float, out: list[Change], client: bytes) -> Session:
         acct = (self.account_of(ns) if self.account_of is not None else None) or ""
         while self._sessions_of.get(acct, 0) >= self.max_sessions:
             # The account's own oldest ended session, else its least recently hinted.
@@ -389,7 +519,9 @@ class SessionTable:
             sid = self._free_sids.pop()
         else:
             sid, self._next_sid = self._next_sid, self._next_sid + 1
-        s = Session(sid, name, ns, "active", now + self.idle_ttl, last=now, account=acct)
+        s = Session(
+            sid, name, ns, "active", now + self.idle_ttl, last=now, account=acct, client=client
+        )
         self.sessions[(ns, name)] = s
         self.by_sid[s.sid] = s
         self._sessions_of[acct] = self._sessions_of.get(acct, 0) + 1
@@ -403,6 +535,7 @@ class SessionTable:
         if s.moving is not None:
             self._step(s, None, ch)
         del self.sessions[(s.ns, s.name)]
+        self._uncut(s)
         if self.move_slice and len(s.keys) > self.move_slice and s.state != "ended":
             self._begin(s, "ended", orphan=False)
             self.dropping.append(s)

@@ -139,6 +139,7 @@ class BlockStore:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._demoter: threading.Thread | None = None
+        self._cut_walker = threading.Lock()  # one thread walks chain cuts at a time
         if ssd is not None:
             self._rebuild()
             self._demoter = threading.Thread(target=self._demote_loop, name="demoter", daemon=True)
@@ -212,14 +213,17 @@ class BlockStore:
         ttl: float | None,
         depths: Sequence[int] = (),
         cuts: Sequence[tuple[str, int, int]] = (),
-    ) -> int:
+        client: bytes = b"",
+        whole: bool = False,
+    ) -> session_ops.HintAnswer:
         """Apply a session hint; see :func:`kvstore.worker.session_ops.hint`."""
-        return session_ops.hint(self, ns, session, state, keys, ttl, depths, cuts)
+        return session_ops.hint(self, ns, session, state, keys, ttl, depths, cuts, client, whole)
 
-    def take_cuts(self, ns: str) -> list[tuple[str, int, int]]:
-        """Chains of ``ns`` cut here since the last call: (session, depth, turn)."""
+    def take_cuts(self, ns: str, client: bytes = b"") -> list[tuple[str, int, int]]:
+        """``client``'s sessions of ``ns`` cut here since its last call: (session,
+        depth, turn)."""
         with self.lock:
-            return self.policy.take_cuts(ns)
+            return self.policy.take_cuts(ns, client)
 
     def match_prefix(self, ns: str, keys: Sequence[bytes], state_ns: str = "") -> int:
         """Leading run of present keys; with ``state_ns`` the state at the last one too."""
@@ -638,6 +642,8 @@ class BlockStore:
             self._write_staged()
         for ns, keys in drops:
             self.remove(ns, keys)
+        if self.policy.sessions.cutting:  # chains cut by blocks lost meanwhile
+            session_ops.walk_cuts(self)
 
     def _write_staged(self) -> None:
         ssdwrites.write_staged(self)

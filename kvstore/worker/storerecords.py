@@ -53,6 +53,8 @@ class StoreStats:
     retained_bytes: int = 0
     prefetched: int = 0
     share_declined: int = 0
+    session_cuts_refused: int = 0
+    session_hints_refused: int = 0
 
 
 @dataclass(slots=True)
@@ -128,6 +130,8 @@ def snapshot(
         retained_bytes=policy.retained_bytes,
         prefetched=counters.prefetched,
         share_declined=pc.share_declined,
+        session_cuts_refused=policy.sessions.counters.cuts_refused,
+        session_hints_refused=policy.sessions.counters.hints_refused,
     )
 
 

@@ -308,7 +308,7 @@ def test_store_keeps_a_paused_session_in_dram_and_prefetches_on_resume(tmp_path:
         # DRAM, but only into free DRAM (a prefetch never evicts), so make room first.
         assert st.remove(NS, [key(i, "flood") for i in range(80)]) > 0
         st.session_hint(NS, "s2", "paused", yours, None)
-        assert st.session_hint(NS, "s2", "active", yours, None) == 3
+        assert st.session_hint(NS, "s2", "active", yours, None).matched == 3
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and not all(st.tier.contains(NS, k) for k in yours):
             time.sleep(0.02)

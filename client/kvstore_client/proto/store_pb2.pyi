@@ -388,10 +388,19 @@ class SessionCut(_message.Message):
     chain (a worker gets only its share of it). When a worker loses a live session's
     block at depth d (evicted with no copy left), the session's deeper blocks are of no
     use until the chain is written again: it drops its own and returns a `cuts` notice
-    (session, depth, the session's count of `active` hints then) to the next client that
-    hints in that namespace; the client carries the notices in its next hints to every
-    worker, which drop theirs if the session has had no `active` hint since. More than
-    4096 cuts, a cut in another namespace or with a bad session id: INVALID_ARGUMENT.
+    (session, depth, the session's count of `active` hints then) to the session's own
+    client (the `kvstore-client` identity its hints carry), in the answer to that
+    client's next hint in the namespace; the client carries the notices in its next
+    hints to every worker, which drop theirs if the session is that client's there too
+    and has had no `active` hint since; other clients' cuts are ignored (counted). More
+    than 4096 cuts, a cut in another namespace or with a bad session id: INVALID_ARGUMENT.
+
+    A session belongs, at each worker, to the client that first hinted it. Another client
+    takes it over by showing its chain (listing the session's last hash there, at its
+    depth); `whole` says the hint carries the sender's whole chain (not only the hashes
+    past what it sent before): such a hint that shows nothing of the session's chain
+    starts the session over under the sender. A hint that is refused changes nothing and
+    answers `resend`: send the whole chain to that worker.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -431,11 +440,13 @@ class SessionHintRequest(_message.Message):
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     DEPTHS_FIELD_NUMBER: _builtins.int
     CUTS_FIELD_NUMBER: _builtins.int
+    WHOLE_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     session_id: _builtins.str
     state: _builtins.str
     hashes: _builtins.bytes
     ttl_seconds: _builtins.float
+    whole: _builtins.bool
     @_builtins.property
     def depths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -450,10 +461,11 @@ class SessionHintRequest(_message.Message):
         ttl_seconds: _builtins.float = ...,
         depths: _abc.Iterable[_builtins.int] | None = ...,
         cuts: _abc.Iterable[Global___SessionCut] | None = ...,
+        whole: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuts", b"cuts", "depths", b"depths", "hashes", b"hashes", "namespace", b"namespace", "session_id", b"session_id", "state", b"state", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuts", b"cuts", "depths", b"depths", "hashes", b"hashes", "namespace", b"namespace", "session_id", b"session_id", "state", b"state", "ttl_seconds", b"ttl_seconds", "whole", b"whole"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -465,7 +477,9 @@ class SessionHintResponse(_message.Message):
 
     MATCHED_FIELD_NUMBER: _builtins.int
     CUTS_FIELD_NUMBER: _builtins.int
+    RESEND_FIELD_NUMBER: _builtins.int
     matched: _builtins.int
+    resend: _builtins.bool
     @_builtins.property
     def cuts(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionCut]: ...
     def __init__(
@@ -473,10 +487,11 @@ class SessionHintResponse(_message.Message):
         *,
         matched: _builtins.int = ...,
         cuts: _abc.Iterable[Global___SessionCut] | None = ...,
+        resend: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuts", b"cuts", "matched", b"matched"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuts", b"cuts", "matched", b"matched", "resend", b"resend"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -553,6 +568,10 @@ class SessionsResponse(_message.Message):
     RETAIN_BUDGET_BYTES_FIELD_NUMBER: _builtins.int
     PREFETCHED_FIELD_NUMBER: _builtins.int
     BLOCKS_REFUSED_FIELD_NUMBER: _builtins.int
+    CUTS_REFUSED_FIELD_NUMBER: _builtins.int
+    HINTS_REFUSED_FIELD_NUMBER: _builtins.int
+    MOVED_FIELD_NUMBER: _builtins.int
+    RESTARTED_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     live: _builtins.int
     """sessions in the table"""
@@ -567,6 +586,14 @@ class SessionsResponse(_message.Message):
     """blocks copied SSD -> DRAM for resumed sessions"""
     blocks_refused: _builtins.int
     """hashes over the table's block cap, ignored"""
+    cuts_refused: _builtins.int
+    """cut notices for another client's session, ignored"""
+    hints_refused: _builtins.int
+    """hints of another client's session not showing its chain"""
+    moved: _builtins.int
+    """sessions another client took over by showing the chain"""
+    restarted: _builtins.int
+    """sessions started over under another client's whole chain"""
     @_builtins.property
     def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionInfo]: ...
     def __init__(
@@ -581,10 +608,14 @@ class SessionsResponse(_message.Message):
         retain_budget_bytes: _builtins.int = ...,
         prefetched: _builtins.int = ...,
         blocks_refused: _builtins.int = ...,
+        cuts_refused: _builtins.int = ...,
+        hints_refused: _builtins.int = ...,
+        moved: _builtins.int = ...,
+        restarted: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_refused", b"blocks_refused", "dropped", b"dropped", "expired", b"expired", "live", b"live", "prefetched", b"prefetched", "retain_budget_bytes", b"retain_budget_bytes", "retained_bytes", b"retained_bytes", "sessions", b"sessions", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_refused", b"blocks_refused", "cuts_refused", b"cuts_refused", "dropped", b"dropped", "expired", b"expired", "hints_refused", b"hints_refused", "live", b"live", "moved", b"moved", "prefetched", b"prefetched", "restarted", b"restarted", "retain_budget_bytes", b"retain_budget_bytes", "retained_bytes", b"retained_bytes", "sessions", b"sessions", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -45,16 +45,14 @@ again costs nothing.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..sessions import Change, Session, SessionTable
+from ..cutnotices import CutNotices
+from ..sessions import MOVED, RESTARTED, Change, Session, SessionTable
 from .budgets import Promoter, QuotaBook, Watermarks
 from .retention import Retention
 from .ssdindex import SsdIndex
-
-MAX_CUT_NOTICES = 4096  # chains cut here whose notices no client took yet
 
 # ---- the policy state machine ------------------------------------------------------
 # Events (the store reports what happened) ...
@@ -172,6 +170,7 @@ class SessionHint:
     now: float
     measure: bool = True  # measure the session's room now (False: the caller does, in slices)
     depths: tuple[int, ...] = ()  # each key's depth in the whole chain (empty: not known)
+    client: bytes = b""  # the sender's identity (b"": an old client that sends none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,17 +198,29 @@ class SessionKeys:
     keys: tuple[bytes, ...]
     now: float
     depths: tuple[int, ...] = ()
+    client: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
 class SessionCut:
     """Another worker lost the session's block at ``depth`` during its ``turn``-th
-    active hint (a cut notice a client carried here): its deeper blocks here are dead."""
+    active hint (a cut notice ``client`` carried here): its deeper blocks here are
+    dead, if the session is ``client``'s (SessionTable.cut_from). Only records the
+    cut: :class:`SessionCutStep` walks it."""
 
     ns: str
     session: str
     depth: int
     turn: int
+    client: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionCutStep:
+    """Walk up to ``n`` more keys of the recorded cuts (SessionTable.cut_step): the
+    blocks found past a cut are dropped (:class:`Drop`)."""
+
+    n: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +256,7 @@ Event = (
     | SessionAdvance
     | SessionDrain
     | SessionCut
+    | SessionCutStep
     | Lookup
     | SessionTick
 )
@@ -392,8 +404,7 @@ class TierPolicy:
         self.dram_size = dram_size  # payload bytes of a block in DRAM, 0 when not there
         self.session_share = session_share  # bytes one hinted session may hold; 0: no limit
         self.orphans: set[tuple[str, bytes]] = set()  # ended sessions' DRAM-only blocks
-        # (ns, session) -> (depth, turn): chains cut here, for the other workers
-        self.cut_notices: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
+        self.cut_notices = CutNotices()  # chains cut here, for their clients to carry
 
     # ---- queries -----------------------------------------------------------------
 
@@ -496,19 +507,32 @@ class TierPolicy:
                 return [Demote(excess)]
         elif isinstance(ev, SessionHint):
             out = self._changes(
-                self.sessions.hint(ev.ns, ev.session, ev.state, ev.keys, ev.ttl, ev.now, ev.depths)
+                self.sessions.hint(
+                    ev.ns,
+                    ev.session,
+                    ev.state,
+                    ev.keys,
+                    ev.ttl,
+                    ev.now,
+                    ev.depths,
+                    client=ev.client,
+                )
             )
             if ev.measure:
                 self._measure_room(ev.ns, ev.session)
             return out
         elif isinstance(ev, SessionKeys):
             return self._changes(
-                self.sessions.add_keys(ev.ns, ev.session, ev.keys, ev.now, ev.depths)
+                self.sessions.add_keys(ev.ns, ev.session, ev.keys, ev.now, ev.depths, ev.client)
             )
         elif isinstance(ev, SessionCut):
-            s = self.sessions.get(ev.ns, ev.session)
-            if s is not None and s.turn == ev.turn:
-                return self._cut(s, ev.depth, notify=False)
+            self.sessions.cut_from(ev.ns, ev.session, ev.depth, ev.turn, ev.client)
+        elif isinstance(ev, SessionCutStep):
+            ns, walked = self.sessions.cut_step(ev.n)
+            ssd = self.ssd
+            tails = tuple(k for k in walked if self.in_dram(ns, k) or (ns, k) in ssd)
+            self.counters.cut_dropped += len(tails)
+            return [Drop(ns, tails)] if tails else []
         elif isinstance(ev, SessionAdvance):
             return self._changes(self.sessions.advance(ev.ns, ev.session, ev.n))
         elif isinstance(ev, SessionDrain):
@@ -521,8 +545,9 @@ class TierPolicy:
 
     def _lost(self, ns: str, key: bytes) -> list[Instruction]:
         """A block left the last tier: when one live session alone holds it, that
-        session's deeper blocks are dead (dropped), and a notice goes to the other
-        workers (:meth:`take_cuts`)."""
+        session's deeper blocks are dead (a cut, walked by :class:`SessionCutStep`),
+        and a notice is kept for the session's client to carry to the other workers
+        (:meth:`take_cuts`)."""
         sessions = self.sessions
         if sessions.refs.get((ns, key), 0) != 1:
             return []
@@ -530,27 +555,30 @@ class TierPolicy:
         depth = s.keys.get(key, -1) if s is not None else -1
         if s is None or depth < 0:
             return []
-        return self._cut(s, depth, notify=True)
+        self._cut(s, depth)
+        return []
 
-    def _cut(self, s: Session, depth: int, *, notify: bool) -> list[Instruction]:
-        if notify and depth < s.cut:
-            n = self.cut_notices
-            n.pop((s.ns, s.name), None)
-            n[(s.ns, s.name)] = (depth, s.turn)
-            while len(n) > MAX_CUT_NOTICES:
-                n.popitem(last=False)
-        ns, ssd = s.ns, self.ssd
-        dead = [k for k in self.sessions.cut(s, depth) if self.in_dram(ns, k) or (ns, k) in ssd]
-        self.counters.cut_dropped += len(dead)
-        return [Drop(ns, tuple(dead))] if dead else []
+    def _cut(self, s: Session, depth: int) -> None:
+        if depth < s.cut:
+            self.cut_notices.add(s.ns, s.name, depth, s.turn, s.client)
+        self.sessions.cut(s, depth)
 
-    def take_cuts(self, ns: str) -> list[tuple[str, int, int]]:
-        """The cut notices of namespace ``ns`` not taken yet: (session, depth, turn)."""
-        n = self.cut_notices
-        out = [(name, d, t) for (nsx, name), (d, t) in n.items() if nsx == ns]
-        for name, _, _ in out:
-            del n[(ns, name)]
-        return out
+    def take_cuts(self, ns: str, client: bytes) -> list[tuple[str, int, int]]:
+        """The cut notices of namespace ``ns`` not taken yet whose sessions are
+        ``client``'s: (session, depth, turn). Nobody else gets them."""
+        return self.cut_notices.take(ns, client)
+
+    def claim(
+        self, ns: str, session: str, client: bytes, shown: Mapping[bytes, int], whole: bool
+    ) -> tuple[str, list[Instruction]]:
+        """May ``client``'s hint change the session (SessionTable.claim)? Its notice
+        follows the session to its new client; a session that starts over has none."""
+        verdict, changes = self.sessions.claim(ns, session, client, shown, whole)
+        if verdict == MOVED:
+            self.cut_notices.move(ns, session, client)
+        elif verdict == RESTARTED:
+            self.cut_notices.forget(ns, session)
+        return verdict, self._changes(changes)
 
     def _yield_retained(self, nbytes: int, now: float | None = None) -> list[Instruction]:
         """Un-retain at least ``nbytes`` of DRAM blocks in :mod:`.retention`'s order
