@@ -208,6 +208,17 @@ class StatsCollector(Collector):
                 "Chain-cut notices for a session of another client, ignored",
             ),
             (
+                "kvstore_shm_inbox_mismatch_blocks",
+                "inbox_mismatches",
+                "Blocks a same-host writer put whose bytes did not match their checksum, "
+                "not stored",
+            ),
+            (
+                "kvstore_shm_pages_revoked",
+                "pages_revoked",
+                "Same-host clients' hazard pages revoked for naming more than their budget",
+            ),
+            (
                 "kvstore_session_hints_refused",
                 "session_hints_refused",
                 "Hints of another client's session that did not show its chain, ignored",

@@ -500,10 +500,11 @@ class BlockStore:
                 self._promote(ns, keys[i], h)
         return reading
 
-    def count_checksum_errors(self, n: int) -> None:
-        """Blocks a writer sent whose bytes did not match their checksum (not stored)."""
+    def count_inbox_mismatches(self, n: int) -> None:
+        """Blocks a same-host writer sent whose bytes did not match their checksum (not
+        stored: a writer's fault, not this host's memory)."""
         with self.lock:
-            self.counters.checksum_errors += n
+            self.counters.inbox_mismatches += n
 
     def _count_hit(self) -> None:
         """A DRAM miss (already counted) that was found elsewhere."""

@@ -24,6 +24,7 @@ class StoreCounters:
     promotions: int = 0
     ssd_hits: int = 0
     prefetched: int = 0  # blocks copied SSD -> DRAM for a resumed session
+    inbox_mismatches: int = 0  # same-host writers' blocks whose bytes failed the check
 
 
 @dataclass(slots=True, frozen=True)
@@ -55,6 +56,8 @@ class StoreStats:
     share_declined: int = 0
     session_cuts_refused: int = 0
     session_hints_refused: int = 0
+    inbox_mismatches: int = 0
+    pages_revoked: int = 0
 
 
 @dataclass(slots=True)
@@ -132,6 +135,8 @@ def snapshot(
         share_declined=pc.share_declined,
         session_cuts_refused=policy.sessions.counters.cuts_refused,
         session_hints_refused=policy.sessions.counters.hints_refused,
+        inbox_mismatches=counters.inbox_mismatches,
+        pages_revoked=t.shared.revoked if t.shared is not None else 0,
     )
 
 

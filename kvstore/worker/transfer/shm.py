@@ -562,7 +562,7 @@ class ShmServer:
                 status[i] = wire.PUT_STORED if g else wire.PUT_CORRUPT
                 bad += not g
             if bad:
-                self.store.count_checksum_errors(bad)
+                self.store.count_inbox_mismatches(bad)
         finally:
             st.holder.give(nbytes, h.count)
         head = ok_answer(h, h.count, self.store.arena.tag)
