@@ -264,7 +264,7 @@ def _hdr(op: int, count: int, flags: int = 0, ns: bytes = NS, req: int = 3) -> b
 # gets the same bytes as one stream. Both transports run one frame core.
 HOSTILE = {
     "unknown EXISTS flags": [_hdr(wire.OP_EXISTS, 1, 0x82)],
-    "GET with a LATE_SUM flag": [_hdr(wire.OP_GET, 1, wire.FLAG_LATE_SUM)],
+    "GET with an unknown flag (4)": [_hdr(wire.OP_GET, 1, 4)],
     "REMOVE with PREFIX": [_hdr(wire.OP_REMOVE, 1, wire.FLAG_PREFIX)],
     "batch over the limit": [_hdr(wire.OP_GET, wire.MAX_BATCH + 1)],
     "bad namespace": [_hdr(wire.OP_GET, 1, ns=b"../../etc"), b"../../etc" + b"k" * HASH_LEN],
