@@ -17,12 +17,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
-from . import leases, wire
+from . import leases, verified, wire
 from .copyreads import read_copies
 from .dispatch import Dispatch
 from .errors import (
@@ -310,8 +311,10 @@ class Client:
                 hs = [hashes[i] for i in chunk]
                 vs = [views[i] for i in chunk]
                 via = view.workers[w].via
-                if not via.local and not sums:
-                    sums = [wire.block_checksum(v) for v in views]
+                if not via.local and not sums:  # over the copy pool when the batch is big
+                    sums = verified.run(
+                        [partial(wire.block_checksum, v) for v in views], sum(sizes)
+                    )
                 cs = [0] * len(chunk) if via.local else [sums[i] for i in chunk]
                 tasks.append(_bind(via.put, self.timeout, nsb, hs, vs, cs, flags))
                 parts.append(chunk)

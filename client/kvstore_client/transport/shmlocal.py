@@ -18,11 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from .. import verified
 from .shmindex import W_OFF, W_SIZESLOT, W_SUM, HazardPage, IndexView, Probe
 
 # Parts below this size are copied by memoryview slice assignment (less per-call
@@ -150,28 +152,58 @@ def read(
         done = np.zeros(len(p.found), dtype=bool)
         done[pinned.rows] = True
         total = 0
-        got: list[bool] = []
         src, mv = loc.src, loc.mv
-        limit = len(src)
-        for i, (off, size, checksum, _) in zip(pinned.rows.tolist(), pinned.cols, strict=True):
-            out = buffers[i] if buffers is not None else None
-            ok = off + size <= limit and copy_block(
-                src, mv, off, size, checksum, out, sizes[i] if sizes else size, bounce
+        rows = pinned.rows.tolist()
+        jobs = [
+            partial(
+                _read_one,
+                src,
+                mv,
+                off,
+                size,
+                checksum,
+                buffers[i] if buffers is not None else None,
+                sizes[i] if sizes else size,
+                bounce,
             )
-            if ok and out is None:
-                values[i] = bytearray(mv[off : off + size])
-                ok = xxhash.xxh3_64_intdigest(values[i]) == checksum
-                if not ok:
-                    values[i] = None
+            for i, (off, size, checksum, _) in zip(rows, pinned.cols, strict=True)
+        ]
+        # Copies spread over the copy pool when the batch is big (kvstore_client.verified).
+        results = verified.run(jobs, sum(c[1] for c in pinned.cols))
+        got: list[bool] = []
+        for i, (ok, value), c in zip(rows, results, pinned.cols, strict=True):
+            if buffers is None:
+                values[i] = value
             found[i] = ok
             got.append(ok)
-            total += size if ok else 0
+            total += c[1] if ok else 0
     finally:
         pinned.give(loc.hazards)
     sure_miss = ~p.found & ~p.unsure
     _log(loc, pinned, got, int(sure_miss.sum()))
     left = np.flatnonzero(~done & ~sure_miss)
     return left.tolist(), total
+
+
+def _read_one(
+    src: np.ndarray,
+    mv: memoryview,
+    off: int,
+    size: int,
+    checksum: int,
+    out: memoryview | list[memoryview] | None,
+    want: int,
+    bounce: Bounce,
+) -> tuple[bool, bytearray | None]:
+    """One block out of the arena: into ``out``, or (``out`` None) a new bytearray,
+    verified in the reader's own memory; (hit, the new value)."""
+    if off + size > len(src):
+        return False, None
+    if out is not None:
+        return copy_block(src, mv, off, size, checksum, out, want, bounce), None
+    value = bytearray(size)
+    ok = verified.copy_sum(np.frombuffer(value, dtype=np.uint8), src[off : off + size]) == checksum
+    return ok, value if ok else None
 
 
 def copy_block(
@@ -193,8 +225,7 @@ def copy_block(
         return False
     if isinstance(out, list):
         if len(out) == 1:
-            np.copyto(np.frombuffer(out[0], dtype=np.uint8), src[off : off + size])
-            return digest(out[0]) == checksum
+            return verified.copy_sum(verified.as_array(out[0]), src[off : off + size]) == checksum
         # Many parts: one large copy into this thread's private bounce buffer, verify
         # it there, then scatter it from cache into the parts. Copies of under ~512 KiB
         # out of the (4 KiB-page) arena ran at a third of the speed of one large copy
@@ -214,9 +245,9 @@ def copy_block(
         return False
     if size < SMALL_PART:
         out[:] = mv[off : off + size]
-    else:
-        np.copyto(np.frombuffer(out, dtype=np.uint8), src[off : off + size])
-    return digest(out) == checksum
+        return digest(out) == checksum
+    # Copied and hashed chunk by chunk, the hash over the caller's buffer (what it gets).
+    return verified.copy_sum(verified.as_array(out), src[off : off + size]) == checksum
 
 
 def pin(

@@ -148,7 +148,10 @@ class DramTier(SlotIndex):
             return [False] * len(keys)
         if len(keys) < _SCALAR_BATCH:
             return [self.contains(ns, k) for k in keys]
-        found: list[bool] = self.ready_flags(ns, b"".join(keys), keys).tolist()
+        packed = b"".join(keys)
+        if len(packed) != 16 * len(keys):  # some key is not 16 bytes: it never matches
+            return [self.contains(ns, k) for k in keys]
+        found: list[bool] = self.ready_flags(ns, packed, keys).tolist()
         return found
 
     def ready_flags(self, ns: str, packed: bytes, keys: Sequence[bytes]) -> np.ndarray:
@@ -157,13 +160,15 @@ class DramTier(SlotIndex):
         nsid = self._ns_ids.get(ns)
         if nsid is None or not keys:
             return np.zeros(len(keys), dtype=bool)
-        if not (set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {16}):
-            keys = [bytes(k) for k in keys]  # any bytes-like key; wrong sizes never match
-            if set(map(len, keys)) != {16}:
-                return np.array([self.contains(ns, k) for k in keys], dtype=bool)
         if len(packed) != 16 * len(keys):
             raise ValueError("packed must hold the keys, 16 bytes each")
-        slots = self.find_packed(nsid, packed, keys)
+        try:
+            slots = self.find_packed(nsid, packed, keys)
+        except (TypeError, ValueError):  # bytearray or memoryview keys (unhashable): as bytes
+            keys = [bytes(k) for k in keys]
+            if any(len(k) != 16 for k in keys):  # wrong sizes never match
+                return np.array([self.contains(ns, k) for k in keys], dtype=bool)
+            slots = self.find_packed(nsid, packed, keys)
         st = np.frombuffer(self.state, dtype=np.uint8)
         flags: np.ndarray = (slots >= 0) & (st[np.maximum(slots, 0)] == READY)
         return flags

@@ -266,18 +266,20 @@ class SlotIndex:
         h = (hs >> 32).astype(np.uint32) ^ np.uint32(self.ns_salt[nsid])
         win = (h >> np.uint32(self._tshift)).astype(np.int64)[:, None] + _STEPS
         win &= self._tmask
-        s = np.frombuffer(self.table, dtype=np.int32)[win]
+        # np.take rather than fancy indexing: a fraction of the cost for these gathers.
+        s = np.take(np.frombuffer(self.table, dtype=np.int32), win)
         live = s >= 0
-        cand = h32[s] == h[:, None]  # s = -1 reads the last slot's: masked next
+        cand = np.take(h32, s) == h[:, None]  # s = -1 reads the last slot's: masked next
         cand &= live
         first = cand.argmax(axis=1)
-        rows = np.flatnonzero(cand[np.arange(n), first])
-        slot = s[rows, first[rows]].astype(np.int64)
-        q = np.frombuffer(packed, dtype="<u8")
-        kw = np.frombuffer(self.kb, dtype="<u8")
-        good = kw[2 * slot] == q[2 * rows]
-        good &= kw[2 * slot + 1] == q[2 * rows + 1]
-        good &= np.frombuffer(self.nsid, dtype=np.uint32)[slot] == nsid
+        rows = np.flatnonzero(np.take_along_axis(cand, first[:, None], axis=1)[:, 0])
+        slot = np.take_along_axis(s[rows], first[rows, None], axis=1)[:, 0].astype(np.int64)
+        q = np.frombuffer(packed, dtype="<u8").reshape(-1, 2)
+        kw = np.frombuffer(self.kb, dtype="<u8").reshape(-1, 2)
+        got = np.take(kw, slot, axis=0)
+        good = got[:, 0] == q[rows, 0]
+        good &= got[:, 1] == q[rows, 1]
+        good &= np.take(np.frombuffer(self.nsid, dtype=np.uint32), slot) == nsid
         out = np.full(n, -1, dtype=np.int64)
         out[rows[good]] = slot[good]
         # Unsure: no candidate and no empty position in the window (a probe run longer

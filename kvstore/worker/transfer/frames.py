@@ -34,11 +34,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 
 import xxhash
 
-from kvstore_client import wire
+from kvstore_client import verified, wire
 from kvstore_client.errors import (
     InvalidArgument,
     KVStoreError,
@@ -48,6 +50,7 @@ from kvstore_client.errors import (
     to_grpc_code,
 )
 from kvstore_client.keys import HASH_LEN, split_hashes, to_bitmap
+from kvstore_client.transport.tcp import VERIFY_LATER
 from kvstore_client.transport.ucxcodec import ERROR_MAX, read_part_counts, slices, split_sizes
 
 from ...auth import Tenant, Tenants
@@ -354,6 +357,7 @@ class PutPlan:
         self._start = 0
         self._slots: list[Block | ResourceExhausted | None] = []
         self._ok: list[bool | None] = []
+        self._later: dict[int, Future[bool]] = {}  # checks running on the copy pool
         self._held = 0
 
     @property
@@ -402,8 +406,16 @@ class PutPlan:
         return out
 
     def landed(self, i: int, view: memoryview) -> None:
-        """Block ``i`` (of the run) has all its bytes in ``view``: check its checksum."""
-        good = xxhash.xxh3_64_intdigest(view) == self.entries[self._start + i][2]
+        """Block ``i`` (of the run) has all its bytes in ``view``: check its checksum
+        (a big block on the copy pool, while the next one arrives; :meth:`finish`
+        waits for the check before anything is published)."""
+        want = self.entries[self._start + i][2]
+        if view.nbytes >= VERIFY_LATER:
+            self._later[i] = verified.later(partial(_sum_is, view, want))
+            return
+        self._checked(i, xxhash.xxh3_64_intdigest(view) == want)
+
+    def _checked(self, i: int, good: bool) -> None:
         self._ok[i] = good
         self.status[self._start + i] = wire.PUT_STORED if good else wire.PUT_CORRUPT
         if not good:
@@ -414,6 +426,9 @@ class PutPlan:
         good ones visible, give the budget back."""
         blocks: list[Block] = []
         ok: list[bool] = []
+        later, self._later = self._later, {}
+        for i, fut in later.items():
+            self._checked(i, fut.result())
         for i, s in enumerate(self._slots):
             if isinstance(s, Block):
                 if self._ok[i] is None:
@@ -427,6 +442,9 @@ class PutPlan:
 
     def abort(self) -> None:
         """The sender vanished mid-run: its reserved blocks are dropped."""
+        for fut in self._later.values():  # no check may still read a slot given back
+            fut.result()
+        self._later = {}
         blocks = [s for s in self._slots if isinstance(s, Block)]
         self._slots = []
         self.store.finish_many(blocks, [False] * len(blocks))
@@ -435,6 +453,10 @@ class PutPlan:
 
     def answer(self) -> Buffers:
         return [ok_answer(self.h, self.h.count), self.status]
+
+
+def _sum_is(view: memoryview, want: int) -> bool:
+    return xxhash.xxh3_64_intdigest(view) == want
 
 
 class GetAnswer:
