@@ -268,7 +268,7 @@ class SlotIndex:
         win &= self._tmask
         # np.take rather than fancy indexing: a fraction of the cost for these gathers.
         s = np.take(np.frombuffer(self.table, dtype=np.int32), win)
-        live = s >= 0
+        live: npt.NDArray[np.bool_] = s >= 0
         cand = np.take(h32, s) == h[:, None]  # s = -1 reads the last slot's: masked next
         cand &= live
         first = cand.argmax(axis=1)
@@ -277,7 +277,7 @@ class SlotIndex:
         q = np.frombuffer(packed, dtype="<u8").reshape(-1, 2)
         kw = np.frombuffer(self.kb, dtype="<u8").reshape(-1, 2)
         got = np.take(kw, slot, axis=0)
-        good = got[:, 0] == q[rows, 0]
+        good: npt.NDArray[np.bool_] = got[:, 0] == q[rows, 0]
         good &= got[:, 1] == q[rows, 1]
         good &= np.take(np.frombuffer(self.nsid, dtype=np.uint32), slot) == nsid
         out = np.full(n, -1, dtype=np.int64)
@@ -285,7 +285,7 @@ class SlotIndex:
         # Unsure: no candidate and no empty position in the window (a probe run longer
         # than the window), or a first candidate that was another key (32-bit hash tie,
         # or one after an empty position: then absent, but the scalar probe says so).
-        unsure = live.all(axis=1)
+        unsure: npt.NDArray[np.bool_] = np.asarray(live.all(axis=1))
         unsure[rows] = ~good
         for i in np.flatnonzero(unsure).tolist():
             out[i] = self.find(nsid, keys[i])
