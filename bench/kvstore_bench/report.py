@@ -198,6 +198,12 @@ def transfer_tables(
         title=f"kvstore bench transfer: ceilings bare socket {ceil['socket_gib_s']:.2f} GiB/s"
         f" (median of {len(runs)} runs, {min(runs):.2f}..{max(runs):.2f}),"
         f" memcpy {ceil['memcpy_gib_s']:.2f} GiB/s"
+        + (
+            f", verified copy (copy+xxh3) {ceil['copy_hash_gib_s']:.2f} GiB/s at"
+            f" {ceil['copy_hash_cpu_s_per_gib']:.3f} CPU s/GiB"
+            if ceil.get("copy_hash_gib_s")
+            else ""
+        )
         + "".join(
             f"; {n} streams {x['median']:.2f} ({min(x['runs']):.2f}..{max(x['runs']):.2f})"
             for n, x in (ceil.get("socket_streams") or {}).items()
@@ -205,7 +211,8 @@ def transfer_tables(
     )
     cols = ["system", "op", "block", "batch", "conc", "workers", "GiB/s", "x sock", "x sockN",
             "x memcpy",
-            "CPU s/GiB", "p50 ms", "p99 ms", "errors"] + (["x mooncake"] if mc else [])  # fmt: skip
+            "CPU s/GiB", "x copy+hash CPU", "p50 ms", "p99 ms",
+            "errors"] + (["x mooncake"] if mc else [])  # fmt: skip
     for c in cols:
         t.add_column(c, justify="left" if c == "system" else "right")
     order = sorted(points, key=lambda p: (p.workers, p.op != "put", p.block_bytes, p.batch,
@@ -214,7 +221,8 @@ def transfer_tables(
         row = [f"{p.system}/{p.transport}", p.op, format_size(p.block_bytes), str(p.batch),
                str(p.concurrency), str(p.workers), f"{p.gib_s:.3f}", f"{p.frac_socket:.2f}",
                f"{p.frac_socket_streams:.2f}", f"{p.frac_memcpy:.2f}", f"{p.cpu_s_per_gib:.2f}",
-               f"{p.p50_ms:.2f}", f"{p.p99_ms:.2f}", str(p.errors)]  # fmt: skip
+               f"{p.cpu_vs_copy_hash:.1f}", f"{p.p50_ms:.2f}", f"{p.p99_ms:.2f}",
+               str(p.errors)]  # fmt: skip
         if mc:
             other = mc.get(p.key)
             ok = p.system != "mooncake" and other is not None and other.gib_s > 0

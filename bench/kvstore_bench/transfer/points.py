@@ -92,6 +92,7 @@ class Point:
     frac_socket: float = 0.0
     frac_memcpy: float = 0.0
     frac_socket_streams: float = 0.0  # over N bare streams at once, N = workers x concurrency
+    cpu_vs_copy_hash: float = 0.0  # cpu_s_per_gib over one bare verified copy's (ceilings)
 
     @property
     def key(self) -> tuple[str, int, int, int, int]:

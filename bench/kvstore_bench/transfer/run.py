@@ -250,6 +250,12 @@ def transfer_cmd(
     # with their spread, because one noisy run must not decide the targets.
     ceil: dict[str, Any] = {
         "memcpy_gib_s": max(first["memcpy_gib_s"], last["memcpy_gib_s"]),
+        # one thread's verified copy (copy + xxh3 in cache-sized chunks): its speed, and
+        # the CPU it costs per GiB, the least any verified transfer can cost
+        "copy_hash_gib_s": max(first["copy_hash_gib_s"], last["copy_hash_gib_s"]),
+        "copy_hash_cpu_s_per_gib": min(
+            first["copy_hash_cpu_s_per_gib"], last["copy_hash_cpu_s_per_gib"]
+        ),
         "socket_gib_s": float(np.median(socket_runs)),
         "socket_runs": socket_runs,
         # N streams at once (3 runs each, N = workers x concurrency of some point)
@@ -262,6 +268,8 @@ def transfer_cmd(
         p.frac_memcpy = p.gib_s / ceil["memcpy_gib_s"]
         many = ceil["socket_streams"].get(str(p.workers * p.concurrency))
         p.frac_socket_streams = p.gib_s / many["median"] if many else p.frac_socket
+        # CPU (client and servers) per GiB moved, against one bare verified copy's
+        p.cpu_vs_copy_hash = p.cpu_s_per_gib / max(ceil["copy_hash_cpu_s_per_gib"], 1e-9)
     result: dict[str, Any] = {
         "benchmark": "transfer", "version": 1, "started": started,
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(),
