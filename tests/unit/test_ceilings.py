@@ -27,8 +27,18 @@ def test_bad_arguments() -> None:
 
 
 def test_json_shape() -> None:
-    c = ceilings.Ceilings(1.5, 2.5)
-    assert c.to_json() == {"memcpy_gib_s": 1.5, "socket_gib_s": 2.5}
+    c = ceilings.Ceilings(1.5, 2.5, 3.0, 0.1)
+    assert c.to_json() == {
+        "memcpy_gib_s": 1.5,
+        "socket_gib_s": 2.5,
+        "copy_hash_gib_s": 3.0,
+        "copy_hash_cpu_s_per_gib": 0.1,
+    }
+
+
+def test_a_verified_copy_is_measured_with_its_cpu() -> None:
+    gib_s, cpu = ceilings.copy_hash(8 << 20, 0.05, 1)
+    assert gib_s > 0 and 0 < cpu < 10
 
 
 def test_several_socket_streams_are_positive_and_one_is_the_single_stream() -> None:
