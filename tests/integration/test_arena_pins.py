@@ -123,12 +123,12 @@ def test_reserved_slots_are_written_in_place_and_published_by_commit(
 
 
 def test_a_bad_inbox_put_closes_only_that_connection(make_cluster: MakeCluster) -> None:
-    """A PUT_INBOX naming bytes past the inbox's end, or sent on a connection that did
-    not say who it is (no inbox), and the retired shared-arena writes (PUT_LOC): each
-    is answered INVALID_ARGUMENT and closes that connection; the worker keeps serving
-    and the key stays writable."""
+    """A PUT_INBOX naming bytes past the inbox's end (INVALID_ARGUMENT), or sent on a
+    connection that did not say who it is (no inbox: UNAVAILABLE, put over tcp://), and
+    the retired shared-arena writes (PUT_LOC, INVALID_ARGUMENT): each is answered and
+    closes that connection; the worker keeps serving and the key stays writable."""
     from kvstore_client import wire
-    from kvstore_client.errors import InvalidArgument
+    from kvstore_client.errors import InvalidArgument, Unavailable
     from kvstore_client.transport.tcp import TcpConnection
 
     cluster = make_cluster(workers=1, dram_size="32MiB")
@@ -138,19 +138,25 @@ def test_a_bad_inbox_put_closes_only_that_connection(make_cluster: MakeCluster) 
         assert w.arena is not None and w.arena.inbox is not None
         far = w.arena.inbox.size
         frames = [
-            (w.pool.take(5), wire.OP_PUT_INBOX, wire.INBOX_ENTRY.pack(k, SIZE, 0, far - 1)),
+            (
+                w.pool.take(5),
+                wire.OP_PUT_INBOX,
+                wire.INBOX_ENTRY.pack(k, SIZE, 0, far - 1),
+                InvalidArgument,
+            ),
             (
                 TcpConnection(w.pool.host, w.pool.port, 5),  # no AUTH: no identity
                 wire.OP_PUT_INBOX,
                 wire.INBOX_ENTRY.pack(k, SIZE, 0, 0),
+                Unavailable,
             ),
-            (w.pool.take(5), wire.OP_PUT_LOC, wire.PUT_ENTRY.pack(k, SIZE, 0)),
+            (w.pool.take(5), wire.OP_PUT_LOC, wire.PUT_ENTRY.pack(k, SIZE, 0), InvalidArgument),
         ]
-        for conn, op, entry in frames:
+        for conn, op, entry, error in frames:
             try:
                 head = wire.encode_request_header(op, NS.encode(), 1, 1)
                 wire.send_buffers(conn.sock, [head, entry])
-                with pytest.raises(InvalidArgument):
+                with pytest.raises(error):
                     conn._answer(op, 1)
                 conn.sock.settimeout(5)
                 try:  # then the worker closes the connection

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -294,6 +295,39 @@ def test_an_arena_closed_under_running_calls_fails_none_of_them(
         for t in threads:
             t.join(30)
     assert not errors, repr(errors[0])
+
+
+def test_a_put_whose_inbox_went_away_lands_over_tcp_and_says_so_exactly(
+    make_cluster: MakeCluster,
+) -> None:
+    """Found by the suite under load: the client's mapping closed (so the worker dropped
+    its inbox) between the put's check and its frames; the worker answered the frame
+    with an error that reached the caller. Now what the worker never took goes over
+    tcp://, and every block's status is this put's own (stored, not "present")."""
+    from kvstore_client import wire
+    from kvstore_client.transport import shminbox
+
+    cluster = make_cluster(workers=1, dram_size="32MiB", max_value_size="1MiB")
+    with Client(cluster.address, transport="shm") as c:
+        view = c._view
+        assert view is not None
+        via = view.workers[0].via
+        assert isinstance(via, ShmTransfer) and via.arena.inbox is not None
+        inbox = via.arena.inbox
+        link = via.arena._link
+        assert link is not None
+        link.shutdown(socket.SHUT_RDWR)  # the worker drops this client's page and inbox
+        time.sleep(0.3)
+        ks = [key(i, "gone") for i in range(6)]
+        vals = [memoryview(value_for(k, SIZE)) for k in ks]
+        with pytest.raises(shminbox.PartialPut) as e:
+            via.pool.call(5.0, shminbox.put, inbox, via.arena.tag, NS.encode(), ks, vals,
+                          [False] * 6)  # fmt: skip
+        assert e.value.left == list(range(6))
+        # Through the transfer (as Client.batch_put calls it, the arena still looking alive).
+        status = via.put(5.0, NS.encode(), ks, vals, [0] * 6)
+        assert status == bytes([wire.PUT_STORED] * 6)
+        assert c.batch_get(NS, ks) == [bytes(v) for v in vals]
 
 
 def test_closed_clients_leave_no_descriptors_behind(make_cluster: MakeCluster) -> None:

@@ -587,9 +587,12 @@ class ShmTransfer(TcpTransfer):
             got = shmlocal.exists(loc, ns, b"".join(hashes), anyway=True)
             if got is not None:
                 skip = got.tolist()
-        status, left = self.pool.call(
-            timeout, shminbox.put, inbox, self.arena.tag, ns, hashes, vs, skip, flags
-        )
+        try:
+            status, left = self.pool.call(
+                timeout, shminbox.put, inbox, self.arena.tag, ns, hashes, vs, skip, flags
+            )
+        except shminbox.PartialPut as e:  # the mapping closed meanwhile: the rest over tcp://
+            status, left = e.status, e.left
         if left:
             rest = self._tcp_put(
                 timeout, ns, [hashes[i] for i in left], [values[i] for i in left], flags

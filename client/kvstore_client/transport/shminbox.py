@@ -112,6 +112,18 @@ class Inbox:
         self.view = memoryview(b"")
 
 
+class PartialPut(Unavailable):
+    """The inbox went away under a put (this client's mapping was closed, so the
+    worker dropped the inbox; or the worker restarted): the statuses of the frames the
+    worker answered, and the blocks it never took (``left``: send them another way).
+    The connection is done (the pool closes it)."""
+
+    def __init__(self, status: bytearray, left: list[int], cause: Exception) -> None:
+        super().__init__(f"the inbox went away under a put: {cause}")
+        self.status = status
+        self.left = left
+
+
 def _frame(
     conn: TcpConnection,
     ns: bytes,
@@ -159,27 +171,36 @@ def put(
     seconds: the caller sends those another way)."""
     n = len(hashes)
     sizes = [wire.block_size(v) for v in values]
-    status = bytearray(n)
+    # Not stored until an answer says so (0 would read as PUT_STORED).
+    status = bytearray([wire.PUT_FULL]) * n
     left: list[int] = []
+    dst = inbox.array  # held for the whole call: a close() meanwhile cannot unmap it
+    if not len(dst):  # closed before this call: nothing sent, all of it another way
+        for i in range(n):
+            if skip[i]:
+                status[i] = wire.PUT_PRESENT
+        raise PartialPut(status, [i for i in range(n) if not skip[i]], Unavailable("closed"))
     # (request id, region start, region bytes, the batch indices it carries)
     flight: deque[tuple[int, int, int, list[int]]] = deque()
 
     def settle() -> None:
-        req, start, nbytes, idx = flight.popleft()
-        try:
-            got = _answer(conn, req, len(idx), tag)
-        finally:
-            inbox.give(start, nbytes)
+        req, start, nbytes, idx = flight[0]
+        got = _answer(conn, req, len(idx), tag)  # raising: still in flight, see below
+        flight.popleft()
+        inbox.give(start, nbytes)
         for i, s in zip(idx, got, strict=True):
             status[i] = s
 
+    runs = wire.runs(sizes, inbox.piece(sum(sizes)))
+    sent = 0
     try:
-        for a, b in wire.runs(sizes, inbox.piece(sum(sizes))):
+        for a, b in runs:
             idx = [i for i in range(a, b) if not skip[i]]
             for i in range(a, b):
                 if skip[i]:
                     status[i] = wire.PUT_PRESENT
             if not idx:
+                sent = b
                 continue
             offs, nbytes = _span([sizes[i] for i in idx])
             start = inbox.take(nbytes)
@@ -190,19 +211,15 @@ def put(
                 start = inbox.take(nbytes, wait)
             if start < 0:
                 left += idx
+                sent = b
                 continue
-            dst = inbox.array
             try:
                 # Copied over the copy pool when the piece is big (kvstore_client.verified).
-                sums = verified.run(
-                    [
-                        partial(
-                            gather_sum, dst[start + o : start + o + sizes[i]], _parts(values[i])
-                        )
-                        for i, o in zip(idx, offs, strict=True)
-                    ],
-                    nbytes,
-                )
+                jobs = [
+                    partial(gather_sum, dst[start + o : start + o + sizes[i]], _parts(values[i]))
+                    for i, o in zip(idx, offs, strict=True)
+                ]
+                sums = verified.run(jobs, nbytes)
                 req = _frame(
                     conn,
                     ns,
@@ -216,8 +233,15 @@ def put(
                 inbox.give(start, nbytes)
                 raise
             flight.append((req, start, nbytes, idx))
+            sent = b
         while flight:
             settle()
+    except Unavailable as e:
+        # The worker answered this frame UNAVAILABLE (no inbox any more) and closed the
+        # connection: it took none of the frames from this one on.
+        rest = [i for _, _, _, idx in flight for i in idx]
+        rest += [i for i in range(sent, n) if not skip[i]]
+        raise PartialPut(status, sorted(left + rest), e) from e
     finally:
         for _, start, nbytes, _ in flight:  # an error left answers unread: the
             inbox.give(start, nbytes)  # connection is closed by the caller

@@ -46,7 +46,7 @@ from functools import partial
 import numpy as np
 
 from kvstore_client import verified, wire
-from kvstore_client.errors import InvalidArgument, ProtocolError, ResourceExhausted
+from kvstore_client.errors import InvalidArgument, ProtocolError, ResourceExhausted, Unavailable
 from kvstore_client.keys import split_hashes
 from kvstore_client.verified import copy_sum
 
@@ -518,9 +518,13 @@ class ShmServer:
         the writer sent; otherwise aborted (PUT_CORRUPT, the key stays absent). The
         slots are held only while this frame is served, within the connection's budget."""
         inbox = self.inboxes.get(identity) if self.inboxes is not None and identity else None
-        if inbox is None:
+        if inbox is None:  # never handed over, or its client closed the hand-over since
             raise Refused(
-                h, InvalidArgument("PUT_INBOX on a connection without an inbox (AUTH identity)")
+                h,
+                Unavailable(
+                    "PUT_INBOX on a connection without an inbox (its AUTH identity has none:"
+                    " the client's hand-over closed?): put over tcp://"
+                ),
             )
         entries = list(wire.INBOX_ENTRY.iter_unpack(body))
         sizes = [e[1] for e in entries]
