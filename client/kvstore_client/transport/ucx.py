@@ -30,6 +30,10 @@ answer tagged TAG_PACKED when the client asked and the hits fit in wire.MAX_PACK
 copied through a per-endpoint :class:`Staging` area: each message costs a rendezvous
 and the event loop's hand-offs, a copy of a small block much less (docs/UCX.md).
 
+Identity: a pool made with the client's identity (kvstore_client.security) sends AUTH
+with wire.FLAG_IDENTITY on every endpoint, so the worker counts what the client holds
+over all its endpoints (and transports) together, never per endpoint or address.
+
 Threads. ucxx is asyncio-based; one daemon thread per process runs an event loop that
 owns the UCX context (:class:`UcxRuntime`, shared by the client and the worker's server
 in the same process). UCX progress defaults to ucxx's ``thread`` mode with Python
@@ -63,6 +67,7 @@ from ..errors import (
     DeadlineExceeded,
     KVStoreError,
     ProtocolError,
+    Unauthenticated,
     Unavailable,
     from_code,
     from_transport_error,
@@ -338,11 +343,18 @@ class UcxConnection:
 
     @classmethod
     async def open(
-        cls, rt: UcxRuntime, host: str, port: int, timeout: float, token: str = ""
+        cls,
+        rt: UcxRuntime,
+        host: str,
+        port: int,
+        timeout: float,
+        token: str = "",
+        identity: bytes = b"",
     ) -> UcxConnection:
         """Connect (name lookup included) within ``timeout``, then authenticate with
-        ``token`` when given; OSError/TimeoutError/UCX errors on failure, the worker's
-        error (Unauthenticated) when it refuses the token."""
+        ``token`` and ``identity`` when given (AUTH, wire.FLAG_IDENTITY with an
+        identity); OSError/TimeoutError/UCX errors on failure, the worker's error
+        (Unauthenticated) when it refuses the token."""
         loop = asyncio.get_running_loop()
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         addr = str(infos[0][4][0])
@@ -350,18 +362,20 @@ class UcxConnection:
             rt.ucxx.create_endpoint(addr, port, connect_timeout=timeout), timeout
         )
         conn = cls(ep)
-        if token:
+        if token or identity:
             try:
-                await asyncio.wait_for(conn._auth(token), timeout)
+                await asyncio.wait_for(conn._auth(token, identity), timeout)
             except BaseException:
                 conn.abort()
                 raise
         return conn
 
-    async def _auth(self, token: str) -> None:
-        raw = token.encode()
+    async def _auth(self, token: str, identity: bytes) -> None:
+        """AUTH: the token, and with FLAG_IDENTITY the client's identity before it."""
+        raw = identity + token.encode()
+        flags = wire.FLAG_IDENTITY if identity else 0
         self._req += 1
-        head = wire.HEADER.pack(wire.REQ_MAGIC, wire.OP_AUTH, 0, 0, len(raw), self._req)
+        head = wire.HEADER.pack(wire.REQ_MAGIC, wire.OP_AUTH, flags, 0, len(raw), self._req)
         await self._exchange(wire.OP_AUTH, [head, raw])
 
     @property
@@ -588,10 +602,13 @@ class UcxPool(Remote):
     Thread-safe.
     """
 
-    def __init__(self, host: str, port: int, *, max_idle: int = 8, token: str = "") -> None:
+    def __init__(
+        self, host: str, port: int, *, max_idle: int = 8, token: str = "", identity: bytes = b""
+    ) -> None:
         self.host = host
         self.port = port
         self.token = token
+        self.identity = identity  # b"" once a worker that predates identities refused it
         self.max_idle = max_idle
         self._idle: list[UcxConnection] = []  # touched on the runtime's loop only
         self._closed = False
@@ -620,8 +637,7 @@ class UcxPool(Remote):
                 conn = c
         if conn is None:
             try:
-                wait = min(timeout, CONNECT_TIMEOUT)
-                conn = await UcxConnection.open(rt, self.host, self.port, wait, self.token)
+                conn = await self._open(rt, min(timeout, CONNECT_TIMEOUT))
             except KVStoreError as e:
                 if isinstance(e, ProtocolError):
                     raise Unavailable(f"{where}: {e}") from e
@@ -642,6 +658,20 @@ class UcxPool(Remote):
         else:
             conn.abort()
         return result
+
+    async def _open(self, rt: UcxRuntime, wait: float) -> UcxConnection:
+        try:
+            return await UcxConnection.open(
+                rt, self.host, self.port, wait, self.token, self.identity
+            )
+        except Unauthenticated:
+            if not (self.identity and self.token):
+                raise
+        # A worker that predates identities reads the identity as part of the token
+        # (with tenants: unknown). Its endpoints go without one (each its own account).
+        conn = await UcxConnection.open(rt, self.host, self.port, wait, self.token)
+        self.identity = b""
+        return conn
 
     def put(
         self,
