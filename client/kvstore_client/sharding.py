@@ -66,8 +66,11 @@ def wanted_counts(
     capacities: Sequence[int], vnodes_per_gib: int = DEFAULT_VNODES_PER_GIB
 ) -> np.ndarray:
     """:func:`vnode_count` of each capacity (int64), at once."""
-    top = (1 << 64) - 1
-    caps = np.array([min(max(int(c), 0), top) for c in capacities], dtype=np.uint64)
+    try:
+        caps = np.array(capacities, dtype=np.uint64)
+    except OverflowError:  # not a map's uint64: clamped into one
+        top = (1 << 64) - 1
+        caps = np.array([min(max(int(c), 0), top) for c in capacities], dtype=np.uint64)
     # float64 gives vnode_count's exact int(c * d / 2**30) below 2**53 bytes
     want = np.floor(caps.astype(np.float64) * float(max(0, int(vnodes_per_gib))) / _GIB)
     counts: np.ndarray = np.clip(want, MIN_VNODES, MAX_VNODES).astype(np.int64)
@@ -92,13 +95,17 @@ def point_counts(
 
     ValueError for more workers than ``MAX_RING_POINTS``.
     """
-    n = len(capacities)
+    return bound_counts(wanted_counts(capacities, vnodes_per_gib))
+
+
+def bound_counts(wanted: np.ndarray) -> np.ndarray:
+    """Bounds 2 and 3 of :func:`point_counts` applied to :func:`wanted_counts`."""
+    n = len(wanted)
     if n > MAX_RING_POINTS:
         raise ValueError(f"a map of {n} workers: a ring has at most {MAX_RING_POINTS} points")
     if not n:
         return np.empty(0, dtype=np.int64)
-    counts = wanted_counts(capacities, vnodes_per_gib)
-    np.minimum(counts, share_cap(counts), out=counts)
+    counts: np.ndarray = np.minimum(wanted, share_cap(wanted))
     total = int(counts.sum())
     if total > MAX_RING_POINTS:
         floor = min(MIN_VNODES, MAX_RING_POINTS // n)

@@ -31,8 +31,10 @@ from kvstore_client.sharding import (
     DEFAULT_VNODES_PER_GIB,
     MAX_RING_POINTS,
     MAX_WORKER_SHARE,
-    point_counts,
+    MIN_VNODES,
+    bound_counts,
     share_cap,
+    vnode_count,
     wanted_counts,
 )
 
@@ -238,19 +240,25 @@ class Membership:
     def ring_note(self, worker_id: str) -> str:
         """How clients' rings bound live member ``worker_id``, in one sentence for
         the log; "" when it gets the ring points its capacity asks for."""
-        live = [m.info for m in self.members.values() if not m.draining]
-        at = next((i for i, w in enumerate(live) if w.id == worker_id), None)
-        if at is None:
+        m = self.members.get(worker_id)
+        if m is None or m.draining:
             return ""
-        caps = [w.capacity_bytes for w in live]
-        want = int(wanted_counts(caps, self.vnodes_per_gib)[at])
-        got = int(point_counts(caps, self.vnodes_per_gib)[at])
+        share_binds = vnode_count(m.info.capacity_bytes, self.vnodes_per_gib) > (
+            MAX_WORKER_SHARE * MIN_VNODES
+        )
+        if not share_binds and self._scale_noted:
+            return ""  # neither bound can say anything new (O(1) for most joins)
+        live = [x.info for x in self.members.values() if not x.draining]
+        at = next(i for i, w in enumerate(live) if w.id == worker_id)
+        wanted = wanted_counts([w.capacity_bytes for w in live], self.vnodes_per_gib)
+        want, got = int(wanted[at]), int(bound_counts(wanted)[at])
         if got >= want:
             return ""
-        if want > share_cap(wanted_counts(caps, self.vnodes_per_gib)):
+        if want > share_cap(wanted):
             return (
-                f"worker {worker_id} registers {caps[at]} bytes ({want} ring points), more "
-                f"than {MAX_WORKER_SHARE}x the median worker: clients give it {got} points"
+                f"worker {worker_id} registers {live[at].capacity_bytes} bytes ({want} ring "
+                f"points), more than {MAX_WORKER_SHARE}x the median worker: clients give it "
+                f"{got} points"
             )
         if self._scale_noted:
             return ""  # said once: every later join is scaled alike
