@@ -156,6 +156,16 @@ def test_send_and_recv_packed_copy_through_a_bounded_window() -> None:
         assert ep.most_posted <= PACK_WINDOW
         assert sender.peak <= PACK_WINDOW and receiver.peak <= PACK_WINDOW
         assert sender.leased == receiver.leased == 0
+        # a stream of one chunk: one message, sent with the head
+        small = [b"", b"abc", b"d" * 5000, b""]
+        await send_packed(ep, [b"h1", b"h2"], small, 5003, sender)
+        assert [await ep.queue.get() for _ in range(3)] == [b"h1", b"h2", b"".join(small)]
+        outs = [bytearray(len(v)) for v in small]
+        landed.clear()
+        un = Unpacker([[memoryview(o)] for o in outs], [len(v) for v in small])
+        ep.queue.put_nowait(b"".join(small))
+        await recv_packed(ep, 5003, un, receiver, landed.append)
+        assert outs == [bytearray(v) for v in small] and landed == [0, 1, 2, 3]
 
     asyncio.run(go())
 

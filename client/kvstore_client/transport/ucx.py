@@ -333,8 +333,19 @@ async def send_packed(
     from ``pool`` and sent while the next one is filled (at most PACK_WINDOW buffers).
     Returns when every send completed; raises the first error (the caller aborts the
     endpoint; the buffers of a failed stream are not reused)."""
-    sends = [asyncio.ensure_future(ep.send(b)) for b in head if len(b)]
     sizes = chunk_sizes(total)
+    if len(sizes) == 1:  # one message: posted with the head, as any other frame's
+        (buf,) = await pool.take(1)
+        ok = False
+        try:
+            view = memoryview(buf)[:total]
+            Packer(sources).fill(view)
+            await send_all(ep, [*head, view])
+            ok = True
+        finally:
+            pool.give([buf], reuse=ok)
+        return
+    sends = [asyncio.ensure_future(ep.send(b)) for b in head if len(b)]
     bufs: list[mmap.mmap] = []
     ok = False
     try:
@@ -380,6 +391,17 @@ async def recv_packed(
     if not sizes:
         return
     bufs = await pool.take(min(PACK_WINDOW, len(sizes)))
+    if len(sizes) == 1:  # one message: received straight, as any other frame's
+        ok = False
+        try:
+            view = memoryview(bufs[0])[:total]
+            await ep.recv(view)
+            for i in unpacker.feed(view):
+                landed(i)
+            ok = True
+        finally:
+            pool.give(bufs, reuse=ok)
+        return
     posted: collections.deque[tuple[asyncio.Future[Any], memoryview, mmap.mmap]]
     posted = collections.deque()
     nxt = 0

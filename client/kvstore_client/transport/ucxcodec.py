@@ -221,7 +221,8 @@ class StagingPool:
         self.waits = 0  # takes that had to wait for a buffer
         self._free: list[mmap.mmap] = []
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._trim: asyncio.TimerHandle | None = None
+        self._trim: asyncio.TimerHandle | None = None  # at most one, re-armed when it fires
+        self._last = 0.0  # loop time of the last give
 
     @property
     def resident_bytes(self) -> int:
@@ -244,9 +245,6 @@ class StagingPool:
         n = max(1, min(want, self.capacity - self.leased))
         self.leased += n
         self.peak = max(self.peak, self.leased)
-        if self._trim is not None:
-            self._trim.cancel()
-            self._trim = None
         return [self._free.pop() if self._free else _chunk_buffer() for _ in range(n)]
 
     def give(self, bufs: Sequence[mmap.mmap], *, reuse: bool = True) -> None:
@@ -255,10 +253,10 @@ class StagingPool:
         if reuse:
             self._free.extend(bufs)
         self._wake(len(bufs))
-        if not self.leased and self._free:
-            if self._trim is not None:
-                self._trim.cancel()
-            self._trim = asyncio.get_running_loop().call_later(self.idle_s, self._drop)
+        loop = asyncio.get_running_loop()
+        self._last = loop.time()
+        if self._free and self._trim is None:
+            self._trim = loop.call_later(self.idle_s, self._drop)
 
     def _wake(self, n: int) -> None:
         while n and self._waiters:
@@ -268,9 +266,14 @@ class StagingPool:
                 n -= 1
 
     def _drop(self) -> None:
-        self._trim = None
-        if not self.leased:
+        """Drop the kept buffers once nothing was leased or given for ``idle_s``."""
+        loop = asyncio.get_running_loop()
+        idle = loop.time() - self._last
+        if not self.leased and idle >= self.idle_s:
+            self._trim = None
             self._free.clear()
+        else:  # in use since: look again when it may have been idle long enough
+            self._trim = loop.call_later(max(self.idle_s - idle, 0.01), self._drop)
 
 
 __all__ = [
