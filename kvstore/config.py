@@ -23,7 +23,11 @@ import yaml
 
 from kvstore_client.errors import InvalidArgument
 
-MAX_VNODES_PER_GIB = 1 << 20  # a worker's points stay within sharding.MAX_VNODES anyway
+# Dense enough for 1 MiB workers to get ~1,000 ring points; whatever the density, a
+# worker gets at most sharding.MAX_VNODES points and a client's ring at most
+# sharding.MAX_RING_POINTS (sharding.point_counts), so no setting makes a client's
+# ring expensive to build.
+MAX_VNODES_PER_GIB = 1 << 20
 
 # The distribution's name on the package index (`pip install kvstore-cache`); the import
 # packages (kvstore, kvstore_client, kvstore_bench) and the `kvstore` command keep theirs.
@@ -89,8 +93,9 @@ class MasterConfig:
     advertise_host: str = ""  # address other masters forward to; default: host, $POD_IP, hostname
     cluster_id: str = "kvstore"
     replicas: int = 1
-    # ring points per GiB of a worker's capacity (at least 160, at most 65,536 a worker):
-    # the default gives a 64 GiB worker 1,024; small workers want more (docs/SCALE.md)
+    # ring points per GiB of a worker's capacity (at least 160, at most 65,536 a worker,
+    # 1..MAX_VNODES_PER_GIB): the default gives a 64 GiB worker 1,024; small workers want
+    # more (docs/SCALE.md); clients bound the whole ring (sharding.point_counts)
     vnodes_per_gib: int = 16
     namespace_replicas: list[str] = field(default_factory=list)  # "PREFIX=R": copies per ns prefix
     tls_cert: str = ""  # PEM certificate of this daemon; with tls_key enables TLS

@@ -158,7 +158,9 @@ class Links:
                 ucx = self._ucx.get(ukey)
                 if ucx is None:
                     uhost, uport = parse_ucx_url(ucx_url)
-                    ucx = self._ucx[ukey] = UcxPool(uhost, uport, token=self.token)
+                    ucx = self._ucx[ukey] = UcxPool(
+                        uhost, uport, token=self.token, identity=self.identity
+                    )
             links.append(WorkerLink(info, pool, arena, ucx))
         self._close(lambda k: k not in live)
         return links

@@ -18,6 +18,15 @@ The ring is built with numpy (points from a splitmix64 sequence seeded by the
 worker id, no per-point Python work) and looked up with ``searchsorted``, so
 routing 1,000 hashes costs tens of microseconds and a 1,000-worker ring builds
 in a fraction of a second.
+
+Bounds, whatever the map says (the map comes from the master, which could be
+misconfigured, or relay a registration that overstates its capacity):
+:func:`point_counts` gives no worker more than ``MAX_WORKER_SHARE`` times the
+median worker's points (a worker claiming 2^64 bytes is counted as 8 median
+workers, not as the whole ring), and the whole ring at most ``MAX_RING_POINTS``
+points (above it every worker's points are scaled down alike), so a client
+never spends more than about a second and ~150 MiB building a ring. Replicas are
+clamped to ``MAX_REPLICAS``. Below these bounds placement is exactly as before.
 """
 
 from __future__ import annotations
@@ -29,19 +38,80 @@ import numpy as np
 import xxhash
 
 from .keys import HASH_LEN
+from .replicas import MAX_REPLICAS
 
 MIN_VNODES = 160
 MAX_VNODES = 65536
 DEFAULT_VNODES_PER_GIB = 16
+# Points of the whole ring, whatever the map says: 1,024 workers of 256 GiB at the
+# default density (docs/SCALE.md: ~0.5-1 s and ~100-150 MiB to build at the cap).
+MAX_RING_POINTS = 1 << 22
+# No worker gets more points than this many times the median worker's.
+MAX_WORKER_SHARE = 8
+_GIB = float(1 << 30)
+_ROWS = 1 << 18  # ring rows whose replica owners are found at once (bounds temporaries)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
 
 
 def vnode_count(capacity_bytes: int, vnodes_per_gib: int = DEFAULT_VNODES_PER_GIB) -> int:
-    """Virtual nodes for a worker of this capacity (clamped to [160, 65536])."""
+    """Virtual nodes for a worker of this capacity alone (clamped to [160, 65536]);
+    in a ring, :func:`point_counts` also bounds its share and the ring's total."""
     n = int(capacity_bytes * vnodes_per_gib / (1 << 30))
     return max(MIN_VNODES, min(MAX_VNODES, n))
+
+
+def wanted_counts(
+    capacities: Sequence[int], vnodes_per_gib: int = DEFAULT_VNODES_PER_GIB
+) -> np.ndarray:
+    """:func:`vnode_count` of each capacity (int64), at once."""
+    try:
+        caps = np.array(capacities, dtype=np.uint64)
+    except OverflowError:  # not a map's uint64: clamped into one
+        top = (1 << 64) - 1
+        caps = np.array([min(max(int(c), 0), top) for c in capacities], dtype=np.uint64)
+    # float64 gives vnode_count's exact int(c * d / 2**30) below 2**53 bytes
+    want = np.floor(caps.astype(np.float64) * float(max(0, int(vnodes_per_gib))) / _GIB)
+    counts: np.ndarray = np.clip(want, MIN_VNODES, MAX_VNODES).astype(np.int64)
+    return counts
+
+
+def share_cap(counts: np.ndarray) -> int:
+    """The most points one worker gets: ``MAX_WORKER_SHARE`` x the lower median."""
+    return MAX_WORKER_SHARE * int(np.sort(counts)[(len(counts) - 1) // 2])
+
+
+def point_counts(
+    capacities: Sequence[int], vnodes_per_gib: int = DEFAULT_VNODES_PER_GIB
+) -> np.ndarray:
+    """Ring points of each worker (int64, in the order given), within three bounds:
+
+    1. each worker's :func:`vnode_count` (capacity x density, in [160, 65536]);
+    2. at most :func:`share_cap` (``MAX_WORKER_SHARE`` x the median worker's count);
+    3. all together at most ``MAX_RING_POINTS``: above it each worker keeps a floor
+       (160, or fewer when there are very many workers) and the points above the
+       floor shrink in proportion (integer arithmetic, so every client agrees).
+
+    ValueError for more workers than ``MAX_RING_POINTS``.
+    """
+    return bound_counts(wanted_counts(capacities, vnodes_per_gib))
+
+
+def bound_counts(wanted: np.ndarray) -> np.ndarray:
+    """Bounds 2 and 3 of :func:`point_counts` applied to :func:`wanted_counts`."""
+    n = len(wanted)
+    if n > MAX_RING_POINTS:
+        raise ValueError(f"a map of {n} workers: a ring has at most {MAX_RING_POINTS} points")
+    if not n:
+        return np.empty(0, dtype=np.int64)
+    counts: np.ndarray = np.minimum(wanted, share_cap(wanted))
+    total = int(counts.sum())
+    if total > MAX_RING_POINTS:
+        floor = min(MIN_VNODES, MAX_RING_POINTS // n)
+        above = counts - floor
+        counts = floor + above * (MAX_RING_POINTS - n * floor) // int(above.sum())
+    return counts
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -164,29 +234,36 @@ def build_ring(
 ) -> Ring:
     """Build the ring for (worker_id, capacity_bytes) pairs; order does not matter.
 
-    ``replicas`` is clamped to [1, number of workers]. With ``hosts`` (worker id ->
-    host id) and at least ``replicas`` distinct hosts, the owners of a point are on
-    distinct hosts; otherwise they are distinct workers.
+    Each worker gets :func:`point_counts` points (bounded whatever the capacities
+    and density say). ``replicas`` is clamped to [1, min(number of workers,
+    MAX_REPLICAS)]. With ``hosts`` (worker id -> host id) and at least ``replicas``
+    distinct hosts, the owners of a point are on distinct hosts; otherwise they are
+    distinct workers.
     """
     ids = tuple(sorted({w for w, _ in workers}))
     cap = dict(workers)
     if not ids:
         return Ring(ids, np.empty(0, dtype=np.uint64), np.empty((0, 0), dtype=np.int32))
-    counts = [vnode_count(cap[wid], vnodes_per_gib) for wid in ids]
+    counts = point_counts([cap[wid] for wid in ids], vnodes_per_gib).tolist()
     raw = np.concatenate([worker_points(wid, c) for wid, c in zip(ids, counts, strict=True)])
-    who = np.repeat(np.arange(len(ids), dtype=np.int32), counts)
     order = np.argsort(raw)  # 64-bit positions: ties do not happen in practice
     points = raw[order]
-    point_owner = who[order]
-    r = max(1, min(replicas, len(ids)))
+    del raw
+    point_owner = np.repeat(np.arange(len(ids), dtype=np.int32), counts)[order]
+    del order
+    r = max(1, min(replicas, len(ids), MAX_REPLICAS))
     owners = np.full((len(points), r), -1, dtype=np.int32)
     owners[:, 0] = point_owner
     if r > 1:
-        filled = np.ones(len(points), dtype=np.int64)
         host_of = _host_index(ids, hosts)
-        if host_of is not None and len(set(host_of.tolist())) >= r:
-            _fill(owners, filled, point_owner, host_of, np.arange(len(points)))
-        _fill(owners, filled, point_owner, None, np.arange(len(points)))
+        by_host = host_of is not None and len(set(host_of.tolist())) >= r
+        for a in range(0, len(points), _ROWS):  # in slices: bounded temporaries
+            rows = owners[a : a + _ROWS]
+            filled = np.ones(len(rows), dtype=np.int64)
+            start = np.arange(a, a + len(rows))
+            if by_host:
+                _fill(rows, filled, point_owner, host_of, start)
+            _fill(rows, filled, point_owner, None, start)
     return Ring(ids, points, owners, _host_index(ids, hosts))
 
 

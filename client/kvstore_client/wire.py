@@ -144,10 +144,11 @@ FLAG_SESSION = 2
 # stops at its first miss); the answer carries TAG_RUN and the run in its count.
 FLAG_PREFIX = 1
 SUMS = struct.Struct("<Q")
-# Request flag (ucx:// PUT and GET): the frame's payloads travel packed, one message
-# of at most MAX_PACKED bytes (PUT: the blocks back to back, not with FLAG_PARTS; GET:
-# the hits back to back, when the worker answers with TAG_PACKED). Per message UCX
-# pays a rendezvous, so many small blocks or parts cost far more than a copy.
+# Request flag (ucx:// PUT and GET): the frame's payloads travel packed, at most
+# MAX_PACKED bytes back to back (PUT: the blocks, not with FLAG_PARTS; GET: the hits,
+# when the worker answers with TAG_PACKED), cut into messages of
+# transport.ucxcodec.PACK_CHUNK bytes. Per message UCX pays a rendezvous, so many
+# small blocks or parts cost far more than a copy.
 FLAG_PACKED = 8
 MAX_PACKED = 64 << 20
 # Request flag (AUTH): the body starts with the client's 16-byte identity.

@@ -15,7 +15,10 @@ also lets a new instance in at once when it proves the old one gone (the old
 registration's gRPC port refuses connections; :meth:`evict`).
 
 Registrations are checked against size limits (:func:`check_worker`), and the
-number of members is capped, so the map every client downloads stays small.
+number of members is capped, so the map every client downloads stays small. A
+registered capacity above ``MAX_CAPACITY`` is refused; one that the ring bounds
+(:func:`kvstore_client.sharding.point_counts`: a share of the ring, the ring's
+total) is accepted and :meth:`Membership.ring_note` says how it is counted.
 """
 
 from __future__ import annotations
@@ -24,7 +27,16 @@ from dataclasses import dataclass, field
 
 from kvstore_client.errors import Code, InvalidArgument, KVStoreError, ResourceExhausted
 from kvstore_client.proto import master_pb2
-from kvstore_client.sharding import DEFAULT_VNODES_PER_GIB
+from kvstore_client.sharding import (
+    DEFAULT_VNODES_PER_GIB,
+    MAX_RING_POINTS,
+    MAX_WORKER_SHARE,
+    MIN_VNODES,
+    bound_counts,
+    share_cap,
+    vnode_count,
+    wanted_counts,
+)
 
 # Size limits of one registration (bytes of UTF-8); see master.proto.
 MAX_ID = 128
@@ -36,6 +48,7 @@ MAX_VERSION = 64
 MIN_INSTANCE = 16
 MAX_INSTANCE = 128
 MAX_WORKERS = 1024  # at <= 2.7 KiB per worker, the map stays under gRPC's 4 MiB default
+MAX_CAPACITY = 1 << 50  # bytes of DRAM one worker may register (1 PiB: no host has it)
 
 
 class IdConflict(KVStoreError):
@@ -71,6 +84,11 @@ def check_worker(info: master_pb2.WorkerInfo) -> None:
     """InvalidArgument unless ``info`` is complete and within the size limits."""
     if not info.id or not info.grpc or not info.endpoints or not info.capacity_bytes:
         raise InvalidArgument("worker registration needs id, grpc, endpoints and capacity")
+    if info.capacity_bytes > MAX_CAPACITY:
+        raise InvalidArgument(
+            f"worker capacity of {info.capacity_bytes} bytes exceeds the limit of "
+            f"{MAX_CAPACITY} (1 PiB)"
+        )
     _check_len("id", info.id, MAX_ID)
     if not _printable(info.id):
         raise InvalidArgument("worker id must be printable ASCII")
@@ -115,6 +133,7 @@ class Membership:
         self.max_workers = max_workers
         self.members: dict[str, Member] = {}
         self.version = 1
+        self._scale_noted = False  # ring_note said the ring is scaled down
 
     @property
     def heartbeat_interval(self) -> float:
@@ -217,6 +236,38 @@ class Membership:
         if dead:
             self.version += 1
         return dead
+
+    def ring_note(self, worker_id: str) -> str:
+        """How clients' rings bound live member ``worker_id``, in one sentence for
+        the log; "" when it gets the ring points its capacity asks for."""
+        m = self.members.get(worker_id)
+        if m is None or m.draining:
+            return ""
+        share_binds = vnode_count(m.info.capacity_bytes, self.vnodes_per_gib) > (
+            MAX_WORKER_SHARE * MIN_VNODES
+        )
+        if not share_binds and self._scale_noted:
+            return ""  # neither bound can say anything new (O(1) for most joins)
+        live = [x.info for x in self.members.values() if not x.draining]
+        at = next(i for i, w in enumerate(live) if w.id == worker_id)
+        wanted = wanted_counts([w.capacity_bytes for w in live], self.vnodes_per_gib)
+        want, got = int(wanted[at]), int(bound_counts(wanted)[at])
+        if got >= want:
+            return ""
+        if want > share_cap(wanted):
+            return (
+                f"worker {worker_id} registers {live[at].capacity_bytes} bytes ({want} ring "
+                f"points), more than {MAX_WORKER_SHARE}x the median worker: clients give it "
+                f"{got} points"
+            )
+        if self._scale_noted:
+            return ""  # said once: every later join is scaled alike
+        self._scale_noted = True
+        return (
+            f"the ring of {len(live)} workers would exceed {MAX_RING_POINTS} points: clients "
+            f"scale every worker's points down ({want} -> {got} for {worker_id}); a lower "
+            "--vnodes-per-gib keeps the capacity proportions exact"
+        )
 
     def shard_map(self) -> master_pb2.ShardMap:
         live = [m.info for _, m in sorted(self.members.items()) if not m.draining]

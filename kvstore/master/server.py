@@ -309,6 +309,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             await self._refuse(context, "Register", w.id, e)
         if joined:
             log.info("worker %s joined (%s)", w.id, ", ".join(w.endpoints))
+            note = self.m.ring_note(w.id)  # its capacity bounded by the clients' rings
+            if note:
+                log.warning("%s", note)
         if self.m.version != self.published.version:
             await self._commit(context)
         return master_pb2.RegisterResponse(

@@ -25,10 +25,16 @@ the worker, the caller's buffer on the client), never in an intermediate copy.
 Only PUT, GET, EXISTS and REMOVE are served; the shm:// ops are not.
 
 Packed payloads (wire.FLAG_PACKED, :func:`packs`): a frame of many small payload
-messages sends them back to back as one message instead (a PUT with the flag; a GET
-answer tagged TAG_PACKED when the client asked and the hits fit in wire.MAX_PACKED),
-copied through a per-endpoint :class:`Staging` area: each message costs a rendezvous
-and the event loop's hand-offs, a copy of a small block much less (docs/UCX.md).
+messages sends them back to back instead (a PUT with the flag; a GET answer tagged
+TAG_PACKED when the client asked and the hits fit in wire.MAX_PACKED), as a stream of
+PACK_CHUNK-byte messages (one message up to PACK_CHUNK bytes; :mod:`.ucxcodec`),
+copied through chunk buffers leased from the process's :class:`StagingPool`
+(:func:`send_packed`, :func:`recv_packed`): each message costs a rendezvous and the
+event loop's hand-offs, a copy of a small block much less (docs/UCX.md).
+
+Identity: a pool made with the client's identity (kvstore_client.security) sends AUTH
+with wire.FLAG_IDENTITY on every endpoint, so the worker counts what the client holds
+over all its endpoints (and transports) together, never per endpoint or address.
 
 Threads. ucxx is asyncio-based; one daemon thread per process runs an event loop that
 owns the UCX context (:class:`UcxRuntime`, shared by the client and the worker's server
@@ -49,8 +55,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import concurrent.futures as cf
 import contextlib
+import mmap
 import os
 import socket
 import threading
@@ -63,6 +71,7 @@ from ..errors import (
     DeadlineExceeded,
     KVStoreError,
     ProtocolError,
+    Unauthenticated,
     Unavailable,
     from_code,
     from_transport_error,
@@ -74,7 +83,12 @@ from .ucxcodec import (
     ERROR_MAX,
     MAX_PART_ENTRIES,
     PACK_BELOW,
-    Staging,
+    PACK_CHUNK,
+    PACK_WINDOW,
+    Packer,
+    StagingPool,
+    Unpacker,
+    chunk_sizes,
     copy_into,
     packs,
     part_tables,
@@ -101,6 +115,8 @@ SERVER_PROGRESS_MODE = "blocking"  # see progress_settings
 # put_zcopy (the sender writes straight from its buffer into the receiver's) it moved
 # them at about tcp://'s speed for half that CPU. On RDMA it is a zero-copy RDMA write.
 UCX_OPTIONS: Mapping[str, str] = {"RNDV_SCHEME": "put_zcopy"}
+# Chunk buffers of packed frames for all of a process's client endpoints together.
+CLIENT_STAGING_BYTES = 64 << 20
 
 _import_lock = threading.Lock()
 _import_error: str | None = None
@@ -176,6 +192,7 @@ class UcxRuntime:
         self.ucxx = _import_ucxx()
         self.mode, self.futures = progress_settings(server=server)
         self.ucx_error: type[Exception] = self.ucxx.exceptions.UCXError
+        self.staging = StagingPool(CLIENT_STAGING_BYTES)  # the client endpoints' packing
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._main, name="kvstore-ucx", daemon=True)
         self._thread.start()
@@ -308,6 +325,114 @@ async def recv_blocks(
         raise
 
 
+async def send_packed(
+    ep: Any, head: Sequence[Buffer], sources: Sequence[Buffer], total: int, pool: StagingPool
+) -> None:
+    """Send ``head`` (one message per non-empty buffer), then ``sources`` (``total``
+    bytes back to back) as a packed stream: each chunk is copied into a buffer leased
+    from ``pool`` and sent while the next one is filled (at most PACK_WINDOW buffers).
+    Returns when every send completed; raises the first error (the caller aborts the
+    endpoint; the buffers of a failed stream are not reused)."""
+    sizes = chunk_sizes(total)
+    if len(sizes) == 1:  # one message: posted with the head, as any other frame's
+        (buf,) = await pool.take(1)
+        ok = False
+        try:
+            view = memoryview(buf)[:total]
+            Packer(sources).fill(view)
+            await send_all(ep, [*head, view])
+            ok = True
+        finally:
+            pool.give([buf], reuse=ok)
+        return
+    sends = [asyncio.ensure_future(ep.send(b)) for b in head if len(b)]
+    bufs: list[mmap.mmap] = []
+    ok = False
+    try:
+        if sizes:
+            bufs = await pool.take(min(PACK_WINDOW, len(sizes)))
+            packer = Packer(sources)
+            free = list(bufs)
+            wire_: collections.deque[tuple[asyncio.Future[Any], mmap.mmap]] = collections.deque()
+            for n in sizes:
+                if not free:  # the oldest send must finish before its buffer is refilled
+                    fut, buf = wire_.popleft()
+                    await fut
+                    free.append(buf)
+                buf = free.pop()
+                view = memoryview(buf)[:n]
+                packer.fill(view)
+                fut = asyncio.ensure_future(ep.send(view))
+                sends.append(fut)
+                wire_.append((fut, buf))
+        results = await asyncio.gather(*sends, return_exceptions=True)
+        _raise_first(results)
+        ok = True
+    finally:
+        if not ok:
+            for t in sends:
+                t.cancel()
+            await asyncio.gather(*sends, return_exceptions=True)
+        if bufs:
+            pool.give(bufs, reuse=ok)
+
+
+async def recv_packed(
+    ep: Any, total: int, unpacker: Unpacker, pool: StagingPool, landed: Callable[[int], None]
+) -> None:
+    """Receive a packed stream of ``total`` bytes into ``unpacker``'s destinations, and
+    call ``landed(i)`` as soon as block ``i`` is complete (empty blocks at once). Each
+    chunk lands in a buffer leased from ``pool`` while the previous one is copied out
+    (at most PACK_WINDOW). On an error or a cancellation the receives still posted are
+    cancelled and settled, then it is raised (the caller aborts the endpoint)."""
+    for i in unpacker.begin():
+        landed(i)
+    sizes = chunk_sizes(total)
+    if not sizes:
+        return
+    bufs = await pool.take(min(PACK_WINDOW, len(sizes)))
+    if len(sizes) == 1:  # one message: received straight, as any other frame's
+        ok = False
+        try:
+            view = memoryview(bufs[0])[:total]
+            await ep.recv(view)
+            for i in unpacker.feed(view):
+                landed(i)
+            ok = True
+        finally:
+            pool.give(bufs, reuse=ok)
+        return
+    posted: collections.deque[tuple[asyncio.Future[Any], memoryview, mmap.mmap]]
+    posted = collections.deque()
+    nxt = 0
+
+    def post(buf: mmap.mmap) -> None:
+        nonlocal nxt
+        view = memoryview(buf)[: sizes[nxt]]
+        nxt += 1
+        posted.append((asyncio.ensure_future(ep.recv(view)), view, buf))
+
+    ok = False
+    try:
+        for buf in bufs:
+            post(buf)
+        while posted:
+            fut, view, buf = posted[0]
+            await fut
+            posted.popleft()
+            for i in unpacker.feed(view):
+                landed(i)
+            if nxt < len(sizes):
+                post(buf)  # copied out: the next chunk may land in it
+        ok = True
+    finally:
+        if not ok:
+            for t, _, _ in posted:
+                t.cancel()
+            await asyncio.gather(*(t for t, _, _ in posted), return_exceptions=True)
+        pool.give(bufs, reuse=ok)
+
+
 def _raise_first(results: Sequence[object]) -> None:
     for r in results:
         if isinstance(r, BaseException):
@@ -330,38 +455,47 @@ class UcxConnection:
     :class:`~kvstore_client.transport.tcp.TcpConnection`'s methods of the same names.
     """
 
-    def __init__(self, ep: Any) -> None:
+    def __init__(self, ep: Any, staging: StagingPool) -> None:
         self.ep = ep
         self._req = 0
         self._scratch = bytearray(0)
-        self._stage = Staging()
+        self._staging = staging
 
     @classmethod
     async def open(
-        cls, rt: UcxRuntime, host: str, port: int, timeout: float, token: str = ""
+        cls,
+        rt: UcxRuntime,
+        host: str,
+        port: int,
+        timeout: float,
+        token: str = "",
+        identity: bytes = b"",
     ) -> UcxConnection:
         """Connect (name lookup included) within ``timeout``, then authenticate with
-        ``token`` when given; OSError/TimeoutError/UCX errors on failure, the worker's
-        error (Unauthenticated) when it refuses the token."""
+        ``token`` and ``identity`` when given (AUTH, wire.FLAG_IDENTITY with an
+        identity); OSError/TimeoutError/UCX errors on failure, the worker's error
+        (Unauthenticated) when it refuses the token."""
         loop = asyncio.get_running_loop()
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         addr = str(infos[0][4][0])
         ep = await asyncio.wait_for(
             rt.ucxx.create_endpoint(addr, port, connect_timeout=timeout), timeout
         )
-        conn = cls(ep)
-        if token:
+        conn = cls(ep, rt.staging)
+        if token or identity:
             try:
-                await asyncio.wait_for(conn._auth(token), timeout)
+                await asyncio.wait_for(conn._auth(token, identity), timeout)
             except BaseException:
                 conn.abort()
                 raise
         return conn
 
-    async def _auth(self, token: str) -> None:
-        raw = token.encode()
+    async def _auth(self, token: str, identity: bytes) -> None:
+        """AUTH: the token, and with FLAG_IDENTITY the client's identity before it."""
+        raw = identity + token.encode()
+        flags = wire.FLAG_IDENTITY if identity else 0
         self._req += 1
-        head = wire.HEADER.pack(wire.REQ_MAGIC, wire.OP_AUTH, 0, 0, len(raw), self._req)
+        head = wire.HEADER.pack(wire.REQ_MAGIC, wire.OP_AUTH, flags, 0, len(raw), self._req)
         await self._exchange(wire.OP_AUTH, [head, raw])
 
     @property
@@ -379,12 +513,21 @@ class UcxConnection:
             self._scratch = bytearray(size)
         return memoryview(self._scratch)[:size]
 
-    async def _exchange(self, op: int, parts: Sequence[Buffer]) -> wire.Header:
-        """Send a request's messages and receive its answer header (posted first, so an
+    async def _exchange(
+        self,
+        op: int,
+        parts: Sequence[Buffer],
+        packed: tuple[Sequence[Buffer], int] | None = None,
+    ) -> wire.Header:
+        """Send a request's messages (then, with ``packed``, its payloads and their
+        total as a packed stream) and receive its answer header (posted first, so an
         error the worker answers before closing wins over the failed send it causes)."""
         answer = asyncio.ensure_future(self._answer(op, self._req))
         try:
-            await send_all(self.ep, parts)
+            if packed is None:
+                await send_all(self.ep, parts)
+            else:
+                await send_packed(self.ep, parts, packed[0], packed[1], self._staging)
         except asyncio.CancelledError:
             answer.cancel()
             raise
@@ -432,13 +575,13 @@ class UcxConnection:
         for i, (key, v, c) in enumerate(zip(hashes, values, checksums, strict=True)):
             wire.PUT_ENTRY.pack_into(entries, i * wire.PUT_ENTRY.size, key, wire.block_size(v), c)
         payloads = wire.flat_buffers(values)
-        if packs(payloads):  # many small messages: one copy into one message instead
+        if packs(payloads):  # many small messages: copied into a few big ones instead
             flags = wire.FLAG_PACKED | (session & wire.FLAG_SESSION)
             head = wire.HEADER.pack(
                 wire.REQ_MAGIC, wire.OP_PUT, flags, len(ns), len(hashes), self._req
             )
-            blob = self._stage.pack(payloads)
-            h = await self._exchange(wire.OP_PUT, [head, ns + entries, blob])
+            total = sum(wire.block_size(v) for v in values)
+            h = await self._exchange(wire.OP_PUT, [head, ns + entries], (payloads, total))
         else:
             parts = wire.FLAG_PARTS if _has_parts(values) else 0
             flags = parts | (session & wire.FLAG_SESSION)
@@ -532,29 +675,42 @@ class UcxConnection:
         entries: list[tuple[int, int, int]],
         buffers: Sequence[memoryview | list[memoryview]] | None,
     ) -> GetResult:
-        """The hits of a TAG_PACKED answer: one message, back to back, copied into
-        their buffers (a hit whose size differs from its buffer is dropped)."""
+        """The hits of a TAG_PACKED answer: a packed stream, copied chunk by chunk into
+        their buffers (a hit whose size differs from its buffer is dropped) and each
+        verified there, in the caller's memory, once complete."""
         total = sum(size for status, size, _ in entries if status == wire.GET_HIT)
         if total > wire.MAX_PACKED:
             raise ProtocolError(f"a packed answer of {total} bytes")
-        blob = self._stage.view(total)
-        await recv_all(self.ep, [blob])
         found = [False] * len(entries)
         values: list[bytearray | None] = [None] * len(entries)
-        at = 0
+        dests: list[list[memoryview] | None] = []
+        sizes: list[int] = []
+        checks: list[tuple[int, wire.Block, int] | None] = []  # per hit: (index, block, xxh3)
         for i, (status, size, checksum) in enumerate(entries):
             if status != wire.GET_HIT:
                 continue
-            src, at = blob[at : at + size], at + size
+            sizes.append(size)
             if buffers is None:
-                values[i] = bytearray(src)
+                buf = values[i] = bytearray(size)
+                dests.append([memoryview(buf)])
+                checks.append((i, buf, checksum))
             elif wire.block_size(buffers[i]) != size:
-                continue
+                dests.append(None)  # dropped
+                checks.append(None)
             else:
-                copy_into(buffers[i], src)
-            found[i] = wire.block_checksum(src) == checksum
-            if not found[i]:
-                values[i] = None
+                dest = buffers[i]
+                dests.append([memoryview(p).cast("B") for p in wire.block_parts(dest)])
+                checks.append((i, dest, checksum))
+
+        def landed(k: int) -> None:  # a hit is checked while the next chunks arrive
+            check = checks[k]
+            if check is not None:
+                i, block, checksum = check
+                found[i] = wire.block_checksum(block) == checksum
+                if not found[i]:
+                    values[i] = None
+
+        await recv_packed(self.ep, total, Unpacker(dests, sizes), self._staging, landed)
         return GetResult(found, values, total)
 
     async def exists(self, ns: bytes, hashes: Sequence[bytes]) -> list[bool]:
@@ -588,10 +744,13 @@ class UcxPool(Remote):
     Thread-safe.
     """
 
-    def __init__(self, host: str, port: int, *, max_idle: int = 8, token: str = "") -> None:
+    def __init__(
+        self, host: str, port: int, *, max_idle: int = 8, token: str = "", identity: bytes = b""
+    ) -> None:
         self.host = host
         self.port = port
         self.token = token
+        self.identity = identity  # b"" once a worker that predates identities refused it
         self.max_idle = max_idle
         self._idle: list[UcxConnection] = []  # touched on the runtime's loop only
         self._closed = False
@@ -620,8 +779,7 @@ class UcxPool(Remote):
                 conn = c
         if conn is None:
             try:
-                wait = min(timeout, CONNECT_TIMEOUT)
-                conn = await UcxConnection.open(rt, self.host, self.port, wait, self.token)
+                conn = await self._open(rt, min(timeout, CONNECT_TIMEOUT))
             except KVStoreError as e:
                 if isinstance(e, ProtocolError):
                     raise Unavailable(f"{where}: {e}") from e
@@ -642,6 +800,20 @@ class UcxPool(Remote):
         else:
             conn.abort()
         return result
+
+    async def _open(self, rt: UcxRuntime, wait: float) -> UcxConnection:
+        try:
+            return await UcxConnection.open(
+                rt, self.host, self.port, wait, self.token, self.identity
+            )
+        except Unauthenticated:
+            if not (self.identity and self.token):
+                raise
+        # A worker that predates identities reads the identity as part of the token
+        # (with tenants: unknown). Its endpoints go without one (each its own account).
+        conn = await UcxConnection.open(rt, self.host, self.port, wait, self.token)
+        self.identity = b""
+        return conn
 
     def put(
         self,
@@ -719,11 +891,14 @@ __all__ = [
     "ERROR_MAX",
     "MAX_PART_ENTRIES",
     "PACK_BELOW",
+    "PACK_CHUNK",
+    "PACK_WINDOW",
     "GetResult",
-    "Staging",
+    "StagingPool",
     "UcxConnection",
     "UcxPool",
     "UcxRuntime",
+    "Unpacker",
     "available",
     "copy_into",
     "find_ucx_url",
@@ -733,7 +908,9 @@ __all__ = [
     "read_part_counts",
     "recv_all",
     "recv_blocks",
+    "recv_packed",
     "send_all",
+    "send_packed",
     "slices",
     "split_sizes",
     "ucx_url",

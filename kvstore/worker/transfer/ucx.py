@@ -7,6 +7,12 @@ slot view -> UCX receive -> xxh3 check -> ``finish_many``); GET payloads are sen
 from the zero-copy views ``store.read`` returns and released with ``store.done``
 once UCX reports the sends complete (or the endpoint is aborted).
 
+Packed frames (wire.FLAG_PACKED) are copied through chunk buffers leased per frame from
+one :class:`StagingPool` per server (``staging_bytes``, 64 MiB by default), not per
+endpoint: however many clients read or write packed at once, the worker's staging
+stays within that bound (a frame waits for its first buffer when all are leased), and
+once no packed frame has run for a couple of seconds it gives the memory back.
+
 A malformed frame gets an error answer where one can be framed, then that endpoint
 is closed and counted in ``store.counters.bad_frames``; every other endpoint keeps
 being served. Optional: constructing a server raises Unavailable without ucxx.
@@ -29,12 +35,15 @@ from typing import Any
 from kvstore_client import wire
 from kvstore_client.errors import KVStoreError, ProtocolError, Unavailable
 from kvstore_client.transport.ucx import (
-    Staging,
+    StagingPool,
     UcxRuntime,
+    Unpacker,
     abort,
     recv_all,
     recv_blocks,
+    recv_packed,
     send_all,
+    send_packed,
     slices,
 )
 
@@ -45,6 +54,8 @@ from .frames import UCX_OPS, FrameCore, Peer, PutPlan, Refused, observe_frame, o
 
 _ENDPOINTS = itertools.count(1)  # names budget accounts of connections that gave no identity
 log = logging.getLogger(__name__)
+
+STAGING_BYTES = 64 << 20  # chunk buffers of packed frames, all endpoints together
 
 
 class UcxTransferServer:
@@ -57,6 +68,7 @@ class UcxTransferServer:
     endpoint's first frame must be AUTH with a known token, and a frame for a namespace
     its tenant does not own is answered PERMISSION_DENIED and closes the endpoint. There
     is no TLS and no per-client connection limit (ucxx does not tell the peer's address).
+    ``staging_bytes``: the bound on the chunk buffers of packed frames (all endpoints).
     """
 
     def __init__(
@@ -72,6 +84,7 @@ class UcxTransferServer:
         on_request: Callable[[str, str, float], None] | None = None,
         tenants: Tenants | None = None,
         core: RequestCore | None = None,
+        staging_bytes: int = STAGING_BYTES,
     ) -> None:
         self.store = store
         self.core = own_core(store, core, tenants)
@@ -96,6 +109,7 @@ class UcxTransferServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._scratch = memoryview(bytearray(0))
+        self.staging = StagingPool(staging_bytes)  # used on the UCX loop only
         self._started: asyncio.Event | None = None
         self._listener: Any = None
         try:
@@ -185,19 +199,18 @@ class UcxTransferServer:
         self._eps[ep] = False
         # Budget per endpoint (an account of its own until AUTH names the client).
         p = self.frames.peer(f"ucx:{next(_ENDPOINTS)}")
-        stage = Staging()  # this endpoint's packed payloads (wire.FLAG_PACKED)
         try:
             assert self._started is not None
             await self._started.wait()
             if self.tenants is not None:  # AUTH within frame_timeout
                 head = bytearray(wire.HEADER_LEN)
                 await asyncio.wait_for(ep.recv(head), self.frame_timeout)
-                await asyncio.wait_for(self._frame(ep, p, stage, head), self.frame_timeout)
+                await asyncio.wait_for(self._frame(ep, p, head), self.frame_timeout)
             while not self._stopping:
                 head = bytearray(wire.HEADER_LEN)
                 await asyncio.wait_for(ep.recv(head), self.idle_timeout)
                 self._eps[ep] = True
-                await asyncio.wait_for(self._frame(ep, p, stage, head), self.frame_timeout)
+                await asyncio.wait_for(self._frame(ep, p, head), self.frame_timeout)
                 self._eps[ep] = False
         except ProtocolError as e:
             self.store.counters.bad_frames += 1
@@ -219,7 +232,7 @@ class UcxTransferServer:
             p.holder.close()
             abort(ep)
 
-    async def _frame(self, ep: Any, p: Peer, stage: Staging, head: bytearray) -> None:
+    async def _frame(self, ep: Any, p: Peer, head: bytearray) -> None:
         """Serve one frame whose header was read (checks in the frame core's order)."""
         h = self.frames.header(p, head)
         if h.op == wire.OP_AUTH:
@@ -239,9 +252,9 @@ class UcxTransferServer:
                 await recv_all(ep, [table])
                 parts = self.frames.part_sizes(counts, table)
             if h.op == wire.OP_PUT:
-                await self._put(ep, p, stage, h, ns, rest, parts)
+                await self._put(ep, p, h, ns, rest, parts)
             elif h.op == wire.OP_GET:
-                await self._get(ep, stage, h, ns, rest, parts)
+                await self._get(ep, h, ns, rest, parts)
             elif h.op == wire.OP_EXISTS:
                 await send_all(ep, self.frames.exists(h, ns, rest))
             else:  # OP_REMOVE
@@ -258,7 +271,6 @@ class UcxTransferServer:
         self,
         ep: Any,
         p: Peer,
-        stage: Staging,
         h: wire.Header,
         ns: str,
         raw: memoryview,
@@ -266,10 +278,11 @@ class UcxTransferServer:
     ) -> None:
         """PUT; with ``parts`` (per block its part sizes, adding up to its size) each
         block arrives as one message per part, landing in consecutive slot slices;
-        packed (wire.FLAG_PACKED), every block in one message, copied into the slots."""
+        packed (wire.FLAG_PACKED), the blocks as one stream of chunks, copied into the
+        slots."""
         plan = self.frames.put_plan(p, h, ns, raw, parts)
         if h.flags_or_code & wire.FLAG_PACKED:
-            await self._put_packed(ep, stage, plan)
+            await self._put_packed(ep, plan)
             return
         try:
             # The whole frame lands at once (UCX tag messages): it reserves within the
@@ -300,20 +313,21 @@ class UcxTransferServer:
         self._count("rx", plan.total)
         await send_all(ep, plan.answer())
 
-    async def _put_packed(self, ep: Any, stage: Staging, plan: PutPlan) -> None:
+    async def _put_packed(self, ep: Any, plan: PutPlan) -> None:
         try:
             slots = plan.reserve(len(plan.entries))
-            blob = stage.view(sum(plan.sizes))
-            await recv_all(ep, [blob])
-            at = 0
-            for i, (slot, size) in enumerate(zip(slots, plan.sizes, strict=True)):
+
+            def landed(i: int) -> None:  # checked while the next chunks arrive
+                slot = slots[i]
                 if slot is not None:  # a refused block's bytes are skipped
-                    slot[:] = blob[at : at + size]
                     plan.landed(i, slot)
-                at += size
+
+            dests = [[slot] if slot is not None else None for slot in slots]
+            unpacker = Unpacker(dests, plan.sizes)
+            await recv_packed(ep, sum(plan.sizes), unpacker, self.staging, landed)
             plan.finish()
         except BaseException:
-            abort(ep)  # the packed message may still be landing in the staging area
+            abort(ep)  # chunks may still be landing in the staging buffers
             plan.abort()
             raise
         self._count("rx", plan.total)
@@ -322,7 +336,6 @@ class UcxTransferServer:
     async def _get(
         self,
         ep: Any,
-        stage: Staging,
         h: wire.Header,
         ns: str,
         raw: memoryview,
@@ -330,13 +343,14 @@ class UcxTransferServer:
     ) -> None:
         """GET; with ``parts`` (the reader's part sizes per block) a hit whose size is
         their sum goes out as one message per part, any other hit as one message; a
-        packed answer (the frame core's decision) sends the hits as one message."""
+        packed answer (the frame core's decision) sends the hits as one stream of chunks."""
         answer = self.frames.get_answer(h, ns, raw, parts)
         try:
             buffers = answer.buffers
             if answer.packed:
-                buffers = [*buffers[:2], stage.pack(buffers[2:])]
-            await send_all(ep, buffers)
+                await send_packed(ep, buffers[:2], buffers[2:], answer.nbytes, self.staging)
+            else:
+                await send_all(ep, buffers)
         except BaseException:
             abort(ep)  # no send may still read the views once they are released
             raise
