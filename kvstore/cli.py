@@ -35,6 +35,7 @@ from .config import (
     format_size,
     load_config,
 )
+from .console import make_console
 
 log = logging.getLogger("kvstore.cli")
 
@@ -639,7 +640,6 @@ def _short_endpoints(grpc_addr: str, endpoints: list[str]) -> str:
 def print_status(addr: str, map_version: int, workers: list[dict[str, Any]]) -> None:
     """The status table, made to fit 80 columns: long cells wrap, nothing is cut."""
     from rich import box
-    from rich.console import Console
     from rich.table import Table
 
     if not workers:
@@ -695,7 +695,7 @@ def print_status(addr: str, map_version: int, workers: list[dict[str, Any]]) -> 
             )
             keys = f"{w['keys']} + {w['ssd_keys']}" if w["ssd_capacity_bytes"] else keys
         t.add_row(*cells, keys, f"{w['hits']} / {w['misses']}")
-    Console().print(t)
+    make_console().print(t)
 
 
 @main.command()
