@@ -578,7 +578,7 @@ async def serve(cfg: MasterConfig) -> int:
     With ``cfg.etcd`` it joins the leader election first and raises Unavailable
     when etcd does not answer within 15 s.
     """
-    metrics.enable_master_metrics()
+    metrics.enable_master_metrics(etcd=bool(cfg.etcd))
     check_replicas(cfg.replicas)
     parse_namespace_replicas(cfg.namespace_replicas)  # bad entries fail before binding
     members = Membership(

@@ -168,6 +168,7 @@ class Worker:
                 max_per_client=cfg.max_connections_per_client,
                 on_bytes=lambda t, d, n: metrics.TRANSFER_BYTES.labels(t, d).inc(n),
                 on_request=metrics.observe_request,
+                on_bad_frame=lambda t: metrics.BAD_FRAMES.labels(t).inc(),
                 core=self.core,
                 ssl_context=(
                     self.tls.server_context(cfg.tls_client_auth) if self.tls.enabled else None
@@ -192,6 +193,7 @@ class Worker:
                     frame_timeout=cfg.frame_timeout,
                     on_bytes=lambda t, d, n: metrics.TRANSFER_BYTES.labels(t, d).inc(n),
                     on_request=metrics.observe_request,
+                    on_bad_frame=lambda t: metrics.BAD_FRAMES.labels(t).inc(),
                     core=self.core,
                 )
                 undo.callback(_quietly, self.ucx.stop, 0)
@@ -230,7 +232,15 @@ class Worker:
                 on_fatal=self._fatal,
                 serving=self._data_plane_serving,
             )
-            metrics.register_collector(self.stats)
+            metrics.enable_worker_metrics(
+                self.stats,
+                transports=[
+                    "tcp",
+                    *(["shm"] if self.share is not None else []),
+                    *(["ucx"] if self.ucx is not None else []),
+                ],
+                tenants=[t.name for t in self.tenants.tenants] if self.tenants else [""],
+            )
         except BaseException:
             undo.close()  # listeners, then the hand-over socket
             self.arena.close()

@@ -70,6 +70,7 @@ class UcxTransferServer:
         frame_timeout: float = 30.0,
         on_bytes: Callable[[str, str, int], None] | None = None,
         on_request: Callable[[str, str, float], None] | None = None,
+        on_bad_frame: Callable[[str], None] | None = None,
         tenants: Tenants | None = None,
         core: RequestCore | None = None,
     ) -> None:
@@ -82,6 +83,7 @@ class UcxTransferServer:
         self.frame_timeout = frame_timeout
         self.on_bytes = on_bytes  # ("ucx", direction, payload bytes)
         self.on_request = on_request  # (op, status code name, seconds) per served frame
+        self.on_bad_frame = on_bad_frame  # (transport) per connection closed for a bad frame
         self.rejected_connections = 0
         self._rt = UcxRuntime.get(server=True)
         if self._rt.mode.startswith("thread"):
@@ -200,13 +202,13 @@ class UcxTransferServer:
                 await asyncio.wait_for(self._frame(ep, p, stage, head), self.frame_timeout)
                 self._eps[ep] = False
         except ProtocolError as e:
-            self.store.counters.bad_frames += 1
+            self._bad_frame()
             log.info("closing ucx endpoint after a bad frame: %s", e)
             if isinstance(e, Refused):
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(send_all(ep, e.answer()), 1.0)
         except self._truncated:
-            self.store.counters.bad_frames += 1  # a message longer than its frame said
+            self._bad_frame()  # a message longer than its frame said
             log.info("closing ucx endpoint after a message longer than announced")
         except (TimeoutError, self._rt.ucx_error, ConnectionError):
             pass  # idle, stalled or gone: just close
@@ -343,6 +345,11 @@ class UcxTransferServer:
         finally:
             answer.close()
         self._count("tx", answer.nbytes)
+
+    def _bad_frame(self) -> None:
+        self.store.counters.bad_frames += 1
+        if self.on_bad_frame is not None:
+            self.on_bad_frame("ucx")
 
     def _count(self, direction: str, n: int) -> None:
         if self.on_bytes is not None and n:
