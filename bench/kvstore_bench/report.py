@@ -4,7 +4,7 @@ Everything a benchmark writes goes under one results directory (``bench/results/
 default, git-ignored), named ``<bench>-<YYYYmmdd-HHMMSS>[-<plot>].{json,png}``.
 matplotlib is imported only when plotting and is optional: without it the tables and
 JSON are still written and a note says the plots were skipped. What only one bench
-prints lives next to it (the replay's in :mod:`kvstore_bench.replayreport`).
+prints lives next to it (the replay's in :mod:`kvstore_bench.replay.report`).
 """
 
 from __future__ import annotations

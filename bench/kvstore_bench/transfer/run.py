@@ -13,7 +13,7 @@ Afterwards it adds workers (and segment hosts) for one aggregate point whose
 batches span 4 of them, and loops ``batch_exists`` of 1,024 hashes.
 
 Each point reports GiB/s (2**30 bytes per second of wall time), that as a
-fraction of the ceilings measured in the same run (:mod:`kvstore_bench.ceilings`,
+fraction of the ceilings measured in the same run (:mod:`kvstore_bench.transfer.ceilings`,
 before and after the sweep, the better of the two),
 batch latency p50/p99, and CPU seconds per GiB moved: this process plus the
 servers' processes (``getrusage`` and /proc/PID/stat), counted only while the
