@@ -74,7 +74,7 @@ CODES = tuple(c.name for c in Code)
 # calls (kvstore.master.server's @observed names).
 WORKER_OPS = (
     "exists", "match_prefix", "put", "get", "remove", "remove_namespace", "stats",
-    "session_hint", "sessions", "shm_get", "shm_reserve", "shm_commit",
+    "session_hint", "sessions", "hand_off", "shm_get", "shm_reserve", "shm_commit",
 )  # fmt: skip
 MASTER_OPS = ("register", "heartbeat", "leave", "get_shard_map", "cluster_status", "drain")
 ETCD_OPS = ("range", "txn", "watch", "lease_grant", "lease_revoke", "lease_ttl", "lease_keepalive")
