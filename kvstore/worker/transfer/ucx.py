@@ -11,9 +11,11 @@ A malformed frame gets an error answer where one can be framed, then that endpoi
 is closed and counted in ``store.counters.bad_frames``; every other endpoint keeps
 being served. Optional: constructing a server raises Unavailable without ucxx.
 
-UCX's listener binds every interface of the host (ucxx takes no bind address): a
-``host`` other than a wildcard is logged as a warning saying so; restrict the
-interfaces UCX uses with ``UCX_NET_DEVICES`` and firewall the port (docs/UCX.md).
+With a ``host`` other than a wildcard the server keeps to that address
+(:mod:`.ucxbind`): UCX's network devices are limited to the host's interface, and an
+endpoint whose connection arrived on another address is closed before any frame is
+read (counted in ``rejected_connections``). UCX's connection manager itself still
+listens on every address (ucxx takes no bind address; docs/UCX.md).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import contextlib
 import gc
 import itertools
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +45,7 @@ from ...auth import Tenants
 from ..requests import RequestCore
 from ..store import BlockStore
 from .frames import UCX_OPS, FrameCore, Peer, PutPlan, Refused, observe_frame, own_core
+from .ucxbind import WILDCARDS, LocalAddress, restrict_devices, same_address
 
 _ENDPOINTS = itertools.count(1)  # names budget accounts of connections that gave no identity
 log = logging.getLogger(__name__)
@@ -85,6 +89,9 @@ class UcxTransferServer:
         self.on_request = on_request  # (op, status code name, seconds) per served frame
         self.on_bad_frame = on_bad_frame  # (transport) per connection closed for a bad frame
         self.rejected_connections = 0
+        self.host = host
+        self.device = restrict_devices(host)  # before UCX starts in this process
+        self._local = LocalAddress() if host not in WILDCARDS else None
         self._rt = UcxRuntime.get(server=True)
         if self._rt.mode.startswith("thread"):
             log.warning(
@@ -104,12 +111,13 @@ class UcxTransferServer:
             self.port: int = self._rt.run(self._listen(port), 30.0)
         except Exception as e:  # port in use, no usable interface, ...
             raise Unavailable(f"cannot listen for ucx:// on port {port}: {e!r}") from e
-        if host not in ("0.0.0.0", "::", ""):
-            log.warning(
-                "ucx:// listens on port %d of every interface, not only %s (ucxx takes no "
-                "bind address): restrict it with UCX_NET_DEVICES and a firewall (docs/UCX.md)",
+        if host not in WILDCARDS:
+            log.info(
+                "ucx:// on port %d serves connections to %s only (UCX devices: %s); UCX's "
+                "connection manager listens on every address (docs/UCX.md)",
                 self.port,
                 host,
+                os.environ.get("UCX_NET_DEVICES", "all"),
             )
 
     # ---- lifetime (called from any thread but the UCX loop) ------------------
@@ -184,6 +192,13 @@ class UcxTransferServer:
             self.rejected_connections += 1
             abort(ep)
             return
+        if self._local is not None:
+            got = self._local.of(ep)
+            if got is not None and not same_address(got, self.host):
+                self.rejected_connections += 1
+                log.info("ucx:// endpoint on %s closed: this worker serves %s", got, self.host)
+                abort(ep)
+                return
         self._eps[ep] = False
         # Budget per endpoint (an account of its own until AUTH names the client).
         p = self.frames.peer(f"ucx:{next(_ENDPOINTS)}")
