@@ -117,8 +117,14 @@ def test_an_unknown_key_is_named_with_the_nearest_known_one() -> None:
     """Issue 43: a typo names the key and the setting it most likely meant."""
     from kvstore_client.connectors.config import nearest_key
 
-    cases = {"mastr": "master", "lookup_timeout": "lookup_timeout_s", "zero-copy": "zero_copy",
-             "timeout": "timeout_s", "Load_Mode": "load_mode", "stagingmb": "staging_mb"}  # fmt: skip
+    cases = {
+        "mastr": "master",
+        "lookup_timeout": "lookup_timeout_s",
+        "zero-copy": "zero_copy",
+        "timeout": "timeout_s",
+        "Load_Mode": "load_mode",
+        "stagingmb": "staging_mb",
+    }
     known = ConnectorConfig.known_keys()
     for typo, meant in cases.items():
         assert nearest_key(typo, known) == meant, typo
