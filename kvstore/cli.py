@@ -35,6 +35,7 @@ from .config import (
     format_size,
     load_config,
 )
+from .console import make_console
 
 log = logging.getLogger("kvstore.cli")
 
@@ -522,52 +523,70 @@ def status(master: str, as_json: bool, timeout: float, sessions: bool, top: int)
     --sessions: the top agent sessions, merged over workers, and session counters)."""
     import grpc
 
-    from kvstore_client.proto import master_pb2, master_pb2_grpc
-    from kvstore_client.routing import parse_masters
-    from kvstore_client.security import Tls, metadata, open_channel
+    from . import admin
 
+    addr = _master_address(master)
     try:
-        addr = parse_masters(master)[0]
-    except KVStoreError as e:
-        raise ConfigError(f"--master {master!r}: {e}") from e
-    try:
-        with open_channel(addr, Tls.from_env()) as ch:
-            st = master_pb2_grpc.MasterStub(ch).ClusterStatus(
-                master_pb2.ClusterStatusRequest(),
-                timeout=timeout,
-                metadata=metadata(os.environ.get("KVSTORE_TOKEN")),
-            )
+        map_version, workers = admin.status(addr, timeout)
     except grpc.RpcError as e:
         raise click.ClickException(f"master {addr}: {_rpc_text(e)}") from None
-    workers: list[dict[str, Any]] = [
-        {
-            "id": w.info.id,
-            "grpc": w.info.grpc,
-            "endpoints": list(w.info.endpoints),
-            "capacity_bytes": w.info.capacity_bytes,
-            "used_bytes": w.stats.used_bytes,
-            "keys": w.stats.keys,
-            "ssd_capacity_bytes": w.stats.ssd_capacity_bytes,
-            "ssd_used_bytes": w.stats.ssd_used_bytes,
-            "ssd_keys": w.stats.ssd_keys,
-            "hits": w.stats.hits,
-            "misses": w.stats.misses,
-            "evictions": w.stats.evictions,
-            "last_heartbeat_age_s": round(w.last_heartbeat_age_s, 3),
-        }
-        for w in st.workers
-    ]
     if sessions:
-        _print_sessions([w.info.grpc for w in st.workers], as_json, timeout, top)
+        _print_sessions([str(w["grpc"]) for w in workers], as_json, timeout, top)
         return
     if as_json:
         click.echo(
-            json.dumps(
-                {"master": addr, "map_version": st.map_version, "workers": workers}, indent=2
-            )
+            json.dumps({"master": addr, "map_version": map_version, "workers": workers}, indent=2)
         )
         return
-    print_status(addr, st.map_version, workers)
+    print_status(addr, map_version, workers)
+
+
+def _master_address(master: str) -> str:
+    """The first address of a --master list; a one-line error when malformed."""
+    from kvstore_client.routing import parse_masters
+
+    try:
+        return parse_masters(master)[0]
+    except KVStoreError as e:
+        raise ConfigError(f"--master {master!r}: {e}") from e
+
+
+@main.command()
+@click.argument("worker_id")
+@click.option("--master", envvar="KVSTORE_MASTER", default="127.0.0.1:7700", show_default=True)
+@click.option(
+    "--timeout",
+    default="60s",
+    show_default=True,
+    help="Bound on the hand-off of the worker's blocks (at most 1h).",
+)
+def drain(worker_id: str, master: str, timeout: str) -> None:
+    """Drain WORKER_ID for maintenance without stopping it: it leaves the map at once
+    (clients route its keys to their next owners), then hands its DRAM blocks, most
+    recently used first, to those owners. It keeps running, out of the map, until it is
+    stopped or restarted."""
+    import grpc
+
+    from . import admin
+    from .config import parse_duration
+
+    addr = _master_address(master)
+    try:
+        seconds = parse_duration(timeout)
+    except KVStoreError as e:
+        raise ConfigError(f"--timeout {timeout!r}: {e}") from e
+    if not 0 < seconds <= 3600:
+        raise ConfigError(f"--timeout {timeout!r}: want more than 0s and at most 1h")
+    try:
+        r = admin.drain(addr, worker_id, seconds)
+    except grpc.RpcError as e:
+        raise click.ClickException(f"drain {worker_id}: {_rpc_text(e)}") from None
+    click.echo(
+        f"worker {r.worker_id} left the map (version {r.map_version}); "
+        f"{r.moved_blocks} blocks ({format_size(float(r.moved_bytes))}) moved to their next "
+        f"owners, {r.kept_blocks} kept, in {r.seconds:.2f}s. It keeps running out of the map "
+        "until it is stopped."
+    )
 
 
 def _print_sessions(addrs: list[str], as_json: bool, timeout: float, top: int) -> None:
@@ -639,7 +658,6 @@ def _short_endpoints(grpc_addr: str, endpoints: list[str]) -> str:
 def print_status(addr: str, map_version: int, workers: list[dict[str, Any]]) -> None:
     """The status table, made to fit 80 columns: long cells wrap, nothing is cut."""
     from rich import box
-    from rich.console import Console
     from rich.table import Table
 
     if not workers:
@@ -681,7 +699,7 @@ def print_status(addr: str, map_version: int, workers: list[dict[str, Any]]) -> 
     t.add_column("hits / misses", justify="right", overflow="fold")
     for w in workers:
         cells = [
-            str(w["id"]),
+            str(w["id"]) + ("\n(draining)" if w.get("state") == "draining" else ""),
             f"{w['grpc']}\n{_short_endpoints(str(w['grpc']), list(w['endpoints']))}",
             f"{format_size(float(w['used_bytes']))} / {format_size(float(w['capacity_bytes']))}",
         ]
@@ -695,7 +713,7 @@ def print_status(addr: str, map_version: int, workers: list[dict[str, Any]]) -> 
             )
             keys = f"{w['keys']} + {w['ssd_keys']}" if w["ssd_capacity_bytes"] else keys
         t.add_row(*cells, keys, f"{w['hits']} / {w['misses']}")
-    Console().print(t)
+    make_console().print(t)
 
 
 @main.command()

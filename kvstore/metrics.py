@@ -5,6 +5,14 @@ Names follow Prometheus conventions: the ``kvstore_`` prefix, base units
 fixed value sets (op, code, tier, transport, direction). State that lives in a
 daemon's own bookkeeping (tier bytes, keys) is read at scrape time by a
 collector instead of being mirrored into gauges.
+
+Each daemon exports its own families only (a master no worker metric, a worker no
+master metric): :func:`enable_worker_metrics` and :func:`enable_master_metrics`
+register them. Every label value known at start starts at zero (each op with every
+status code, each transport served both ways, each tenant, each etcd call), so a
+``rate()`` or an alert on it has a series from the first scrape and counts the first
+error too (a series that appears at 1 has no earlier sample to rate against).
+docs/OPERATIONS.md lists the same families, and a test keeps the two equal.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvstore_client import __version__
+from kvstore_client.errors import Code
 
 # No *_created series: they double the series count and dashboards do not use them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -58,35 +67,65 @@ LATENCY = Histogram(
     ["op"],
     buckets=LATENCY_BUCKETS,
 )
+# Every status code a request can end with (the error table's; the master's handlers
+# may also end CANCELLED or UNKNOWN, counted when they happen).
+CODES = tuple(c.name for c in Code)
+# The ops of each daemon: the worker's gRPC Store calls and transfer frames, the master's
+# calls (kvstore.master.server's @observed names).
+WORKER_OPS = (
+    "exists", "match_prefix", "put", "get", "remove", "remove_namespace", "stats",
+    "session_hint", "sessions", "hand_off", "shm_get", "shm_reserve", "shm_commit",
+)  # fmt: skip
+MASTER_OPS = ("register", "heartbeat", "leave", "get_shard_map", "cluster_status", "drain")
+ETCD_OPS = ("range", "txn", "watch", "lease_grant", "lease_revoke", "lease_ttl", "lease_keepalive")
+
+# A worker's own metrics: registered only by workers (enable_worker_metrics).
 TRANSFER_BYTES = Counter(
     "kvstore_transfer_bytes_total",
     "Payload bytes moved on the transfer plane, by transport and direction",
     ["transport", "direction"],
+    registry=None,
 )
 BAD_FRAMES = Counter(
-    "kvstore_bad_frames_total", "Transfer connections closed for a malformed frame", ["transport"]
+    "kvstore_bad_frames_total",
+    "Transfer connections closed for a malformed frame",
+    ["transport"],
+    registry=None,
 )
 SESSION_HIT_RATIO = Histogram(
     "kvstore_session_hit_ratio",
     "Per-session block hit ratio over its active hints, observed when it leaves the table "
     "(one observation per session: no per-session labels)",
     buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0),
+    registry=None,
 )
 TENANT_HIT_BLOCKS = Counter(
     "kvstore_tenant_hit_blocks_total",
     "Blocks found by lookups and inline reads, by tenant ('' without auth)",
     ["tenant"],
+    registry=None,
 )
 TENANT_LOOKUP_BLOCKS = Counter(
     "kvstore_tenant_lookup_blocks_total",
     "Blocks asked about by lookups and inline reads, by tenant ('' without auth)",
     ["tenant"],
+    registry=None,
 )
 TENANT_BYTES = Counter(
     "kvstore_tenant_bytes_total",
     "Inline (gRPC) payload bytes, by tenant and direction (in = put, out = get)",
     ["tenant", "direction"],
+    registry=None,
 )
+_WORKER_METRICS = (
+    TRANSFER_BYTES,
+    BAD_FRAMES,
+    SESSION_HIT_RATIO,
+    TENANT_HIT_BLOCKS,
+    TENANT_LOOKUP_BLOCKS,
+    TENANT_BYTES,
+)
+_worker_enabled = False
 # The master's own metrics: registered only by the master (enable_master_metrics), so
 # workers do not export a misleading kvstore_master_leader 0.
 LIVE_WORKERS = Gauge("kvstore_live_workers", "Workers in the shard map (master)", registry=None)
@@ -111,13 +150,53 @@ _MASTER_METRICS = (LIVE_WORKERS, MAP_VERSION, MASTER_LEADER, LEADER_TERMS, ETCD_
 _master_enabled = False
 
 
-def enable_master_metrics() -> None:
-    """Export the master's metrics from this process (idempotent; the master calls it)."""
+def _start_requests(ops: Iterable[str]) -> None:
+    """Every (op, code) of ``ops`` at zero, and each op's latency histogram."""
+    for op in ops:
+        for code in CODES:
+            REQUESTS.labels(op, code)
+        LATENCY.labels(op)
+
+
+def enable_master_metrics(*, etcd: bool = False) -> None:
+    """Export the master's metrics from this process, its known label values at zero
+    (the etcd calls' errors with ``etcd``). Idempotent; the master calls it."""
     global _master_enabled
     if not _master_enabled:
         for m in _MASTER_METRICS:
             REGISTRY.register(m)
         _master_enabled = True
+    _start_requests(MASTER_OPS)
+    if etcd:
+        for op in ETCD_OPS:
+            ETCD_ERRORS.labels(op)
+
+
+def enable_worker_metrics(
+    read: Callable[[], Any], *, transports: Iterable[str], tenants: Iterable[str]
+) -> None:
+    """Export a worker's metrics from this process: its stats record read at scrape time
+    (``read``, see :class:`StatsCollector`), and its known label values at zero: every
+    op with every code, the ``transports`` it serves both ways, and the ``tenants`` of
+    its tenants file ('' without one). Idempotent for the metric families; the worker
+    calls it once."""
+    global _worker_enabled
+    if not _worker_enabled:
+        for m in _WORKER_METRICS:
+            REGISTRY.register(m)
+        REGISTRY.register(StatsCollector(read))
+        _worker_enabled = True
+    _start_requests(WORKER_OPS)
+    for t in transports:
+        if t != "shm":  # shm:// frames travel on the tcp:// connection: counted as tcp
+            BAD_FRAMES.labels(t)
+        for d in ("rx", "tx"):
+            TRANSFER_BYTES.labels(t, d)
+    for name in tenants:
+        TENANT_HIT_BLOCKS.labels(name)
+        TENANT_LOOKUP_BLOCKS.labels(name)
+        for d in ("in", "out"):
+            TENANT_BYTES.labels(name, d)
 
 
 def observe_session_hit_ratios(ratios: Iterable[float]) -> None:
@@ -227,10 +306,6 @@ class StatsCollector(Collector):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], s.get(key, 0))
             yield c
-
-
-def register_collector(read: Callable[[], Any]) -> None:
-    REGISTRY.register(StatsCollector(read))
 
 
 def serve(port: int, host: str = "0.0.0.0") -> None:

@@ -181,11 +181,56 @@ def ident(m: Manifest) -> str:
 # --------------------------------------------------------------------------- variants
 
 
+# What a default install may ask of a small cluster (a laptop's kind or minikube, one
+# small node): the sum over every pod the chart starts, and no volume claims at all.
+SMALL_CLUSTER = {"cpu": 2.0, "memory_mib": 4096}
+
+
+def quantity(q: object) -> float:
+    """A Kubernetes quantity as a number: CPU cores ("250m" -> 0.25) or MiB of memory."""
+    text = str(q)
+    units = {"m": 1e-3, "Ki": 1 / 1024, "Mi": 1.0, "Gi": 1024.0, "Ti": 1024.0**2,
+             "k": 1e3 / 2**20, "M": 1e6 / 2**20, "G": 1e9 / 2**20}  # fmt: skip
+    for suffix in sorted(units, key=len, reverse=True):
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * units[suffix]
+    return float(text)
+
+
+def requested(ms: list[Manifest]) -> tuple[float, float]:
+    """(CPU cores, MiB) the scheduler must find for every pod of the workloads (a
+    DaemonSet counted once: one node)."""
+    cpu = mem = 0.0
+    for m in ms:
+        if m["kind"] not in ("StatefulSet", "Deployment", "DaemonSet"):
+            continue
+        n = int(m["spec"].get("replicas", 1)) if m["kind"] != "DaemonSet" else 1
+        for c in m["spec"]["template"]["spec"]["containers"]:
+            req = c.get("resources", {}).get("requests", {})
+            cpu += n * quantity(req.get("cpu", 0))
+            mem += n * quantity(req.get("memory", "0Mi"))
+    return cpu, mem
+
+
 def expect_default(ms: list[Manifest]) -> list[str]:
+    """A default install schedules on a small cluster: no volume claims, and all its pods
+    together within SMALL_CLUSTER (before, each worker claimed a 110 GiB volume and
+    asked for 6 GiB of memory: a default install stayed Pending on a small cluster)."""
     problems = []
     (sts,) = find(ms, "StatefulSet", f"{FULLNAME}-worker")
-    if [t["metadata"]["name"] for t in sts["spec"].get("volumeClaimTemplates", [])] != ["data"]:
-        problems.append("worker StatefulSet should claim one PVC named data")
+    if sts["spec"].get("volumeClaimTemplates"):
+        problems.append("a default install should claim no volume (SSD tier off)")
+    if find(ms, "PersistentVolumeClaim"):
+        problems.append("a default install should create no PersistentVolumeClaim")
+    cpu, mem = requested(ms)
+    if cpu > SMALL_CLUSTER["cpu"] or mem > SMALL_CLUSTER["memory_mib"]:
+        problems.append(
+            f"a default install requests {cpu:g} CPU and {mem:g} MiB, over a small "
+            f"cluster's {SMALL_CLUSTER}"
+        )
+    for c in sts["spec"]["template"]["spec"]["containers"]:
+        if any("hugepages" in k or "/" in k for k in c.get("resources", {}).get("requests", {})):
+            problems.append("a default install should request no huge pages or devices")
     args = container(ms, "StatefulSet", f"{FULLNAME}-master")["args"]
     if any(a.startswith("--etcd") for a in args):
         problems.append("a single master should not get --etcd without etcd.endpoints")
@@ -193,6 +238,55 @@ def expect_default(ms: list[Manifest]) -> list[str]:
         problems.append("no master PDB expected without ha.enabled")
     if not find(ms, "PodDisruptionBudget", f"{FULLNAME}-worker"):
         problems.append("worker PDB missing")
+    return problems
+
+
+def expect_production(ms: list[Manifest]) -> list[str]:
+    """values-production.yaml: 4 workers with a 32 GiB arena, a 110 GiB claim each."""
+    problems = []
+    (sts,) = find(ms, "StatefulSet", f"{FULLNAME}-worker")
+    if sts["spec"]["replicas"] != 4:
+        problems.append(f"production workers: replicas {sts['spec']['replicas']}, want 4")
+    claims = {t["metadata"]["name"]: t for t in sts["spec"].get("volumeClaimTemplates", [])}
+    size = claims.get("data", {}).get("spec", {}).get("resources", {}).get("requests", {})
+    if size.get("storage") != "110Gi":
+        problems.append(f"production workers should claim 110Gi for data, got {size}")
+    worker = container(ms, "StatefulSet", f"{FULLNAME}-worker")
+    for flag in ("--dram-size=32GiB", "--ssd-path=/data", "--ssd-size=100GiB"):
+        if flag not in worker["args"]:
+            problems.append(f"production workers should get {flag}")
+    return problems
+
+
+def check_engine_pod_example(docs: Path, ms: list[Manifest], versions: list[str]) -> list[str]:
+    """The engine pod of docs/KUBERNETES.md ("Engine pods on the same node") is a valid
+    Pod that mounts the socket directory the daemonset variant's workers use, at the
+    same path, on the host network, as the workers' uid."""
+    import yaml
+
+    text = docs.read_text()
+    mark = "<!-- engine-pod-example"
+    if mark not in text:
+        return [f"{docs.name}: the engine pod example (marker {mark!r}) is missing"]
+    m = re.search(r"```yaml\n(.*?)\n```", text[text.index(mark) :], re.S)
+    if not m:
+        return [f"{docs.name}: no yaml block after {mark!r}"]
+    pod = yaml.safe_load(m.group(1))
+    problems = validate_kubernetes([pod], versions)
+    spec = pod["spec"]
+    (ds,) = find(ms, "DaemonSet", f"{FULLNAME}-worker")
+    wspec = ds["spec"]["template"]["spec"]
+    (hp,) = [v["hostPath"]["path"] for v in wspec["volumes"] if v["name"] == "handover"]
+    worker = wspec["containers"][0]
+    uid = worker["securityContext"].get("runAsUser") or wspec["securityContext"].get("runAsUser")
+    vols = {v["name"]: v.get("hostPath", {}).get("path") for v in spec.get("volumes", [])}
+    mounts = [mt for c in spec["containers"] for mt in c.get("volumeMounts", [])]
+    if not any(vols.get(mt["name"]) == hp and mt["mountPath"] == hp for mt in mounts):
+        problems.append(f"the engine pod example should mount hostPath {hp} at {hp}")
+    if not spec.get("hostNetwork"):
+        problems.append("the engine pod example needs hostNetwork: true")
+    if spec.get("securityContext", {}).get("runAsUser") != uid:
+        problems.append(f"the engine pod example should run as the workers' uid {uid}")
     return problems
 
 
@@ -229,6 +323,37 @@ def expect_daemonset(ms: list[Manifest]) -> list[str]:
         problems.append("DaemonSet workers should use the node name as their id")
     if not any(c["name"] == "ssd-permissions" for c in spec.get("initContainers", [])):
         problems.append("initPermissions=true should add the ssd-permissions init container")
+    return problems + expect_node_local(ds[0])
+
+
+NODE_LOCAL_DIR = f"/run/kvstore/{NAMESPACE}.{FULLNAME}"
+
+
+def expect_node_local(ds: Manifest) -> list[str]:
+    """nodeLocal: the hand-over socket in a hostPath directory mounted at the same path,
+    handed to the worker's uid with mode 0750 by an init container (engine pods mount
+    it: docs/KUBERNETES.md)."""
+    problems = []
+    spec = ds["spec"]["template"]["spec"]
+    vols = {v["name"]: v for v in spec["volumes"]}
+    hp = vols.get("handover", {}).get("hostPath", {})
+    if hp != {"path": NODE_LOCAL_DIR, "type": "DirectoryOrCreate"}:
+        problems.append(f"nodeLocal: want hostPath {NODE_LOCAL_DIR} DirectoryOrCreate, got {hp}")
+    worker = spec["containers"][0]
+    if f"--shm-dir={NODE_LOCAL_DIR}" not in worker["args"]:
+        problems.append("nodeLocal: the worker should get --shm-dir on the hostPath directory")
+    mounts = {m["name"]: m["mountPath"] for m in worker["volumeMounts"]}
+    if mounts.get("handover") != NODE_LOCAL_DIR:
+        problems.append("nodeLocal: the worker should mount the socket directory at its path")
+    init = {c["name"]: c for c in spec.get("initContainers", [])}.get("socket-permissions")
+    if init is None:
+        problems.append("nodeLocal: the socket-permissions init container is missing")
+    elif "chown 10001:10001" not in " ".join(init["command"]) or "0750" not in " ".join(
+        init["command"]
+    ):
+        problems.append(f"nodeLocal: want chown 10001:10001 and mode 0750, got {init['command']}")
+    if not spec.get("hostNetwork"):
+        problems.append("nodeLocal: the workers need hostNetwork")
     return problems
 
 
@@ -266,13 +391,19 @@ def expect_full(ms: list[Manifest]) -> list[str]:
 VARIANTS: tuple[Variant, ...] = (
     Variant("default", expect=expect_default),
     Variant("ha", files=("values-ha.yaml",), expect=expect_ha),
+    Variant("production", files=("values-production.yaml",), expect=expect_production),
     Variant(
         "daemonset",
         overrides={
             "worker": {
                 "kind": "DaemonSet",
                 "hostNetwork": True,
-                "ssd": {"type": "hostPath", "hostPath": {"initPermissions": True}},
+                "nodeLocal": {"enabled": True},
+                "ssd": {
+                    "enabled": True,
+                    "type": "hostPath",
+                    "hostPath": {"initPermissions": True},
+                },
                 "pdb": {"minAvailable": 1},
                 "nodeSelector": {"kvstore.example.com/cache-node": "true"},
             }
@@ -308,9 +439,10 @@ VARIANTS: tuple[Variant, ...] = (
                 "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "kv"}],
             },
             "worker": {
+                "dram": {"size": "4GiB"},
                 "hugepages": {"enabled": True},
                 "rdma": {"enabled": True},
-                "ssd": {"type": "hostPath"},
+                "ssd": {"enabled": True, "type": "hostPath"},
                 "extraArgs": ["--log-level=debug"],
                 "extraVolumes": [{"name": "certs", "secret": {"secretName": "kv-tls"}}],
                 "extraVolumeMounts": [{"name": "certs", "mountPath": "/etc/kvstore/tls"}],
@@ -357,14 +489,20 @@ REJECTIONS: tuple[Rejection, ...] = (
     Rejection("unknown worker kind", {"worker": {"kind": "Deployment"}}, "/worker/kind"),
     Rejection("ha without etcd", {"ha": {"enabled": True}}, "etcd.endpoints", by="template"),
     Rejection(
+        "node-local socket without a DaemonSet on the host network",
+        {"worker": {"nodeLocal": {"enabled": True}}},
+        "needs worker.kind=DaemonSet and worker.hostNetwork=true",
+        by="template",
+    ),
+    Rejection(
         "DaemonSet with pvc",
-        {"worker": {"kind": "DaemonSet", "ssd": {"type": "pvc"}}},
+        {"worker": {"kind": "DaemonSet", "ssd": {"enabled": True, "type": "pvc"}}},
         "cannot use worker.ssd.type=pvc",
         by="template",
     ),
     Rejection(
         "memory limit below the arena",
-        {"worker": {"resources": {"limits": {"memory": "4Gi"}}}},
+        {"worker": {"dram": {"size": "4GiB"}, "resources": {"limits": {"memory": "4Gi"}}}},
         "must exceed the DRAM arena plus the worker's own memory",
         by="template",
     ),
@@ -586,11 +724,12 @@ def _check_container(
         problems.append(f"{name}: must not be privileged")
     if not sc.get("readOnlyRootFilesystem"):
         problems.append(f"{name}: readOnlyRootFilesystem must be true")
-    if init and c["name"] == "ssd-permissions":
+    root_init = {"ssd-permissions": {"CHOWN"}, "socket-permissions": {"CHOWN", "FOWNER"}}
+    if init and c["name"] in root_init:
         if variant.restricted:
             problems.append(f"{name}: root init container in a restricted variant")
-        if set(caps.get("add", [])) != {"CHOWN"}:
-            problems.append(f"{name}: may add CHOWN only")
+        if set(caps.get("add", [])) != root_init[c["name"]]:
+            problems.append(f"{name}: may add {sorted(root_init[c['name']])} only")
     else:
         if sc.get("runAsNonRoot") is not True or sc.get("runAsUser") == 0:
             problems.append(f"{name}: must run as non-root")
@@ -791,11 +930,19 @@ def run_all(chart_dir: Path = CHART_DIR, versions: list[str] | None = None) -> l
     )
     documented = check_values_documented(chart_dir / "values.yaml")
     documented += check_values_documented(chart_dir / "values-ha.yaml")
-    report.record("values.yaml, values-ha.yaml: every key commented", documented)
+    documented += check_values_documented(chart_dir / "values-production.yaml")
+    report.record("values.yaml, values-ha.yaml, values-production.yaml: every key commented",
+                  documented)  # fmt: skip
     for variant in VARIANTS:
         for title, problems in run_variant(chart_dir, variant, versions).items():
             report.record(title, problems)
     report.record(f"rejections ({len(REJECTIONS)} bad values files)", check_rejections(chart_dir))
+    (daemonset,) = [v for v in VARIANTS if v.name == "daemonset"]
+    manifests, _ = render(chart_dir, daemonset.values(chart_dir))
+    report.record(
+        "docs/KUBERNETES.md: the engine pod example fits the node-local workers",
+        check_engine_pod_example(REPO_ROOT / "docs" / "KUBERNETES.md", manifests, versions),
+    )
     return report.failures
 
 

@@ -25,10 +25,10 @@ from pathlib import Path
 import click
 import grpc
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
 from kvstore.cluster import LocalCluster
+from kvstore.console import make_console
 from kvstore_client import Client
 from kvstore_client.proto import store_pb2, store_pb2_grpc
 from kvstore_client.security import metadata
@@ -201,7 +201,7 @@ def contention_cmd(
     if quick:
         blocks = min(blocks, 16384)
     removal = removal or (4 if quick else 8) * blocks
-    console = Console()
+    console = make_console()
     slot = max(value_size, 64)
     dram = max(256 << 20, (4 * blocks + removal) * slot * 5 // 4)
     results: dict[str, dict[str, float]] = {}

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 else:  # the stubs are generic, the runtime class is not
     Handler = grpc.RpcMethodHandler
 SERVICE = "/kvstore.v1.Master/"
-ADMIN_ONLY = frozenset({"Register", "Heartbeat", "HeartbeatStream", "Leave"})
+ADMIN_ONLY = frozenset({"Register", "Heartbeat", "HeartbeatStream", "Leave", "Drain"})
 ADMIN_READS = frozenset({"ClusterStatus"})
 STREAMING = frozenset({"WatchShardMap", "HeartbeatStream"})  # streamed answers
 STREAMED_REQUESTS = frozenset({"HeartbeatStream"})

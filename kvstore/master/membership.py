@@ -25,7 +25,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvstore_client.errors import Code, InvalidArgument, KVStoreError, ResourceExhausted
+from kvstore_client.errors import (
+    Code,
+    InvalidArgument,
+    KVStoreError,
+    NotFound,
+    ResourceExhausted,
+)
 from kvstore_client.proto import master_pb2
 from kvstore_client.sharding import (
     DEFAULT_VNODES_PER_GIB,
@@ -201,6 +207,19 @@ class Membership:
         if (draining or stats.draining) and not m.draining:
             m.draining = True
             self.version += 1
+        return True
+
+    def drain(self, worker_id: str) -> bool:
+        """An operator's drain (Master.Drain): the worker leaves the map at once and
+        stays a member, draining, as if its heartbeat had said so; True when the map
+        changed. NotFound for a worker that is not a member."""
+        m = self.members.get(worker_id)
+        if m is None:
+            raise NotFound(f"no worker {worker_id[:MAX_ID]!r} in the cluster")
+        if m.draining:
+            return False
+        m.draining = True
+        self.version += 1
         return True
 
     def leave(self, worker_id: str, instance: str, now: float) -> bool:

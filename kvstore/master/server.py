@@ -41,6 +41,7 @@ from .. import metrics
 from ..auth import Tenants
 from ..config import MasterConfig
 from ..errors import InvalidArgument, KVStoreError, to_grpc_code
+from . import drain
 from .guard import TenantGuard
 from .membership import MAX_ID, IdConflict, Membership
 from .probe import address_accepts, address_refuses
@@ -476,12 +477,68 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             map_version=self.published.version,
             workers=[
                 master_pb2.WorkerStatus(
-                    info=mem.info, stats=mem.stats, last_heartbeat_age_s=now - mem.last_seen
+                    info=mem.info,
+                    stats=mem.stats,
+                    last_heartbeat_age_s=now - mem.last_seen,
+                    draining=mem.draining,
                 )
                 for _, mem in sorted(self.m.members.items())
             ],
             master_version=__version__,
             leader=self.is_leader,
+        )
+
+    @observed("drain")
+    async def Drain(
+        self, request: master_pb2.DrainRequest, context: Ctx
+    ) -> master_pb2.DrainResponse:
+        """Take a worker out of the map now, then have it hand its DRAM blocks to their
+        next owners (kvstore.master.drain); see master.proto."""
+        try:
+            timeout = drain.check_timeout(request.timeout_s)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not self.is_leader:
+            return await self._forward(
+                context,
+                lambda s, md: s.Drain(request, timeout=timeout + 2 * drain.SLACK_S, metadata=md),
+            )
+        try:
+            changed = self.m.drain(request.worker_id)
+        except KVStoreError as e:
+            await context.abort(to_grpc_code(e), str(e))
+        if changed:
+            await self._commit(context)
+        version = self.m.version
+        member = self.m.members.get(request.worker_id)
+        if member is None:  # expired while the change was committed
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"worker {request.worker_id!r} left")
+        auth = tuple(
+            (k, v if isinstance(v, str) else v.decode())
+            for k, v in context.invocation_metadata() or ()
+            if k == AUTH_HEADER
+        )
+        try:
+            r = await drain.ask_hand_off(member.info.grpc, self.tls, auth, timeout)
+        except grpc.aio.AioRpcError as e:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                else e.code(),
+                f"worker {request.worker_id!r} left the map (version {version}) but did not "
+                f"hand off its blocks: {e.code().name}: {e.details()}",
+            )
+        log.info(
+            "drained worker %s: %d blocks moved, %d kept, %.2fs",
+            request.worker_id, r.moved_blocks, r.kept_blocks, r.seconds,
+        )  # fmt: skip
+        return master_pb2.DrainResponse(
+            worker_id=request.worker_id,
+            map_version=version,
+            moved_blocks=r.moved_blocks,
+            moved_bytes=r.moved_bytes,
+            kept_blocks=r.kept_blocks,
+            seconds=r.seconds,
         )
 
     # ---- expiry (leader) -------------------------------------------------------
@@ -581,7 +638,7 @@ async def serve(cfg: MasterConfig) -> int:
     With ``cfg.etcd`` it joins the leader election first and raises Unavailable
     when etcd does not answer within 15 s.
     """
-    metrics.enable_master_metrics()
+    metrics.enable_master_metrics(etcd=bool(cfg.etcd))
     check_replicas(cfg.replicas)
     parse_namespace_replicas(cfg.namespace_replicas)  # bad entries fail before binding
     members = Membership(

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore_client import __version__
+from kvstore_client import Client, __version__
 from kvstore_client.proto import master_pb2, store_pb2_grpc
 from kvstore_client.routing import parse_masters
 from kvstore_client.security import Tls
@@ -34,6 +34,7 @@ from ..config import WorkerConfig
 from ..errors import InvalidArgument, RejectUndecodable
 from .arena import Arena
 from .events import SSD, KvEventPublisher
+from .handoff import HandOffResult, hand_off
 from .masterlink import IdInUse, MasterLink
 from .requests import Limits, RequestCore, account
 from .servicer import StoreServicer
@@ -168,6 +169,7 @@ class Worker:
                 max_per_client=cfg.max_connections_per_client,
                 on_bytes=lambda t, d, n: metrics.TRANSFER_BYTES.labels(t, d).inc(n),
                 on_request=metrics.observe_request,
+                on_bad_frame=lambda t: metrics.BAD_FRAMES.labels(t).inc(),
                 core=self.core,
                 ssl_context=(
                     self.tls.server_context(cfg.tls_client_auth) if self.tls.enabled else None
@@ -192,6 +194,7 @@ class Worker:
                     frame_timeout=cfg.frame_timeout,
                     on_bytes=lambda t, d, n: metrics.TRANSFER_BYTES.labels(t, d).inc(n),
                     on_request=metrics.observe_request,
+                    on_bad_frame=lambda t: metrics.BAD_FRAMES.labels(t).inc(),
                     core=self.core,
                 )
                 undo.callback(_quietly, self.ucx.stop, 0)
@@ -213,6 +216,8 @@ class Worker:
                 self.grpc_port = self.grpc_server.add_insecure_port(bind)
             self.id = cfg.id or f"{self.advertise}-{self.grpc_port}"
             self.servicer = StoreServicer(self.store, self.id, self.stats, self.core)
+            self.handed_off = False  # Store.HandOff ran: out of the map until restarted
+            self.servicer.hand_off = self._hand_off
             store_pb2_grpc.add_StoreServicer_to_server(self.servicer, self.grpc_server)
             self.health = health.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
@@ -230,7 +235,15 @@ class Worker:
                 on_fatal=self._fatal,
                 serving=self._data_plane_serving,
             )
-            metrics.register_collector(self.stats)
+            metrics.enable_worker_metrics(
+                self.stats,
+                transports=[
+                    "tcp",
+                    *(["shm"] if self.share is not None else []),
+                    *(["ucx"] if self.ucx is not None else []),
+                ],
+                tenants=[t.name for t in self.tenants.tenants] if self.tenants else [""],
+            )
         except BaseException:
             undo.close()  # listeners, then the hand-over socket
             self.arena.close()
@@ -312,7 +325,20 @@ class Worker:
         self.failed.set()
 
     def _pb_stats(self) -> master_pb2.WorkerStats:
-        return stats_message(self.stats(), master_pb2.WorkerStats, draining=self.servicer.draining)
+        draining = self.servicer.draining or self.handed_off
+        return stats_message(self.stats(), master_pb2.WorkerStats, draining=draining)
+
+    def _hand_off(self, timeout_s: float) -> HandOffResult:
+        """Store.HandOff (Master.Drain): from now on the heartbeats say draining (the
+        worker stays out of the map, also with a master that restarted), and the DRAM
+        blocks go to their next owners."""
+        self.handed_off = True
+        cfg = self.cfg
+
+        def client() -> Client:
+            return Client(cfg.master, timeout=30.0, tls=self.tls, token=cfg.token or None)
+
+        return hand_off(self.store, client, self.id, timeout_s)
 
     # ---- shutdown ------------------------------------------------------------
 

@@ -17,8 +17,9 @@ from kvstore_client.proto import store_pb2, store_pb2_grpc
 
 from .. import metrics
 from ..auth import Tenant, bearer, client_identity
-from ..errors import InvalidArgument, Unavailable, abort, to_grpc_code
+from ..errors import InvalidArgument, PermissionDenied, Unavailable, abort, to_grpc_code
 from . import removal
+from .handoff import HandOffResult
 from .requests import RequestCore
 from .sessions import check_hint
 from .store import BlockStore
@@ -40,6 +41,8 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         self.worker_id = worker_id
         self.draining = False
         self._stats = stats
+        # Store.HandOff: set by the worker (kvstore.worker.handoff); None refuses it
+        self.hand_off: Callable[[float], HandOffResult] | None = None
 
     def _run(self, op: str, context: grpc.ServicerContext, fn: Callable[[Tenant | None], R]) -> R:
         t0 = time.perf_counter()
@@ -154,6 +157,29 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             return stats_message(self._stats(), store_pb2.StatsResponse, worker_id=self.worker_id)
 
         return self._run("stats", context, go)
+
+    def HandOff(
+        self, request: store_pb2.HandOffRequest, context: grpc.ServicerContext
+    ) -> store_pb2.HandOffResponse:
+        """Master.Drain's second step: hand the DRAM blocks to their next owners
+        (kvstore.worker.handoff). Admin tenants only, when there are tenants."""
+
+        def go(tenant: Tenant | None) -> store_pb2.HandOffResponse:
+            if tenant is not None and not tenant.admin:
+                raise PermissionDenied(f"tenant {tenant.name!r} may not drain a worker")
+            if self.hand_off is None:
+                raise Unavailable("this worker cannot hand off its blocks")
+            if not 0 <= request.timeout_s <= 3600:
+                raise InvalidArgument(f"timeout_s {request.timeout_s:g} is not within 0..3600")
+            r = self.hand_off(request.timeout_s)
+            return store_pb2.HandOffResponse(
+                moved_blocks=r.moved_blocks,
+                moved_bytes=r.moved_bytes,
+                kept_blocks=r.kept_blocks,
+                seconds=r.seconds,
+            )
+
+        return self._run("hand_off", context, go)
 
     def SessionHint(
         self, request: store_pb2.SessionHintRequest, context: grpc.ServicerContext

@@ -40,7 +40,9 @@ def test_transfer_measures_the_running_cluster_and_starts_none(
         result["config"]["aggregate_workers"] == 1
     )  # no servers added to a cluster it did not start
     pts = result["points"]
-    assert {(p["op"], p["workers"]) for p in pts} == {("put", 1), ("get", 1)}
+    # the points spread over the running cluster's 2 workers, and say so (issue 43)
+    assert {(p["op"], p["workers"]) for p in pts} == {("put", 2), ("get", 2)}
+    assert all(sorted(p["worker_ids"]) == sorted(cluster.live_worker_ids()) for p in pts)
     assert all(p["gib_s"] > 0 and p["system"] == "kvstore" for p in pts)
     assert any("running cluster at" in n and "this host" in n for n in result["notes"])
     assert cluster.master is not None and cluster.master.proc.poll() is None  # still ours

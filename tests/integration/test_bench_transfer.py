@@ -12,10 +12,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
+from kvstore.cluster import LocalCluster
 from kvstore_bench.peers import PeerUnavailable, mooncake_master_binary
 from kvstore_bench.transfer.run import Plan, Point, evaluate_targets
+from kvstore_client.proto import store_pb2, store_pb2_grpc
+from tests.conftest import MakeCluster
 
 TINY = [
     "--quick",
@@ -103,6 +107,44 @@ def test_quick_kvstore(tmp_path: Path) -> None:
     assert list(tmp_path.glob("transfer-*.png"))
 
 
+def _keys_held(cluster: LocalCluster) -> int:
+    """Keys in every worker's DRAM, asked of each worker (not the master's last heartbeat)."""
+    n = 0
+    for w in cluster.worker_procs:
+        with grpc.insecure_channel(w.ready["grpc"]) as ch:
+            st = store_pb2_grpc.StoreStub(ch).Stats(store_pb2.StatsRequest(), timeout=5)
+        n += st.keys
+    return n
+
+
+def test_running_cluster_names_its_workers_writes_here_and_cleans_up(
+    make_cluster: MakeCluster, tmp_path: Path
+) -> None:
+    """`--master` against a running 2-worker cluster, from a directory of its own and
+    without --out: the results land under that directory (not in the installed
+    package), every point and exists row names both workers, and the cluster holds
+    no key the bench wrote (3,072 were left before: the exists working set)."""
+    cluster = make_cluster(workers=2, dram_size="256MiB")
+    ids = sorted(cluster.live_worker_ids())
+    assert len(ids) == 2
+    before = _keys_held(cluster)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstore", "bench", "transfer", "--master", cluster.address,
+         "--transport", "tcp", "--block-sizes", "4KiB,64KiB", "--batch-sizes", "1,4",
+         "--concurrency", "1", "--total-bytes", "16MiB", "--max-seconds", "0.05"],
+        capture_output=True, text=True, timeout=150, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    files = list((tmp_path / "bench" / "results").glob("transfer-*.json"))
+    assert len(files) == 1, (out.stdout[-2000:], list(tmp_path.rglob("*")))
+    result = json.loads(files[0].read_text())
+    assert result["points"] and result["exists"]
+    for p in [*result["points"], *result["exists"]]:
+        assert p["workers"] == 2 and p["worker_ids"] == ids, p
+    assert any("spreads over its 2 workers" in n for n in result["notes"]), result["notes"]
+    assert _keys_held(cluster) == before == 0
+
+
 def _mooncake_missing() -> str | None:
     """Why Mooncake cannot run here, or None. The library loads in a child process."""
     try:
@@ -175,6 +217,21 @@ def test_targets_and_plan_logic() -> None:
         "get 1 MiB x32 vs bare socket": (0.825, True),
         "get 1 MiB x32 vs tcp://": (1.1, True),
         "put 64 KiB x32 vs tcp://": (0.5, False),
+    }
+    # shm:// (same host) is judged against memcpy, never against the socket.
+    shm = [
+        Point("kvstore", "shm", "get", 1 << 20, 32, 1, 1, 1, 1.0, 4.0, 1, 0, 1, 1, 0, 0, 0),
+        Point("kvstore", "shm", "put", 64 << 10, 32, 1, 1, 1, 1.0, 2.0, 1, 0, 1, 1, 0, 0, 0),
+    ]
+    got = {
+        t["name"]: (round(t["value"], 3), t["met"])
+        for t in evaluate_targets(points + shm, [], 4.0, (3.0, 5.0), 10.0)
+        if t["transport"] == "shm"
+    }
+    assert got == {
+        "get 1 MiB x32 vs Mooncake": (4.0, True),
+        "get 1 MiB x32 vs memcpy": (0.4, False),
+        "put 64 KiB x32 vs memcpy": (0.2, False),
     }
     plan = Plan([4 << 10, 16 << 20], [1, 128], [1, 4], 1 << 30, 1.0, 1 << 30)
     assert plan.combos(4 << 10) == [(1, 1), (1, 4), (128, 1), (128, 4)]

@@ -17,6 +17,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvstore import metrics
 from kvstore.cluster import Daemon, spawn
 from kvstore_client import Client, __version__
 from kvstore_client.proto import store_pb2, store_pb2_grpc
@@ -25,6 +26,7 @@ from tests.helpers import key, value_for
 
 NS = "metrics/bf16/b16/tp0of1"
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kvstore.json"
+OPERATIONS = Path(__file__).resolve().parents[2] / "docs" / "OPERATIONS.md"
 # "tenant": the tenants of the tenants file (a bounded set, like "op").
 ALLOWED_LABELS = {"op", "code", "tier", "transport", "direction", "version", "le", "tenant"}
 
@@ -125,6 +127,15 @@ def test_metrics_after_a_put_get_workload(daemons: list[tuple[Daemon, int]]) -> 
         with pytest.raises(grpc.RpcError):
             stub.Exists(store_pb2.ExistsRequest(namespace=NS, hashes=b"short"), timeout=10)
 
+    # A malformed frame on the transfer port: the connection is closed and counted in
+    # kvstore_bad_frames_total (before, only in the Stats call: the alert had no data).
+    host, port = workers[0][0].ready["tcp"][len("tcp://") :].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sk:
+        sk.sendall(b"\xff" * 64)
+        sk.settimeout(5)
+        while sk.recv(4096):
+            pass
+
     m = scrape(mport)
     assert m.value("kvstore_live_workers") == 2
     assert m.value("kvstore_master_leader") == 1, "alone without etcd: the leader"
@@ -154,6 +165,8 @@ def test_metrics_after_a_put_get_workload(daemons: list[tuple[Daemon, int]]) -> 
     assert w0.value("kvstore_requests_total", op="get", code="OK") >= 1
     assert w0.value("kvstore_requests_total", op="exists", code="INVALID_ARGUMENT") == 1
     assert w0.value("kvstore_request_duration_seconds_bucket", op="get", le="+Inf") >= 1
+    assert w0.value("kvstore_bad_frames_total", transport="tcp") == 1
+    assert ws[1].value("kvstore_bad_frames_total", transport="tcp") == 0
 
     for s in [m, *ws]:
         _check_conventions(s)
@@ -195,8 +208,14 @@ def _check_conventions(s: Scrape) -> None:
         if name.startswith("kvstore_"):
             assert {k for k, _ in labels} <= ALLOWED_LABELS, (name, labels)
             series.setdefault(name, set()).add(labels)
-    for name, sets in series.items():
-        assert len(sets) <= 60, f"{name} has {len(sets)} series: a high-cardinality label?"
+    values: dict[str, set[str]] = {}
+    for sets in series.values():
+        for labels in sets:
+            for k, v in labels:
+                values.setdefault(k, set()).add(v)
+    values.pop("le", None)  # histogram buckets: fixed at definition
+    for k, vs in values.items():
+        assert len(vs) <= 20, f"label {k} takes {len(vs)} values: a high-cardinality label?"
 
 
 def _check_dashboard(exported: set[str]) -> None:
@@ -209,3 +228,114 @@ def _check_dashboard(exported: set[str]) -> None:
     known |= {f"{n}{sfx}" for n in exported for sfx in ("_bucket", "_sum", "_count")}
     missing = sorted(used - known)
     assert not missing, f"the dashboard queries series no daemon exports: {missing}"
+
+
+# ---- a fresh daemon: what docs/OPERATIONS.md lists, known label values at zero ------
+
+
+@dataclass(frozen=True)
+class Documented:
+    type: str
+    labels: frozenset[str]
+    where: str  # all, worker, master
+
+
+def documented_families() -> dict[str, Documented]:
+    """The metrics table of docs/OPERATIONS.md: name -> type, label names, daemon."""
+    out: dict[str, Documented] = {}
+    for line in OPERATIONS.read_text().splitlines():
+        m = re.match(r"\| `(kvstore_[a-z0-9_]+)` \| ([a-z]+)[^|]*\| ([^|]*)\| ([a-z]+) \|", line)
+        if m:
+            labels = frozenset(re.findall(r"`([a-z_]+)`(?: \([^)]*\))?", m.group(3)))
+            out[m.group(1)] = Documented(m.group(2), labels, m.group(4))
+    return out
+
+
+def documented_ops(daemon: str) -> set[str]:
+    """The op label values the docs list for ``daemon`` (a line "<Daemon> operations
+    (`op`): `a`, `b`, ...")."""
+    text = OPERATIONS.read_text().replace("\n", " ")
+    m = re.search(rf"{daemon.capitalize()} operations \(`op`\):([^.]*)\.", text)
+    assert m, f"docs/OPERATIONS.md lists no {daemon} operations"
+    return set(re.findall(r"`([a-z_]+)`", m.group(1)))
+
+
+def exported_families(s: Scrape) -> dict[str, tuple[str, frozenset[str]]]:
+    """kvstore_ families a /metrics page declares: name (counters with _total) ->
+    (type, label names of its samples, le aside)."""
+    out: dict[str, tuple[str, frozenset[str]]] = {}
+    for fam in text_string_to_metric_families(s.text):
+        if not fam.name.startswith("kvstore_"):
+            continue
+        name = fam.name + ("_total" if fam.type == "counter" else "")
+        labels = frozenset(k for x in fam.samples for k in x.labels if k != "le")
+        out[name] = ("gauge" if fam.type in ("info", "gauge") else fam.type, labels)
+    return out
+
+
+@pytest.fixture
+def fresh(tmp_path: Path) -> Iterator[tuple[Scrape, Scrape]]:
+    """A master and a worker that have served nothing yet, scraped once each."""
+    started: list[Daemon] = []
+    try:
+        master, mport = spawn_with_metrics(
+            "master", ["--host", "127.0.0.1", "--port", "0"], tmp_path / "master.log"
+        )
+        started.append(master)
+        worker, wport = spawn_with_metrics(
+            "worker",
+            ["--master", master.address, "--host", "127.0.0.1", "--dram-size", "64MiB"],
+            tmp_path / "worker.log",
+        )
+        started.append(worker)
+        yield scrape(mport), scrape(wport)
+    finally:
+        for d in reversed(started):
+            d.stop()
+
+
+def test_fresh_daemons_export_what_the_docs_list_at_zero(fresh: tuple[Scrape, Scrape]) -> None:
+    """A master and a worker that served nothing export exactly the families
+    docs/OPERATIONS.md lists for them (names, types, label names), and every known
+    label value already has its series at 0: each op with every status code and its
+    latency histogram, the worker's transports both ways, its tenant (''), so rates
+    and alerts on them have data from the first scrape. Before, a fresh worker had no
+    request, transfer or tenant series, and a master exported the worker's session
+    histogram."""
+    m, w = fresh
+    docs = documented_families()
+    assert len(docs) > 25, "the table of docs/OPERATIONS.md was not parsed"
+    for role, page in (("master", m), ("worker", w)):
+        want = {n: (d.type, d.labels) for n, d in docs.items() if d.where in ("all", role)}
+        got = exported_families(page)
+        assert set(got) == set(want), (
+            f"{role}: exported but not in docs/OPERATIONS.md: {sorted(set(got) - set(want))}; "
+            f"documented but not exported: {sorted(set(want) - set(got))}"
+        )
+        for name, (typ, labels) in got.items():
+            assert typ == want[name][0], (role, name, typ, want[name])
+            assert not labels or labels == want[name][1], (role, name, labels, want[name])
+    assert documented_ops("master") == set(metrics.MASTER_OPS)
+    assert documented_ops("worker") == set(metrics.WORKER_OPS)
+    for page, ops in ((m, metrics.MASTER_OPS), (w, metrics.WORKER_OPS)):
+        for op in ops:
+            assert page.value("kvstore_request_duration_seconds_count", op=op) == 0, op
+            for code in metrics.CODES:
+                key = ("kvstore_requests_total", frozenset({("op", op), ("code", code)}))
+                assert page.samples.get(key) == 0, (op, code)
+    for tr in ("tcp", "shm"):
+        for d in ("rx", "tx"):
+            assert (
+                w.samples.get(
+                    (
+                        "kvstore_transfer_bytes_total",
+                        frozenset({("transport", tr), ("direction", d)}),
+                    )
+                )
+                == 0
+            ), (tr, d)
+    assert w.value("kvstore_bad_frames_total", transport="tcp") == 0
+    assert w.value("kvstore_tenant_hit_blocks_total", tenant="") == 0
+    assert w.value("kvstore_tenant_bytes_total", tenant="", direction="in") == 0
+    _check_conventions(m)
+    _check_conventions(w)

@@ -193,3 +193,33 @@ def test_cli_sweep_and_ablation(tmp_path: Path) -> None:
     assert runs["kvstore: one worker at a time"]["hit_rate_tokens"] == base["hit_rate_tokens"]
     dropped = runs["kvstore: drop blocks at pauses"]
     assert dropped["hit_rate_tokens"] < 0.05 and dropped["bytes_loaded"] < base["bytes_loaded"]
+
+
+def _make_run_replay_args() -> list[str]:
+    """The `bench replay` arguments of `make run` (the Makefile's, continuation lines
+    joined), so this test runs what a newcomer runs."""
+    import shlex
+
+    text = (Path(__file__).resolve().parents[2] / "Makefile").read_text().replace("\\\n", " ")
+    line = next(
+        x for x in text.splitlines() if "kvstore" in x and " bench replay " in x and "echo" not in x
+    )
+    args = shlex.split(line.split("bench replay", 1)[1])
+    assert "--quick" in args, line
+    return args
+
+
+def test_make_run_replay_evicts(tmp_path: Path) -> None:
+    """The quick replay of `make run` runs where its cache evicts: an LRU of its size
+    hits clearly less than the ideal cache, so the plot's three lines (the store, the
+    LRU, the ideal) are apart. With the old `--dram-size 1GiB` nothing was evicted and
+    all three were one line at 91%."""
+    args = [*_make_run_replay_args(), "--no-progress", "--out", str(tmp_path)]
+    r = CliRunner().invoke(replay_cmd, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    [js] = list(tmp_path.glob("replay-*.json"))
+    [run] = json.loads(js.read_text())["runs"]
+    s = run["summary"]
+    assert s["content_errors"] == 0
+    assert s["lru_hit_rate_tokens"] < s["ideal_hit_rate_tokens"] - 0.05, s
+    assert s["hit_rate_tokens"] < s["ideal_hit_rate_tokens"] - 0.05, s

@@ -102,3 +102,30 @@ def test_remove_namespace_over_grpc_counts_every_level(secured: LocalCluster) ->
             )
             removed += r.removed
     assert removed == 32
+
+
+def test_drain_is_admin_only_and_works_with_tokens(secured: LocalCluster) -> None:
+    """Master.Drain and the worker's Store.HandOff: a tenant that is not admin gets
+    PERMISSION_DENIED from both; an admin drains (the master passes its token on to
+    the worker, whose hand-off client uses the worker's own token)."""
+    wids = [w.ready["id"] for w in secured.worker_procs]
+    with grpc.insecure_channel(secured.worker_procs[0].ready["grpc"]) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            store_pb2_grpc.StoreStub(ch).HandOff(
+                store_pb2.HandOffRequest(), timeout=5, metadata=bearer("token-a")
+            )
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with Client(secured.address, token="token-a") as c:
+        fill(c, ["t"])
+    with grpc.insecure_channel(secured.address) as ch:
+        stub = master_pb2_grpc.MasterStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Drain(master_pb2.DrainRequest(worker_id=wids[0]), timeout=30,
+                       metadata=bearer("token-a"))  # fmt: skip
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        r = stub.Drain(master_pb2.DrainRequest(worker_id=wids[0], timeout_s=30), timeout=60,
+                       metadata=bearer("token-ops"))  # fmt: skip
+    assert r.kept_blocks == 0
+    with Client(secured.address, token="token-a") as c:
+        assert [w.id for w in c.workers()] == [wids[1]]
+        assert present(c, "t") == 16

@@ -111,3 +111,26 @@ def test_switches_refuse_words_they_do_not_know() -> None:
 def test_a_sessions_last_turn_is_not_saved_unless_asked() -> None:
     assert ConnectorConfig.from_dict({"master": "h:1"}).save_ended is False
     assert ConnectorConfig.from_dict({"master": "h:1", "save_ended": "on"}).save_ended is True
+
+
+def test_an_unknown_key_is_named_with_the_nearest_known_one() -> None:
+    """Issue 43: a typo names the key and the setting it most likely meant."""
+    from kvstore_client.connectors.config import nearest_key
+
+    cases = {
+        "mastr": "master",
+        "lookup_timeout": "lookup_timeout_s",
+        "zero-copy": "zero_copy",
+        "timeout": "timeout_s",
+        "Load_Mode": "load_mode",
+        "stagingmb": "staging_mb",
+    }
+    known = ConnectorConfig.known_keys()
+    for typo, meant in cases.items():
+        assert nearest_key(typo, known) == meant, typo
+        with pytest.raises(ValueError, match=rf"'{typo}': did you mean '{meant}'\?"):
+            ConnectorConfig.from_dict({"master": "h:1", typo: 1})
+    assert nearest_key("xyzzy", known) is None
+    with pytest.raises(ValueError) as e:
+        ConnectorConfig.from_dict({"master": "h:1", "xyzzy": 1})
+    assert "did you mean" not in str(e.value) and "known:" in str(e.value)

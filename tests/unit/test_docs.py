@@ -47,3 +47,16 @@ def test_relative_links_resolve_inside_the_repository(doc: Path) -> None:
             path = (doc.parent / target.split("#")[0]).resolve()
             assert path.is_relative_to(ROOT), f"{doc.name}:{n}: {target} leaves the repository"
             assert path.exists(), f"{doc.name}:{n}: {target} does not exist"
+
+
+def test_the_readme_names_every_client_dependency() -> None:
+    """The README's install section names each dependency of kvstore-client (an engine's
+    environment gets them all; atomicshm was missing from the list)."""
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "client" / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0].lower() for d in deps["dependencies"]}
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("**`kvstore-client`**") : text.index("**`kvstore-cache`**")]
+    missing = sorted(n for n in names if n not in section.lower())
+    assert not missing, f"README's kvstore-client paragraph does not name: {missing}"

@@ -32,6 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvstore.config import parse_size
+from kvstore.console import make_console
 
 from .. import synth
 from ..traces import load_agentic
@@ -211,7 +212,7 @@ def engine_cmd(
     progress: bool,
 ) -> None:
     """Replay agent sessions on real vLLM engines, per KV backing configuration."""
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     why = preset_unavailable(preset)
     if why:
         raise click.BadParameter(why, param_hint="--model")
@@ -470,7 +471,7 @@ def _print_repeats(groups: list[tuple[str, list[Summary]]]) -> None:
         t.add_column(c, overflow="fold")
     for row in rows:
         t.add_row(*row)
-    Console(width=max(Console().width, 120)).print(t)
+    make_console(min_width=120).print(t)
 
 
 def _print_sweep(console: Console, points: list[Point]) -> None:
@@ -479,7 +480,7 @@ def _print_sweep(console: Console, points: list[Point]) -> None:
         t.add_column(c, overflow="fold")
     for row in sweep_rows(points):
         t.add_row(*row)
-    Console(width=max(Console().width, 200)).print(t)
+    make_console(min_width=200).print(t)
     console.print(
         "  hit rate: prompt tokens the engines took from a cache (their own or the store); "
         "LRU / OPT ref: an offline shared cache of that memory (LRU, Belady), in the order "
@@ -534,7 +535,7 @@ def _print_table(console: Console, summaries: list[Summary]) -> None:
         t.add_column(c, overflow="fold")
     for row in table_rows(summaries):
         t.add_row(*row)
-    Console(width=max(Console().width, 160)).print(t)
+    make_console(min_width=160).print(t)
     for s in summaries:
         if s.ran and s.failed:
             console.print(f"[yellow]{s.name}: {s.failed} requests failed[/]")

@@ -18,7 +18,7 @@ No tokenizer: the bench sends token ids.
   kept at each block boundary where a prefill chunk ends.
 
 Writing a model needs torch and transformers, so it runs in the engine venv:
-``python -m kvstore_bench.engine_models PRESET DIR`` (idempotent).
+``python -m kvstore_bench.engine.models PRESET DIR`` (idempotent).
 """
 
 from __future__ import annotations

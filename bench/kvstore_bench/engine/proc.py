@@ -1,6 +1,6 @@
 """One vLLM engine in its own process for the engine bench (runs in the e2e venv).
 
-``python -m kvstore_bench.engine_proc CONFIG_JSON`` builds ``vllm.LLM`` (in-process
+``python -m kvstore_bench.engine.proc CONFIG_JSON`` builds ``vllm.LLM`` (in-process
 engine core: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), runs one warm-up request, prints
 ``{"event": "ready"}`` and then serves requests concurrently: it reads JSON lines from
 stdin on a thread and steps the engine in its main loop, so several requests batch

@@ -1,9 +1,9 @@
 """Run one configuration of the engine bench: start engines, play the scripts, collect.
 
-:class:`EngineProc` is one engine process (:mod:`kvstore_bench.engine_proc` run by the
+:class:`EngineProc` is one engine process (:mod:`kvstore_bench.engine.proc` run by the
 engine venv's python) with a reader thread that hands each finished request to the
 thread waiting for it. :func:`run_config` starts a configuration's backing
-(:mod:`kvstore_bench.engine_peers`) and ``engines`` fresh engines, plays every script
+(:mod:`kvstore_bench.engine.peers`) and ``engines`` fresh engines, plays every script
 on its own thread (turns in order, pauses between them, sub-agents after their fork
 turn), and returns one :class:`Result` per turn. Everything it started is stopped by pid
 before it returns, also on failure.
@@ -172,7 +172,7 @@ class EngineProc:
         if got is not None and int(got) != self.spec.expect_block_size:
             raise EngineError(
                 f"engine {self.name} resolved {got}-token blocks, the bench counts hits in "
-                f"{self.spec.expect_block_size}-token blocks (engine_models.BLOCK_SIZES)"
+                f"{self.spec.expect_block_size}-token blocks (engine.models.BLOCK_SIZES)"
             )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

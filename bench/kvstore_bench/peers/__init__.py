@@ -8,7 +8,7 @@ what a backend needs on 127.0.0.1 (free ports, logs in a temporary directory), y
 backend and stops every process it started, by pid, even on failure. Keys are 16-byte
 block hashes; ``prefix`` keeps runs apart (the kvstore namespace, a key prefix elsewhere).
 Process helpers shared by every bench are in :mod:`.procs`. The engine bench's backings
-(whole inference engines against each system) are in :mod:`kvstore_bench.engine_peers`.
+(whole inference engines against each system) are in :mod:`kvstore_bench.engine.peers`.
 """
 
 from __future__ import annotations

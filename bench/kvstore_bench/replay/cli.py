@@ -14,9 +14,12 @@ from typing import Any
 import click
 from rich.console import Console
 
+from kvstore.console import make_console
+
 from ..peers import BACKENDS, Backend, ClusterSpec, open_backend, unavailable_reason
-from ..traces import Session
+from ..traces import Request, Session
 from . import report as replayreport
+from .cachesim import distinct_blocks, ideal_hit_rate, lru_hit_rate
 from .run import (
     ReplayConfig,
     ReplayResult,
@@ -29,14 +32,48 @@ from .run import (
 __all__ = ["clear", "replay_cmd"]
 
 # --quick: the first 8 requests of each session (a Mooncake file's first 2000), 512-token
-# blocks of 32 bytes/token (16 KiB), 2 x 32 MiB = 4096 blocks of memory.
+# blocks of 32 bytes/token (16 KiB), and, without --dram-size, DRAM sized by quick_dram so
+# that the run evicts: its figures and plot then tell the store's eviction apart from the
+# ideal (infinite) cache and from an LRU of the same size, which at a size where nothing
+# is evicted are one and the same line.
 _QUICK: dict[str, Any] = {
     "block_tokens": 512,
     "bytes_per_token": 32,
     "max_requests": 8,
     "limit": 2000,
-    "dram_size": "32MiB",
 }
+QUICK_LRU_SHARE = 0.75  # --quick sizes DRAM where an LRU reaches this share of the ideal
+MIN_SLABS = 4  # per worker, whatever the size
+
+
+def lookup_order(sessions: Sequence[Session], at_once: int) -> list[Request]:
+    """The requests about as a replay of ``at_once`` sessions at a time looks them up:
+    sessions in waves of ``at_once``, their requests taken in turn within a wave."""
+    out: list[Request] = []
+    for i in range(0, len(sessions), max(1, at_once)):
+        lists = [[r for x in s.walk() for r in x.requests] for s in sessions[i : i + at_once]]
+        for j in range(max((len(rs) for rs in lists), default=0)):
+            out += [rs[j] for rs in lists if j < len(rs)]
+    return out
+
+
+def quick_dram(requests: Sequence[Request], block_bytes: int, workers: int, slab: int) -> int:
+    """Per-worker DRAM for ``--quick`` without ``--dram-size``: the smallest cache in
+    which an offline LRU, replaying ``requests`` one after the other, reaches
+    :data:`QUICK_LRU_SHARE` of the ideal token hit rate (so the cache is full and
+    evicts), spread over ``workers`` in whole MiB, at least :data:`MIN_SLABS` slabs of
+    ``slab`` bytes each."""
+    goal = QUICK_LRU_SHARE * ideal_hit_rate(requests).token_hit_rate
+    lo, hi = 1, max(1, distinct_blocks(requests))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if lru_hit_rate(requests, mid).token_hit_rate >= goal:
+            hi = mid
+        else:
+            lo = mid + 1
+    mib = 1 << 20
+    share = -(-lo * block_bytes // max(1, workers))
+    return max(MIN_SLABS * slab, -(-share // mib) * mib)
 
 
 def _parse_sessions(text: str) -> list[int]:
@@ -67,7 +104,11 @@ def _parse_sessions(text: str) -> list[int]:
 )
 @click.option("--master", default=None, help="Use a running kvstore cluster (HOST:PORT).")
 @click.option("--workers", type=int, default=2, show_default=True)
-@click.option("--dram-size", default=None, help="Per worker / Mooncake segment [256MiB].")
+@click.option(
+    "--dram-size",
+    default=None,
+    help="Per worker / Mooncake segment [256MiB; --quick: sized to evict, see --help].",
+)
 @click.option("--ssd-size", default=None, help="kvstore workers' SSD tier size (when given).")
 @click.option("--max-value-size", default=None, help="kvstore slab size [16 blocks].")
 @click.option("--sessions", "sessions_text", default="8", show_default=True, help="N or N1,N2,...")
@@ -168,17 +209,17 @@ def replay_cmd(
     skipped, match/load/store latency percentiles, GiB/s, prefill time saved at
     --prefill-tokens-per-s and --model-bytes-per-token, and content errors; writes JSON
     and PNG plots under --out. --quick replays the first 8 requests of each session in
-    512-token blocks of 32 bytes/token on 2 x 32 MiB.
+    512-token blocks of 32 bytes/token, and (without --dram-size) on the smallest DRAM
+    where an offline LRU reaches 75% of the ideal hit rate: a quick run evicts.
     """
     from kvstore.config import parse_size
 
-    console = Console()
+    console = make_console()
     q = _QUICK if quick else {}
     block_tokens = block_tokens or _opt_int(q, "block_tokens", fmt == "agentic")
     bytes_per_token = bytes_per_token or int(q.get("bytes_per_token", 512))
     max_requests = max_requests or _opt_int(q, "max_requests", fmt == "agentic")
     limit = limit or _opt_int(q, "limit", fmt == "mooncake")
-    dram = parse_size(dram_size or str(q.get("dram_size", "256MiB")))
     levels = _parse_sessions(sessions_text)
 
     with tempfile.TemporaryDirectory(prefix="kvbench-synth-") as tmp:
@@ -204,10 +245,17 @@ def replay_cmd(
             f"a block is {bt} tokens x {bytes_per_token} B = {block_bytes} B: "
             "--bytes-per-token must make it a multiple of 64 bytes"
         )
+    slab = parse_size(max_value_size) if max_value_size else 16 * block_bytes
+    if dram_size:
+        dram = parse_size(dram_size)
+    elif quick:
+        dram = quick_dram(lookup_order(sessions, levels[0]), block_bytes, workers, slab)
+    else:
+        dram = parse_size("256MiB")
     spec = ClusterSpec(
         workers=workers,
         dram_bytes=dram,
-        max_value_bytes=parse_size(max_value_size) if max_value_size else 16 * block_bytes,
+        max_value_bytes=slab,
         ssd_size=ssd_size,
         master=master,
         mooncake_lease_ms=mooncake_lease_ms,

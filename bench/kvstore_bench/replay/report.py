@@ -345,6 +345,13 @@ def progress(
         yield tick
 
 
+def nothing_evicted(s: Summary) -> bool:
+    """True when an LRU of the run's capacity hits as often as an infinite cache: at
+    that size nothing is evicted, so the two references are one line."""
+    lru = s["lru_hit_rate_tokens"]
+    return lru is not None and abs(lru - s["ideal_hit_rate_tokens"]) < 1e-9
+
+
 def _replay_plots(
     results: Sequence[ReplayResult], sums: Sequence[Summary], out: Path, st: str, sweep: bool
 ) -> list[Path]:
@@ -358,6 +365,8 @@ def _replay_plots(
         tok = np.cumsum([x.tokens for x in recs])
         hit = np.cumsum([x.hit_tokens for x in recs])
         line = ax.plot([x.end for x in recs], hit / np.maximum(tok, 1), label=s["label"])[0]
+        if nothing_evicted(s):
+            continue  # its LRU line would lie on the ideal's: the ideal's label says so
         if s["lru_hit_rate_tokens"] is not None:
             ax.axhline(
                 s["lru_hit_rate_tokens"],
@@ -369,13 +378,15 @@ def _replay_plots(
                 f"({pct(s['lru_hit_rate_tokens'])})",
             )
     ideal = sums[0]["ideal_hit_rate_tokens"]
+    same = [s["label"] for s in sums if nothing_evicted(s)]
     ax.axhline(
         ideal,
         ls="--",
         color="grey",
         lw=1.0,
         zorder=2,
-        label=f"ideal, infinite cache ({pct(ideal)})",
+        label=f"ideal, infinite cache ({pct(ideal)})"
+        + (f"; = offline LRU of {', '.join(same)}: nothing evicted at its size" if same else ""),
     )
     ax.set(xlabel="replay time (s)", ylabel="cumulative token hit rate", ylim=(0, 1.02))
     ax.set_title("token hit rate over the replay, with the offline references")

@@ -10,7 +10,8 @@ from typing import Any
 
 import click
 import numpy as np
-from rich.console import Console
+
+from kvstore.console import make_console
 
 from .. import report
 from .ring import ring_figures
@@ -217,7 +218,7 @@ def scale_cmd(
     cfg = ScaleConfig(
         workers, watchers, heartbeat_s, steady_s, changes, ring_keys=ring_keys, ha=ha, unary=unary
     )
-    console = Console()
+    console = make_console()
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),

@@ -35,10 +35,10 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
 from kvstore.cluster import LocalCluster
+from kvstore.console import make_console
 
 
 def stand_in_for_vllm(force: bool = False) -> bool:
@@ -240,7 +240,7 @@ def main(dev: str, layers: int, blocks: int, iters: int, staging_mb: int, out_di
     """``kvstore bench transfer --device``: a table and a JSON file."""
     import torch  # type: ignore[import-not-found, unused-ignore]
 
-    console = Console()
+    console = make_console()
     if dev == "cuda" and not torch.cuda.is_available():
         raise SystemExit(
             f"--device cuda: this torch ({torch.__version__}) sees no CUDA device; "

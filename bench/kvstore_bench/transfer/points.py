@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -59,6 +59,7 @@ class Target(Protocol):
     store: str
 
     def pids(self) -> list[int]: ...
+    def workers(self) -> list[str]: ...
     def native(self, raw: Sequence[bytes]) -> list[Any]: ...
     def prepare(self, buf: Buf) -> None: ...
     def release(self, buf: Buf) -> None: ...
@@ -93,6 +94,7 @@ class Point:
     frac_memcpy: float = 0.0
     frac_socket_streams: float = 0.0  # over N bare streams at once, N = workers x concurrency
     cpu_vs_copy_hash: float = 0.0  # cpu_s_per_gib over one bare verified copy's (ceilings)
+    worker_ids: list[str] = field(default_factory=list)  # the servers its batches spread over
 
     @property
     def key(self) -> tuple[str, int, int, int, int]:
@@ -188,11 +190,13 @@ def _raw_keys(n: int) -> list[bytes]:
 
 
 def run_point(
-    t: Target, plan: Plan, op: str, block: int, batch: int, conc: int, workers: int,
+    t: Target, plan: Plan, op: str, block: int, batch: int, conc: int,
     ws: list[bytes] | None = None,
 ) -> Point:  # fmt: skip
     """Measure one point. ``put`` writes fresh keys and removes them after every
-    ``plan.chunk`` bytes (clock stopped); ``get`` reads batches of ``ws``."""
+    ``plan.chunk`` bytes (clock stopped); ``get`` reads batches of ``ws``. The point
+    names the servers the target spreads its batches over (``t.workers()``)."""
+    ids = t.workers()
     chunk = plan.chunk(batch * block * conc)
     put = op == "put"
     bufs = [Buf.make(batch, block, 17 + i) for i in range(conc)]
@@ -236,14 +240,16 @@ def run_point(
                     st[i][1] += batch
                     st[i][3] = n
 
-            with clock.running():
-                _run_threads(conc, body)
+            try:
+                with clock.running():
+                    _run_threads(conc, body)
+            finally:  # what a failed point wrote is removed too
+                for keys in written:
+                    t.remove(keys)
             good += sum(s[0] for s in st)
             tried += sum(s[1] for s in st)
             remaining -= sum(s[1] for s in st) * block
             lats.extend(x for lt in lat_t for x in lt)
-            for keys in written:
-                t.remove(keys)
             for i, s in enumerate(st if not put else []):
                 if s[3] != batch:  # a miss leaves its buffer as it was: check full hits only
                     continue
@@ -257,9 +263,10 @@ def run_point(
     secs = max(clock.wall, 1e-9)
     lat = np.asarray(lats or [0.0]) * 1e3
     return Point(
-        t.system, t.transport, op, block, batch, conc, workers, good * block, secs, gib / secs,
+        t.system, t.transport, op, block, batch, conc, len(ids), good * block, secs, gib / secs,
         len(lats), tried - good, float(np.percentile(lat, 50)), float(np.percentile(lat, 99)),
         clock.client, clock.servers, (clock.client + clock.servers) / gib if gib else 0.0,
+        worker_ids=ids,
     )  # fmt: skip
 
 
@@ -285,9 +292,12 @@ def store_working_set(t: Target, plan: Plan, block: int, need: int) -> list[byte
     return raw
 
 
-def run_exists(t: Target, plan: Plan, workers: int) -> dict[str, Any]:
-    """``batch_exists`` of 1,024 stored hashes in a loop: keys per second."""
-    keys = t.native(store_working_set(t, plan, 4096, EXISTS_KEYS)[:EXISTS_KEYS])
+def run_exists(t: Target, plan: Plan) -> dict[str, Any]:
+    """``batch_exists`` of 1,024 stored hashes in a loop: keys per second. Every key
+    stored for it is removed afterwards (the working set may hold more than 1,024)."""
+    stored = t.native(store_working_set(t, plan, 4096, EXISTS_KEYS))
+    keys = stored[:EXISTS_KEYS]
+    ids = t.workers()
     seconds = max(0.5, min(plan.max_seconds, 2.0))
     calls = found = 0
     t0 = time.perf_counter()
@@ -295,8 +305,8 @@ def run_exists(t: Target, plan: Plan, workers: int) -> dict[str, Any]:
         found += t.exists(keys)
         calls += 1
     dt = time.perf_counter() - t0
-    t.remove(keys)
-    return {"system": t.system, "transport": t.transport, "workers": workers,
+    t.remove(stored)
+    return {"system": t.system, "transport": t.transport, "workers": len(ids), "worker_ids": ids,
             "keys": len(keys), "calls": calls, "seconds": dt,
             "keys_per_s": calls * len(keys) / dt, "us_per_call": dt / calls * 1e6,
             "all_found": found == calls * len(keys)}  # fmt: skip
@@ -328,17 +338,17 @@ class Runner:
         self.progress.advance(self.task)
         self.progress.refresh()
 
-    def point(self, t: Target, op: str, block: int, batch: int, conc: int, workers: int,
+    def point(self, t: Target, op: str, block: int, batch: int, conc: int,
               ws: list[bytes] | None = None) -> None:  # fmt: skip
         self._say(f"{t.system}/{t.transport} {op} {format_size(block)} x{batch} c{conc}")
         if ws is not None and len(ws) < batch:
             self.notes.append(
-                f"{t.system}/{t.transport} {op} {format_size(block)} x{batch} c{conc} w{workers}"
-                f" skipped: only {len(ws)} blocks to read could be stored"
+                f"{t.system}/{t.transport} {op} {format_size(block)} x{batch} c{conc} "
+                f"w{len(t.workers())} skipped: only {len(ws)} blocks to read could be stored"
             )
             self._tick()
             return
-        runs = [run_point(t, self.plan, op, block, batch, conc, workers, ws)
+        runs = [run_point(t, self.plan, op, block, batch, conc, ws)
                 for _ in range(max(1, self.plan.repeat))]  # fmt: skip
         self.points.append(sorted(runs, key=lambda p: p.gib_s)[len(runs) // 2])
         self._tick()
@@ -362,28 +372,28 @@ class Runner:
             combos = self.plan.combos(block)
             for batch, conc in combos:
                 for t in targets:
-                    self.point(t, "put", block, batch, conc, 1)
+                    self.point(t, "put", block, batch, conc)
             if not combos:
                 continue
             sets = self._working_sets(targets, block, max(b * c for b, c in combos))
             for batch, conc in combos:
                 for t in targets:
-                    self.point(t, "get", block, batch, conc, 1, sets[t.store])
+                    self.point(t, "get", block, batch, conc, sets[t.store])
             self._drop(targets, sets)
         for t in targets:
             self._say(f"{t.system}/{t.transport} batch_exists x{EXISTS_KEYS}")
-            self.exists.append(run_exists(t, self.plan, 1))
+            self.exists.append(run_exists(t, self.plan))
             self._tick()
 
     def aggregate(self, targets: list[Target], workers: int) -> None:
         """1 MiB blocks, 32 per worker in one batch, spread over ``workers``; exists."""
         block, batch = 1 << 20, 32 * workers
         for t in targets:
-            self.point(t, "put", block, batch, 1, workers)
+            self.point(t, "put", block, batch, 1)
         sets = self._working_sets(targets, block, batch)
         for t in targets:
-            self.point(t, "get", block, batch, 1, workers, sets[t.store])
+            self.point(t, "get", block, batch, 1, sets[t.store])
         self._drop(targets, sets)
         for t in targets:
-            self.exists.append(run_exists(t, self.plan, workers))
+            self.exists.append(run_exists(t, self.plan))
             self._tick()

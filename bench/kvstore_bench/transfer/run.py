@@ -13,12 +13,14 @@ Afterwards it adds workers (and segment hosts) for one aggregate point whose
 batches span 4 of them, and loops ``batch_exists`` of 1,024 hashes.
 
 Each point reports GiB/s (2**30 bytes per second of wall time), that as a
-fraction of the ceilings measured in the same run (:mod:`kvstore_bench.ceilings`,
+fraction of the ceilings measured in the same run (:mod:`kvstore_bench.transfer.ceilings`,
 before and after the sweep, the better of the two),
 batch latency p50/p99, and CPU seconds per GiB moved: this process plus the
 servers' processes (``getrusage`` and /proc/PID/stat), counted only while the
-point's clock runs. Results go to ``bench/results/transfer-<time>.json`` and
-``.png``; the targets (goals per transport) are checked at the end.
+point's clock runs. Each point names the workers its batches spread over (all of a
+running cluster's with ``--master``). Results go to ``bench/results/transfer-<time>.json``
+and ``.png`` under the current directory; the targets (goals per transport) are checked
+at the end. Everything the bench writes into a cluster is removed before it ends.
 
 Method: puts write fresh random keys; after at most half a worker's DRAM of
 puts the clock stops and the keys are removed, so no system measures its
@@ -41,10 +43,11 @@ from typing import Any
 
 import click
 import numpy as np
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvstore.config import parse_size
+from kvstore.console import make_console
+from kvstore_client import Client
 from kvstore_client.errors import KVStoreError
 
 from ..peers import unavailable_reason
@@ -56,7 +59,7 @@ from .targets import evaluate_targets
 
 __all__ = ["Plan", "Point", "evaluate_targets", "transfer_cmd"]
 
-RESULTS = Path(__file__).resolve().parents[2] / "results"
+RESULTS = "bench/results"  # under the current directory, never inside the installed package
 PEERS = ("mooncake",)
 
 FULL_GRID = {
@@ -90,6 +93,18 @@ def _ceiling_note(master: str) -> str:
         f"running cluster at {master}: the ceilings are measured on {where} "
         "(memcpy on the client; socket streams over loopback)"
     )
+
+
+def _running_workers(master: str) -> int:
+    """The workers in the map of the running cluster at ``master``."""
+    try:
+        with Client(master, timeout=10.0) as c:
+            n = len(c.workers())
+    except KVStoreError as e:
+        raise click.ClickException(f"--master {master}: {e}") from e
+    if n == 0:
+        raise click.ClickException(f"--master {master}: the cluster has no workers")
+    return n
 
 
 def _list(text: str, conv: Callable[[str], int]) -> list[int]:
@@ -145,9 +160,9 @@ def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:
     "--out",
     "out_dir",
     type=click.Path(file_okay=False),
-    default=str(RESULTS),
+    default=RESULTS,
     show_default=True,
-    help="Directory of the JSON and PNG.",
+    help="Directory of the JSON and PNG (relative to the current directory).",
 )
 @click.option("--log-dir", default=None, help="Keep the daemons' logs here.")
 @click.option("--parts", default=None, help="Only the multi-part points: part counts, e.g. 1,8,80.")
@@ -210,11 +225,10 @@ def transfer_cmd(
     )
     kv_transports = _names(transports, TRANSPORTS, "transport")
     vs = _names(peers, PEERS, "peer")
-    console = Console()
-    if not console.is_terminal:
-        console.width = max(console.width, 150)
+    console = make_console()
     started = time.strftime("%Y%m%d-%H%M%S")
     notes: list[str] = []
+    running = 1  # the workers every sweep point spreads over
     if master:
         if plan.aggregate_workers > 1:
             notes.append(
@@ -222,11 +236,19 @@ def transfer_cmd(
                 "only to a cluster it started); worker CPU is not counted"
             )
         plan.aggregate_workers = 1
+        running = _running_workers(master)
         notes.append(_ceiling_note(master))
+        if running != 1:
+            notes.append(
+                f"running cluster at {master}: every point spreads over its {running} "
+                "workers; the targets are set for one worker and are not judged"
+            )
     console.print("measuring the ceilings (bare socket, 1 and N streams; memcpy) ...")
     first = ceilings.measure(quick).to_json()
     socket_runs = _socket_runs(quick)
-    streams = ceilings.client_streams(plan.concurrency, plan.aggregate_workers)
+    streams = ceilings.client_streams(
+        [c * running for c in plan.concurrency], plan.aggregate_workers
+    )
     stream_runs = {n: _socket_runs(quick, streams=n) for n in streams}
     progress = Progress(TextColumn("{task.description:<44}"), BarColumn(),
                         TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
@@ -290,6 +312,7 @@ def transfer_cmd(
             runner.exists,
             ceil["socket_gib_s"],
             (min(socket_runs), max(socket_runs)),
+            ceil["memcpy_gib_s"],
         ),
     }  # fmt: skip
     out = Path(out_dir)

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.console import Console
 
 from kvstore.cluster import LocalCluster
 from kvstore.config import format_size, parse_size
+from kvstore.console import make_console
 from kvstore_client import Client
 from kvstore_client.routing import FRAME_BYTES
 
@@ -221,7 +221,7 @@ def main(
     total: int, dram: str | None, out_dir: str, vs: list[str],
 ) -> None:  # fmt: skip
     """``kvstore bench transfer --parts / --match-prefix``: a table and a JSON file."""
-    console = Console()
+    console = make_console()
     result: dict[str, Any] = {"benchmark": "transfer-samehost", "load": os.getloadavg()}
     if match_prefix:
         lks = result["match_prefix"] = lookup_points(dram or "256MiB")

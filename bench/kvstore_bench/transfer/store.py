@@ -20,6 +20,8 @@ import click
 import numpy as np
 from rich.console import Console
 
+from kvstore.console import make_console
+
 from .. import report
 from ..peers import BACKENDS, Backend, ClusterSpec, open_backend, unavailable_reason
 
@@ -167,7 +169,7 @@ def store_cmd(
     With --tier ssd: the SSD tier against the raw speed of its disk instead."""
     from kvstore.config import parse_size
 
-    console = Console()
+    console = make_console()
     if tier == "ssd" and master:
         raise click.UsageError("--tier ssd measures a worker it starts; drop --master")
     if tier == "ssd":

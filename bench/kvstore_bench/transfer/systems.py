@@ -55,6 +55,11 @@ class KvTarget:
         master = [self.cluster.master] if self.cluster.master else []
         return [d.pid for d in [*master, *self.cluster.worker_procs]]
 
+    def workers(self) -> list[str]:
+        """The ids of the workers in the client's map: a batch spreads over all of them
+        (a running cluster's too, whatever its size)."""
+        return sorted(w.id for w in self.client.workers())
+
     def native(self, raw: Sequence[bytes]) -> list[Any]:
         return list(raw)
 
@@ -92,6 +97,10 @@ class MooncakeTarget:
 
     def pids(self) -> list[int]:
         return self.server.pids
+
+    def workers(self) -> list[str]:
+        """The segment hosts mounted (Mooncake spreads a batch over them)."""
+        return [f"mooncake-segment{i}" for i in range(len(self.server.hosts))]
 
     def native(self, raw: Sequence[bytes]) -> list[Any]:
         return [k.hex() for k in raw]

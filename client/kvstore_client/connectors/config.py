@@ -3,6 +3,7 @@ No engine or torch import."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Collection
 from dataclasses import dataclass, fields
 from typing import Any
@@ -33,6 +34,19 @@ def parse_bool(v: object, key: str = "value") -> bool:
         f"kvstore connector: {key} must be true or false (or {'/'.join(_TRUE)}, "
         f"{'/'.join(_FALSE)}), not {v!r}"
     )
+
+
+def nearest_key(key: object, known: Collection[str]) -> str | None:
+    """The known key a misspelt ``key`` most likely meant (``mastr`` -> ``master``,
+    ``lookup_timeout`` -> ``lookup_timeout_s``), or None when none is close."""
+    text = str(key).strip().lower().replace("-", "_")
+    if text in known:
+        return text
+    near = difflib.get_close_matches(text, list(known), n=1, cutoff=0.6)
+    if near:
+        return near[0]
+    prefixed = [k for k in known if k.startswith(text) or text.startswith(k)]
+    return min(prefixed, key=len) if len(text) >= 4 and prefixed else None
 
 
 @dataclass(slots=True, frozen=True)
@@ -155,8 +169,12 @@ class ConnectorConfig:
         Raises ValueError on a missing master, an unknown key or a bad value."""
         unknown = sorted(set(d) - set(cls.known_keys()) - set(ignore))
         if unknown:
+            guesses = [f"{k!r}: did you mean {near!r}?" for k in unknown
+                       if (near := nearest_key(k, cls.known_keys()))]  # fmt: skip
             raise ValueError(
-                f"kvstore connector: unknown setting(s) {unknown}; known: {cls.known_keys()}"
+                f"kvstore connector: unknown setting(s) {unknown}"
+                + (f" ({'; '.join(guesses)})" if guesses else "")
+                + f"; known: {cls.known_keys()}"
             )
         master = d.get("master") or d.get("kvstore_master")
         if not master:

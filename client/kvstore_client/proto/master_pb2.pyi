@@ -459,7 +459,10 @@ class WorkerStatus(_message.Message):
     INFO_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
     LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
     last_heartbeat_age_s: _builtins.float
+    draining: _builtins.bool
+    """Out of the map (drained, or leaving), as the master holds it now: not a heartbeat late."""
     @_builtins.property
     def info(self) -> Global___WorkerInfo: ...
     @_builtins.property
@@ -470,10 +473,11 @@ class WorkerStatus(_message.Message):
         info: Global___WorkerInfo | None = ...,
         stats: Global___WorkerStats | None = ...,
         last_heartbeat_age_s: _builtins.float = ...,
+        draining: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["info", b"info", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["info", b"info", "last_heartbeat_age_s", b"last_heartbeat_age_s", "stats", b"stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "info", b"info", "last_heartbeat_age_s", b"last_heartbeat_age_s", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -507,3 +511,70 @@ class ClusterStatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClusterStatusResponse: _TypeAlias = ClusterStatusResponse  # noqa: Y015
+
+@_typing.final
+class DrainRequest(_message.Message):
+    """Drain one worker for maintenance without stopping it (admin only with a tenants
+    file): the worker leaves the map at once (clients route its keys to their next
+    owners), then hands its DRAM blocks, hottest first, to those owners (Store.HandOff),
+    within timeout_s (0: 60 s). It stays up, out of the map, until it is stopped (or
+    restarted: it registers again). NOT_FOUND for an unknown worker; UNAVAILABLE when
+    the worker does not answer (it has left the map all the same).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    timeout_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["timeout_s", b"timeout_s", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainRequest: _TypeAlias = DrainRequest  # noqa: Y015
+
+@_typing.final
+class DrainResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    MAP_VERSION_FIELD_NUMBER: _builtins.int
+    MOVED_BLOCKS_FIELD_NUMBER: _builtins.int
+    MOVED_BYTES_FIELD_NUMBER: _builtins.int
+    KEPT_BLOCKS_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    map_version: _builtins.int
+    """the first map without the worker"""
+    moved_blocks: _builtins.int
+    """stored at their next owners (or already there)"""
+    moved_bytes: _builtins.int
+    kept_blocks: _builtins.int
+    """not moved: no owner took them, or the time ran out"""
+    seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        map_version: _builtins.int = ...,
+        moved_blocks: _builtins.int = ...,
+        moved_bytes: _builtins.int = ...,
+        kept_blocks: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kept_blocks", b"kept_blocks", "map_version", b"map_version", "moved_blocks", b"moved_blocks", "moved_bytes", b"moved_bytes", "seconds", b"seconds", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainResponse: _TypeAlias = DrainResponse  # noqa: Y015

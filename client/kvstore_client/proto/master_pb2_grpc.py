@@ -69,6 +69,11 @@ class MasterStub:
                 request_serializer=master__pb2.ClusterStatusRequest.SerializeToString,
                 response_deserializer=master__pb2.ClusterStatusResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvstore.v1.Master/Drain',
+                request_serializer=master__pb2.DrainRequest.SerializeToString,
+                response_deserializer=master__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -118,6 +123,12 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +166,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.ClusterStatus,
                     request_deserializer=master__pb2.ClusterStatusRequest.FromString,
                     response_serializer=master__pb2.ClusterStatusResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=master__pb2.DrainRequest.FromString,
+                    response_serializer=master__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -346,6 +362,33 @@ class Master:
             '/kvstore.v1.Master/ClusterStatus',
             master__pb2.ClusterStatusRequest.SerializeToString,
             master__pb2.ClusterStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Master/Drain',
+            master__pb2.DrainRequest.SerializeToString,
+            master__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

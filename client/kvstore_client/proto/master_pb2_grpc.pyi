@@ -43,6 +43,7 @@ class MasterStub:
     WatchShardMap: _grpc.UnaryStreamMultiCallable[_master_pb2.WatchShardMapRequest, _master_pb2.ShardMap]
     """Sends the current map at once, then every new version."""
     ClusterStatus: _grpc.UnaryUnaryMultiCallable[_master_pb2.ClusterStatusRequest, _master_pb2.ClusterStatusResponse]
+    Drain: _grpc.UnaryUnaryMultiCallable[_master_pb2.DrainRequest, _master_pb2.DrainResponse]
 
 @_typing.type_check_only
 class MasterAsyncStub(MasterStub):
@@ -56,6 +57,7 @@ class MasterAsyncStub(MasterStub):
     WatchShardMap: _aio.UnaryStreamMultiCallable[_master_pb2.WatchShardMapRequest, _master_pb2.ShardMap]  # type: ignore[assignment]
     """Sends the current map at once, then every new version."""
     ClusterStatus: _aio.UnaryUnaryMultiCallable[_master_pb2.ClusterStatusRequest, _master_pb2.ClusterStatusResponse]  # type: ignore[assignment]
+    Drain: _aio.UnaryUnaryMultiCallable[_master_pb2.DrainRequest, _master_pb2.DrainResponse]  # type: ignore[assignment]
 
 class MasterServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -108,5 +110,12 @@ class MasterServicer(metaclass=_abc_1.ABCMeta):
         request: _master_pb2.ClusterStatusRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_master_pb2.ClusterStatusResponse, _abc.Awaitable[_master_pb2.ClusterStatusResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Drain(
+        self,
+        request: _master_pb2.DrainRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_master_pb2.DrainResponse, _abc.Awaitable[_master_pb2.DrainResponse]]: ...
 
 def add_MasterServicer_to_server(servicer: MasterServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -620,3 +620,57 @@ class SessionsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SessionsResponse: _TypeAlias = SessionsResponse  # noqa: Y015
+
+@_typing.final
+class HandOffRequest(_message.Message):
+    """Hand this worker's DRAM blocks, hottest first, to the owners the current map
+    gives them (the map the master published without this worker: Master.Drain asks
+    for it after taking the worker out). Admin only with a tenants file. The worker
+    keeps serving what it holds and reports itself draining from then on.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    timeout_s: _builtins.float
+    """0: 60 s"""
+    def __init__(
+        self,
+        *,
+        timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HandOffRequest: _TypeAlias = HandOffRequest  # noqa: Y015
+
+@_typing.final
+class HandOffResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MOVED_BLOCKS_FIELD_NUMBER: _builtins.int
+    MOVED_BYTES_FIELD_NUMBER: _builtins.int
+    KEPT_BLOCKS_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    moved_blocks: _builtins.int
+    moved_bytes: _builtins.int
+    kept_blocks: _builtins.int
+    seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        moved_blocks: _builtins.int = ...,
+        moved_bytes: _builtins.int = ...,
+        kept_blocks: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kept_blocks", b"kept_blocks", "moved_blocks", b"moved_blocks", "moved_bytes", b"moved_bytes", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HandOffResponse: _TypeAlias = HandOffResponse  # noqa: Y015

@@ -79,6 +79,11 @@ class StoreStub:
                 request_serializer=store__pb2.SessionsRequest.SerializeToString,
                 response_deserializer=store__pb2.SessionsResponse.FromString,
                 _registered_method=True)
+        self.HandOff = channel.unary_unary(
+                '/kvstore.v1.Store/HandOff',
+                request_serializer=store__pb2.HandOffRequest.SerializeToString,
+                response_deserializer=store__pb2.HandOffResponse.FromString,
+                _registered_method=True)
 
 
 class StoreServicer:
@@ -138,6 +143,12 @@ class StoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HandOff(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +196,11 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.Sessions,
                     request_deserializer=store__pb2.SessionsRequest.FromString,
                     response_serializer=store__pb2.SessionsResponse.SerializeToString,
+            ),
+            'HandOff': grpc.unary_unary_rpc_method_handler(
+                    servicer.HandOff,
+                    request_deserializer=store__pb2.HandOffRequest.FromString,
+                    response_serializer=store__pb2.HandOffResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +446,33 @@ class Store:
             '/kvstore.v1.Store/Sessions',
             store__pb2.SessionsRequest.SerializeToString,
             store__pb2.SessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HandOff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Store/HandOff',
+            store__pb2.HandOffRequest.SerializeToString,
+            store__pb2.HandOffResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,6 +44,7 @@ class StoreStub:
     Stats: _grpc.UnaryUnaryMultiCallable[_store_pb2.StatsRequest, _store_pb2.StatsResponse]
     SessionHint: _grpc.UnaryUnaryMultiCallable[_store_pb2.SessionHintRequest, _store_pb2.SessionHintResponse]
     Sessions: _grpc.UnaryUnaryMultiCallable[_store_pb2.SessionsRequest, _store_pb2.SessionsResponse]
+    HandOff: _grpc.UnaryUnaryMultiCallable[_store_pb2.HandOffRequest, _store_pb2.HandOffResponse]
 
 @_typing.type_check_only
 class StoreAsyncStub(StoreStub):
@@ -57,6 +58,7 @@ class StoreAsyncStub(StoreStub):
     Stats: _aio.UnaryUnaryMultiCallable[_store_pb2.StatsRequest, _store_pb2.StatsResponse]  # type: ignore[assignment]
     SessionHint: _aio.UnaryUnaryMultiCallable[_store_pb2.SessionHintRequest, _store_pb2.SessionHintResponse]  # type: ignore[assignment]
     Sessions: _aio.UnaryUnaryMultiCallable[_store_pb2.SessionsRequest, _store_pb2.SessionsResponse]  # type: ignore[assignment]
+    HandOff: _aio.UnaryUnaryMultiCallable[_store_pb2.HandOffRequest, _store_pb2.HandOffResponse]  # type: ignore[assignment]
 
 class StoreServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -121,5 +123,12 @@ class StoreServicer(metaclass=_abc_1.ABCMeta):
         request: _store_pb2.SessionsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_store_pb2.SessionsResponse, _abc.Awaitable[_store_pb2.SessionsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def HandOff(
+        self,
+        request: _store_pb2.HandOffRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.HandOffResponse, _abc.Awaitable[_store_pb2.HandOffResponse]]: ...
 
 def add_StoreServicer_to_server(servicer: StoreServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -124,6 +124,7 @@ class TcpTransferServer:
         max_per_client: int = 256,
         on_bytes: Callable[[str, str, int], None] | None = None,
         on_request: Callable[[str, str, float], None] | None = None,
+        on_bad_frame: Callable[[str], None] | None = None,
         tenants: Tenants | None = None,
         ssl_context: ssl.SSLContext | None = None,
         core: RequestCore | None = None,
@@ -144,6 +145,7 @@ class TcpTransferServer:
         self.frame_timeout = frame_timeout
         self.on_bytes = on_bytes  # (transport, direction, payload bytes)
         self.on_request = on_request  # (op, status code name, seconds) per served frame
+        self.on_bad_frame = on_bad_frame  # (transport) per connection closed for a bad frame
         self._sock = socket.create_server((host, port), backlog=1024, reuse_port=False)
         self.port = self._sock.getsockname()[1]
         self._conns: set[socket.socket] = set()
@@ -261,7 +263,7 @@ class TcpTransferServer:
                     head += wire.recv_exact(conn, wire.HEADER_LEN - len(head))
                 self._frame(st, head)
         except ProtocolError as e:
-            self.store.counters.bad_frames += 1
+            self._bad_frame()
             log.info("closing connection after a bad frame: %s", e)
             if isinstance(e, Refused):
                 with contextlib.suppress(OSError):
@@ -349,6 +351,11 @@ class TcpTransferServer:
                 answer, n = self.shm.put_inbox(st.shm, st.peer.identity, h, ns, body)
                 wire.send_buffers(conn, answer)
                 self._count("shm", "rx", n)
+
+    def _bad_frame(self) -> None:
+        self.store.counters.bad_frames += 1
+        if self.on_bad_frame is not None:
+            self.on_bad_frame("tcp")
 
     def _count(self, transport: str, direction: str, n: int) -> None:
         if self.on_bytes is not None and n:

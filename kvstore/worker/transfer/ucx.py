@@ -17,9 +17,11 @@ A malformed frame gets an error answer where one can be framed, then that endpoi
 is closed and counted in ``store.counters.bad_frames``; every other endpoint keeps
 being served. Optional: constructing a server raises Unavailable without ucxx.
 
-UCX's listener binds every interface of the host (ucxx takes no bind address): a
-``host`` other than a wildcard is logged as a warning saying so; restrict the
-interfaces UCX uses with ``UCX_NET_DEVICES`` and firewall the port (docs/UCX.md).
+With a ``host`` other than a wildcard the server keeps to that address
+(:mod:`.ucxbind`): UCX's network devices are limited to the host's interface, and an
+endpoint whose connection arrived on another address is closed before any frame is
+read (counted in ``rejected_connections``). UCX's connection manager itself still
+listens on every address (ucxx takes no bind address; docs/UCX.md).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import contextlib
 import gc
 import itertools
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +54,7 @@ from ...auth import Tenants
 from ..requests import RequestCore
 from ..store import BlockStore
 from .frames import UCX_OPS, FrameCore, Peer, PutPlan, Refused, observe_frame, own_core
+from .ucxbind import WILDCARDS, LocalAddress, restrict_devices, same_address
 
 _ENDPOINTS = itertools.count(1)  # names budget accounts of connections that gave no identity
 log = logging.getLogger(__name__)
@@ -82,6 +86,7 @@ class UcxTransferServer:
         frame_timeout: float = 30.0,
         on_bytes: Callable[[str, str, int], None] | None = None,
         on_request: Callable[[str, str, float], None] | None = None,
+        on_bad_frame: Callable[[str], None] | None = None,
         tenants: Tenants | None = None,
         core: RequestCore | None = None,
         staging_bytes: int = STAGING_BYTES,
@@ -95,7 +100,11 @@ class UcxTransferServer:
         self.frame_timeout = frame_timeout
         self.on_bytes = on_bytes  # ("ucx", direction, payload bytes)
         self.on_request = on_request  # (op, status code name, seconds) per served frame
+        self.on_bad_frame = on_bad_frame  # (transport) per connection closed for a bad frame
         self.rejected_connections = 0
+        self.host = host
+        self.device = restrict_devices(host)  # before UCX starts in this process
+        self._local = LocalAddress() if host not in WILDCARDS else None
         self._rt = UcxRuntime.get(server=True)
         if self._rt.mode.startswith("thread"):
             log.warning(
@@ -116,12 +125,13 @@ class UcxTransferServer:
             self.port: int = self._rt.run(self._listen(port), 30.0)
         except Exception as e:  # port in use, no usable interface, ...
             raise Unavailable(f"cannot listen for ucx:// on port {port}: {e!r}") from e
-        if host not in ("0.0.0.0", "::", ""):
-            log.warning(
-                "ucx:// listens on port %d of every interface, not only %s (ucxx takes no "
-                "bind address): restrict it with UCX_NET_DEVICES and a firewall (docs/UCX.md)",
+        if host not in WILDCARDS:
+            log.info(
+                "ucx:// on port %d serves connections to %s only (UCX devices: %s); UCX's "
+                "connection manager listens on every address (docs/UCX.md)",
                 self.port,
                 host,
+                os.environ.get("UCX_NET_DEVICES", "all"),
             )
 
     # ---- lifetime (called from any thread but the UCX loop) ------------------
@@ -196,6 +206,13 @@ class UcxTransferServer:
             self.rejected_connections += 1
             abort(ep)
             return
+        if self._local is not None:
+            got = self._local.of(ep)
+            if got is not None and not same_address(got, self.host):
+                self.rejected_connections += 1
+                log.info("ucx:// endpoint on %s closed: this worker serves %s", got, self.host)
+                abort(ep)
+                return
         self._eps[ep] = False
         # Budget per endpoint (an account of its own until AUTH names the client).
         p = self.frames.peer(f"ucx:{next(_ENDPOINTS)}")
@@ -213,13 +230,13 @@ class UcxTransferServer:
                 await asyncio.wait_for(self._frame(ep, p, head), self.frame_timeout)
                 self._eps[ep] = False
         except ProtocolError as e:
-            self.store.counters.bad_frames += 1
+            self._bad_frame()
             log.info("closing ucx endpoint after a bad frame: %s", e)
             if isinstance(e, Refused):
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(send_all(ep, e.answer()), 1.0)
         except self._truncated:
-            self.store.counters.bad_frames += 1  # a message longer than its frame said
+            self._bad_frame()  # a message longer than its frame said
             log.info("closing ucx endpoint after a message longer than announced")
         except (TimeoutError, self._rt.ucx_error, ConnectionError):
             pass  # idle, stalled or gone: just close
@@ -357,6 +374,11 @@ class UcxTransferServer:
         finally:
             answer.close()
         self._count("tx", answer.nbytes)
+
+    def _bad_frame(self) -> None:
+        self.store.counters.bad_frames += 1
+        if self.on_bad_frame is not None:
+            self.on_bad_frame("ucx")
 
     def _count(self, direction: str, n: int) -> None:
         if self.on_bytes is not None and n:

@@ -46,6 +46,7 @@ Context parallelism (DCP / PCP) is refused at start (see docs/CONNECTORS.md).
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from typing import Any
@@ -57,6 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
     SupportsHMA,
 )
 
+from ..config import ConnectorConfig
 from ..stats import Counters, stats_empty
 from .common import (
     KVStoreConnectorMetadata,
@@ -74,8 +76,46 @@ __all__ = [
     "KVStoreConnectorMetadata",
     "KVStoreConnectorStats",
     "KVStoreWorkerMetadata",
+    "check_settings",
     "wait_for_saves",
 ]
+
+
+def check_settings(extra_config: Any) -> ConnectorConfig:
+    """Parse ``kv_connector_extra_config`` as the connector will: a ValueError naming an
+    unknown key and the nearest known one, or a bad value and its key."""
+    if not isinstance(extra_config, dict):
+        raise ValueError(
+            f"kvstore connector: kv_connector_extra_config must be a JSON object, "
+            f"not {type(extra_config).__name__}"
+        )
+    return ConnectorConfig.from_dict(dict(extra_config))
+
+
+def _check_at_config_time() -> None:
+    """Check the settings while vLLM builds its config, seconds into ``vllm serve``.
+
+    The connector itself is made only once the model is loaded and the KV cache sized
+    (tens of seconds later), so a typo in ``kv_connector_extra_config`` used to show
+    only then. vLLM imports this module from ``KVConnectorFactory.get_connector_class``
+    while ``VllmConfig`` is being built (it asks the class whether it supports the
+    hybrid KV cache manager), before any model loading: the calling frames hold that
+    ``kv_transfer_config``. When one of them names this module, its extra config is
+    checked here and a mistake fails the start at once. Nothing is checked (and
+    nothing fails) when the module is imported any other way; the connector checks
+    the same settings again when it is made."""
+    frame = sys._getframe(1)
+    for _ in range(64):
+        if frame is None:
+            return
+        ktc = frame.f_locals.get("kv_transfer_config")
+        if ktc is not None and getattr(ktc, "kv_connector_module_path", None) == __name__:
+            check_settings(getattr(ktc, "kv_connector_extra_config", None) or {})
+            return
+        frame = frame.f_back  # type: ignore[assignment]
+
+
+_check_at_config_time()
 
 # Live worker-side connectors of this process, for wait_for_saves().
 _LIVE: weakref.WeakSet[KVStoreConnector] = weakref.WeakSet()
@@ -283,7 +323,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         """False: nothing happens per layer inside the forward (``save_kv_layer``
         only plans, ``wait_for_layer_load`` has nothing to wait for), and the
         per-step hooks run outside captured graphs, so full CUDA graphs replay
-        safely."""
+        safely. vLLM asks while it builds its config (with CUDA graphs on), so the
+        settings are checked here too: a mistake fails the start at once."""
+        check_settings(extra_config)
         return False
 
     def shutdown(self) -> None:

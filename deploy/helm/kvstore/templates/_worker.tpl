@@ -57,6 +57,12 @@ hard
 {{- end -}}
 {{- end -}}
 
+{{/* Node-local mode: the hand-over socket's directory, on the node and in the pods alike
+(the release's namespace and full name appended, so releases never share one). */}}
+{{- define "kvstore.worker.socketDir" -}}
+{{- printf "%s/%s.%s" (trimSuffix "/" .Values.worker.nodeLocal.hostPath) .Release.Namespace (include "kvstore.fullname" .) -}}
+{{- end -}}
+
 {{- define "kvstore.worker.podTemplate" -}}
 {{- $w := .Values.worker -}}
 metadata:
@@ -104,8 +110,47 @@ spec:
   topologySpreadConstraints:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- if and $w.ssd.enabled (eq $w.ssd.type "hostPath") $w.ssd.hostPath.initPermissions }}
+  {{- $uid := int (.Values.containerSecurityContext.runAsUser | default 10001) }}
+  {{- $gid := int (.Values.containerSecurityContext.runAsGroup | default 10001) }}
+  {{- $ssdInit := and $w.ssd.enabled (eq $w.ssd.type "hostPath") $w.ssd.hostPath.initPermissions }}
+  {{- $sockInit := and $w.nodeLocal.enabled $w.nodeLocal.initPermissions }}
+  {{- if or $ssdInit $sockInit }}
   initContainers:
+  {{- end }}
+  {{- if $sockInit }}
+    {{- /* Root with CAP_CHOWN and CAP_FOWNER only: the socket directory to the worker's
+    uid/gid, mode 0750 (engine pods run as the same uid: docs/KUBERNETES.md). */}}
+    - name: socket-permissions
+      image: {{ include "kvstore.image" . }}
+      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      command:
+        - sh
+        - -c
+        - chown {{ $uid }}:{{ $gid }} "$0" && chmod 0750 "$0"
+        - {{ include "kvstore.worker.socketDir" . }}
+      securityContext:
+        runAsUser: 0
+        runAsGroup: 0
+        runAsNonRoot: false
+        allowPrivilegeEscalation: false
+        privileged: false
+        readOnlyRootFilesystem: true
+        capabilities:
+          drop: ["ALL"]
+          add: ["CHOWN", "FOWNER"]
+        seccompProfile:
+          type: RuntimeDefault
+      resources:
+        requests:
+          cpu: 10m
+          memory: 16Mi
+        limits:
+          memory: 64Mi
+      volumeMounts:
+        - name: handover
+          mountPath: {{ include "kvstore.worker.socketDir" . }}
+  {{- end }}
+  {{- if $ssdInit }}
     {{- /* Root, but with CAP_CHOWN only: hands the hostPath directory to the daemon's user. */}}
     - name: ssd-permissions
       image: {{ include "kvstore.image" . }}
@@ -151,6 +196,9 @@ spec:
         - --tcp-port={{ int $w.ports.tcp }}
         - --metrics-port={{ int .Values.metrics.port }}
         - --dram-size={{ $w.dram.size }}
+        {{- if $w.nodeLocal.enabled }}
+        - --shm-dir={{ include "kvstore.worker.socketDir" . }}
+        {{- end }}
         {{- if $w.hugepages.enabled }}
         - --huge-pages={{ include "kvstore.worker.hugePageFlag" . }}
         {{- end }}
@@ -199,6 +247,10 @@ spec:
           mountPath: /tmp
         - name: dshm
           mountPath: /dev/shm
+        {{- if $w.nodeLocal.enabled }}
+        - name: handover
+          mountPath: {{ include "kvstore.worker.socketDir" . }}
+        {{- end }}
         {{- if $w.ssd.enabled }}
         - name: data
           mountPath: /data
@@ -216,6 +268,13 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: 16Mi
+    {{- if $w.nodeLocal.enabled }}
+    {{- /* Node-local mode: the hand-over socket where engine pods on this node mount it. */}}
+    - name: handover
+      hostPath:
+        path: {{ include "kvstore.worker.socketDir" . }}
+        type: DirectoryOrCreate
+    {{- end }}
     {{- if and $w.ssd.enabled (eq $w.ssd.type "hostPath") }}
     - name: data
       hostPath:
