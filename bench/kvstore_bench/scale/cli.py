@@ -29,7 +29,27 @@ def _rows(runs: list[dict[str, Any]], ring: dict[str, Any]) -> list[list[str]]:
         rows += [
             [f"{m}: workers / watchers", f"{r['map_workers']} / {r['watchers']}", ""],
             [f"{m}: registration of all workers", f(r["register_s"], "{:.2f} s"), ""],
+            [
+                f"{m}: host load average 1 / 5 min (end)",
+                " / ".join(f"{x:.1f}" for x in r.get("load_average", ())[:2]) or "-",
+                "",
+            ],
             [f"{m}: heartbeats/s", f(r["heartbeats_per_s"], "{:.0f}"), ""],
+            [
+                f"{m}: heartbeats served (by the master / sent)",
+                f(100 * r.get("heartbeats_served_ratio", float("nan")), "{:.1f}%"),
+                ">= 95%",
+            ],
+            [
+                f"{m}: heartbeats sent / due at the interval",
+                f(100 * r.get("heartbeats_sent_per_due", float("nan")), "{:.1f}%"),
+                "",
+            ],
+            [
+                f"{m}: workers in the map at the end",
+                f"{r.get('workers_in_map_end', '-')} / {r['workers']}",
+                "all",
+            ],
             [
                 f"{m}: simulator CPU (this process)",
                 f(100 * r["simulator_cpu_per_s"], "{:.0f}%"),
@@ -189,6 +209,13 @@ def _plots(runs: list[dict[str, Any]], ring: dict[str, Any], out: Path, st: str)
     is_flag=True,
     help="Simulated workers heartbeat with one unary call each (the pre-stream protocol).",
 )
+@click.option(
+    "--background-load",
+    type=click.IntRange(0, 64),
+    default=0,
+    show_default=True,
+    help="Busy processes (CPU spinners) running beside the masters for the whole run.",
+)
 @click.option("--quick", is_flag=True, help="Shorter run: 8 s steady, 6 changes, 1M ring keys.")
 @click.option(
     "--out", type=click.Path(path_type=Path), default=Path("bench/results"), show_default=True
@@ -203,7 +230,8 @@ def _plots(runs: list[dict[str, Any]], ring: dict[str, Any], out: Path, st: str)
 @click.option("--no-plots", is_flag=True)
 def scale_cmd(
     workers: int, watchers: int, heartbeat_s: float, steady_s: float, changes: int, ha: bool,
-    ring_keys: int, unary: bool, quick: bool, out: Path, json_path: Path | None, no_plots: bool,
+    ring_keys: int, unary: bool, background_load: int, quick: bool, out: Path,
+    json_path: Path | None, no_plots: bool,
 ) -> None:  # fmt: skip
     """The control plane at scale: a real master, simulated workers and watchers."""
     if workers < 2 or watchers < 1 or heartbeat_s <= 0 or steady_s <= 0 or changes < 1:
@@ -215,8 +243,9 @@ def scale_cmd(
             min(ring_keys, 1_000_000),
         )
     cfg = ScaleConfig(
-        workers, watchers, heartbeat_s, steady_s, changes, ring_keys=ring_keys, ha=ha, unary=unary
-    )
+        workers, watchers, heartbeat_s, steady_s, changes, ring_keys=ring_keys, ha=ha, unary=unary,
+        background_load=background_load,
+    )  # fmt: skip
     console = Console()
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -232,7 +261,7 @@ def scale_cmd(
         ring = ring_figures(workers, ring_keys, cfg.fail_fraction)
         runs = run_scale(cfg, modes=("single", "ha") if ha else ("single",), say=say)
     for r in runs:
-        r.update(heartbeat_s=heartbeat_s, watchers=watchers)
+        r.update(heartbeat_s=heartbeat_s, watchers=watchers, workers=workers)
     st = report.stamp()
     console.print(report.table(f"kvstore bench scale ({report.command_line()})",
                                ["figure", "measured", "goal"], _rows(runs, ring)))  # fmt: skip

@@ -36,10 +36,11 @@ from typing import Any
 import click
 import grpc
 
-from kvstore.cluster import Daemon, Etcd, StartError, spawn, start_etcd
+from kvstore.cluster import Daemon, Etcd, StartError, free_port, spawn, start_etcd
 from kvstore_client.proto import master_pb2, master_pb2_grpc
 
 from .. import report
+from .load import BackgroundLoad, heartbeats_served
 
 __all__ = ["ScaleConfig", "run_scale", "sim_info", "worker_rpc"]
 
@@ -61,6 +62,7 @@ class ScaleConfig:
     ring_keys: int = 2_000_000
     ha: bool = True
     unary: bool = False  # heartbeats as unary calls (the old protocol) instead of streams
+    background_load: int = 0  # busy processes beside the run (see .load)
 
 
 # ---------------------------------------------------------------- simulated workers
@@ -245,18 +247,22 @@ def _start_etcd(workdir: Path) -> Etcd:
 @contextlib.contextmanager
 def masters(
     cfg: ScaleConfig, workdir: Path, ha: bool
-) -> Iterator[tuple[list[Daemon], Etcd | None]]:
-    """One in-memory master, or an etcd and three HA masters."""
+) -> Iterator[tuple[list[Daemon], Etcd | None, list[str]]]:
+    """One in-memory master, or an etcd and three HA masters; with their metrics URLs."""
     ttl = f"{4 * cfg.heartbeat_s:g}s"
     etcd = _start_etcd(workdir) if ha else None
     ds: list[Daemon] = []
+    urls: list[str] = []
     try:
         for i in range(3 if ha else 1):
+            mport = free_port()
             args = ["--host", "127.0.0.1", "--port", "0", "--worker-ttl", ttl]
+            args += ["--metrics-port", str(mport)]
             if etcd is not None:
                 args += ["--etcd", etcd.url]
             ds.append(spawn("master", args, log_path=str(workdir / f"master{i}.log")))
-        yield ds, etcd
+            urls.append(f"http://127.0.0.1:{mport}/metrics")
+        yield ds, etcd, urls
     finally:
         for d in ds:
             d.stop()
@@ -330,8 +336,17 @@ class _Sampler:
             await asyncio.sleep(self.every)
 
 
+async def _served(urls: tuple[str, ...]) -> float:
+    return await asyncio.to_thread(heartbeats_served, urls)
+
+
 async def _run_mode(
-    cfg: ScaleConfig, addrs: list[str], pids: list[int], etcd: Etcd | None, say: Any
+    cfg: ScaleConfig,
+    addrs: list[str],
+    pids: list[int],
+    etcd: Etcd | None,
+    say: Any,
+    metric_urls: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     mode = "ha" if etcd is not None else "single"
     lead = await _leader(addrs) if etcd is not None else 0
@@ -359,6 +374,7 @@ async def _run_mode(
     c1 = sampler.sample()
     res["register_s"] = c1[0] - c0[0]
     res["register_cpu_s"] = sum(c1[1]) - sum(c0[1])
+    served0, sent0, t_beats = await _served(metric_urls), 0, time.monotonic()
     tasks += [asyncio.create_task(_heartbeat_loop(w, cfg.heartbeat_s, cfg.unary)) for w in sims]
 
     # 2. watchers, spread over the masters
@@ -381,6 +397,7 @@ async def _run_mode(
         say(f"{mode}: steady state {cfg.steady_s:.0f}s")
         await asyncio.sleep(min(2.0, cfg.steady_s / 4))
         hb0 = sum(w.heartbeats for w in sims)
+        sv0 = await _served(metric_urls)
         p0 = time.process_time()
         s0 = sampler.sample()
         e0 = etcd.metric(ETCD_METRICS) if etcd is not None else {}
@@ -388,6 +405,8 @@ async def _run_mode(
         s1 = sampler.sample()
         e1 = etcd.metric(ETCD_METRICS) if etcd is not None else {}
         hbs = sum(w.heartbeats for w in sims) - hb0
+        sv1 = await _served(metric_urls)
+        res["heartbeats_served_steady_ratio"] = (sv1 - sv0) / hbs if hbs else float("nan")
         dt = s1[0] - s0[0]
         cpu = [b - a for a, b in zip(s0[1], s1[1], strict=True)]
         res["steady_s"] = dt
@@ -479,6 +498,19 @@ async def _run_mode(
             await _until(lambda: all(w.version >= final for w in watchers), 10)
         res["return_all_watchers_s"] = time.monotonic() - tr if ok else float("nan")
         await asyncio.sleep(1.0)
+        end = await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=CALL_TIMEOUT)
+        res["workers_in_map_end"] = len(end.workers)
+        sent = sum(w.heartbeats for w in sims) - sent0
+        served = await _served(metric_urls) - served0
+        span = time.monotonic() - t_beats
+        # served: what the master applied / what the simulated workers sent (after the
+        # registrations, to the end of the run); due: sent / what 1 Hz per unpaused
+        # worker would have sent (below 1 when the simulator or a master's backoff slowed
+        # the beats down)
+        res["heartbeats_sent"] = sent
+        res["heartbeats_served"] = served
+        res["heartbeats_served_ratio"] = served / sent if sent else float("nan")
+        res["heartbeats_sent_per_due"] = sent / (cfg.workers * span / cfg.heartbeat_s)
 
     s_end = sampler.sample()
     res["total_s"] = s_end[0] - t_start
@@ -501,14 +533,17 @@ async def _run_mode(
 
 
 def run_scale(cfg: ScaleConfig, *, modes: tuple[str, ...], say: Any) -> list[dict[str, Any]]:
-    """Run the control-plane scenario once per mode ("single", "ha")."""
+    """Run the control-plane scenario once per mode ("single", "ha"), with
+    ``cfg.background_load`` busy processes beside it the whole time."""
     out = []
-    for mode in modes:
-        with (
-            tempfile.TemporaryDirectory(prefix="kvscale-") as tmp,
-            masters(cfg, Path(tmp), mode == "ha") as (ds, etcd),
-        ):
-            out.append(
-                asyncio.run(_run_mode(cfg, [d.address for d in ds], [d.pid for d in ds], etcd, say))
-            )
+    with BackgroundLoad(cfg.background_load):
+        for mode in modes:
+            with (
+                tempfile.TemporaryDirectory(prefix="kvscale-") as tmp,
+                masters(cfg, Path(tmp), mode == "ha") as (ds, etcd, urls),
+            ):
+                addrs, pids = [d.address for d in ds], [d.pid for d in ds]
+                res = asyncio.run(_run_mode(cfg, addrs, pids, etcd, say, tuple(urls)))
+                res["load_average"] = os.getloadavg()
+                out.append(res)
     return out
