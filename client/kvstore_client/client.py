@@ -42,7 +42,7 @@ from .proto import master_pb2, master_pb2_grpc, store_pb2, store_pb2_grpc
 from .replicas import (
     ReplicaStats,
 )
-from .routing import Links, View, frames, parse_masters
+from .routing import Links, View, frames, merge_map, parse_masters
 from .routing import bind as _bind
 from .routing import misses_only as _misses_only
 from .security import Tls, metadata, new_identity, open_channel
@@ -111,6 +111,7 @@ class Client:
         self._links = Links(transport, self.tls, self._token, self.identity)
         self._channel: grpc.Channel | None = None
         self._watch_call: Any = None  # the open WatchShardMap call, to cancel on close
+        self._map: master_pb2.ShardMap | None = None  # the full map of the current view
         self.session_writer = session_writer
         self._hints: SessionHints | None = None
         try:
@@ -152,16 +153,32 @@ class Client:
         )
 
     def _watch_loop(self) -> None:
+        """Watch the map, as deltas after the first one (a master older than deltas
+        sends full maps, which are taken too); a delta that does not fit the map held
+        (:func:`merge_map`) reopens the watch for a full map."""
         backoff = 0.2
+        resync = False
         while not self._closed.is_set():
             try:
-                view = self._view
-                req = master_pb2.WatchShardMapRequest(known_version=view.version if view else 0)
+                held = None if resync else self._map
+                req = master_pb2.WatchShardMapRequest(
+                    known_version=held.version if held else 0, deltas=True
+                )
+                resync = False
                 call = self._master_stub().WatchShardMap(req, metadata=self._md)
                 self._watch_call = call
                 for m in call:
-                    self._apply_map(m)
+                    if self._map is not None and m.version <= self._map.version:
+                        continue
+                    full = merge_map(self._map, m)
+                    if full is None:
+                        resync = True
+                        self._watch_call.cancel()
+                        break
+                    self._apply_map(full)
                     backoff = 0.2
+                if resync:
+                    continue
             except grpc.RpcError:
                 if self._closed.is_set():
                     return
@@ -175,6 +192,7 @@ class Client:
         with self._lock:
             if self._view is not None and m.version <= self._view.version:
                 return
+            self._map = m
             ring = build_ring(
                 [(w.id, w.capacity_bytes) for w in m.workers],
                 vnodes_per_gib=m.vnodes_per_gib or DEFAULT_VNODES_PER_GIB,
