@@ -14,7 +14,7 @@ from rich.console import Console
 
 from .. import report
 from .ring import ring_figures
-from .run import ScaleConfig, run_scale
+from .run import PROTOCOLS, ScaleConfig, run_scale
 
 __all__ = ["scale_cmd"]
 
@@ -204,10 +204,25 @@ def _plots(runs: list[dict[str, Any]], ring: dict[str, Any], out: Path, st: str)
     help="Keys placed to measure balance and movement.",
 )
 @click.option(
-    "--unary-heartbeats",
-    "unary",
+    "--protocol",
+    type=click.Choice(PROTOCOLS),
+    default="beats",
+    show_default=True,
+    help="How simulated workers heartbeat: beats (one batched stream per connection), "
+    "stream (one HeartbeatStream per worker) or unary (a call per heartbeat); the last "
+    "two are the protocols before Beats.",
+)
+@click.option(
+    "--per-connection",
+    type=click.IntRange(1, 1024),
+    default=10,
+    show_default=True,
+    help="Simulated workers per gRPC connection (1: one process per worker, as on separate hosts).",
+)
+@click.option(
+    "--full-maps",
     is_flag=True,
-    help="Simulated workers heartbeat with one unary call each (the pre-stream protocol).",
+    help="Watchers ask for full maps on every change (clients before map deltas).",
 )
 @click.option(
     "--background-load",
@@ -230,8 +245,8 @@ def _plots(runs: list[dict[str, Any]], ring: dict[str, Any], out: Path, st: str)
 @click.option("--no-plots", is_flag=True)
 def scale_cmd(
     workers: int, watchers: int, heartbeat_s: float, steady_s: float, changes: int, ha: bool,
-    ring_keys: int, unary: bool, background_load: int, quick: bool, out: Path,
-    json_path: Path | None, no_plots: bool,
+    ring_keys: int, protocol: str, per_connection: int, full_maps: bool, background_load: int,
+    quick: bool, out: Path, json_path: Path | None, no_plots: bool,
 ) -> None:  # fmt: skip
     """The control plane at scale: a real master, simulated workers and watchers."""
     if workers < 2 or watchers < 1 or heartbeat_s <= 0 or steady_s <= 0 or changes < 1:
@@ -243,7 +258,8 @@ def scale_cmd(
             min(ring_keys, 1_000_000),
         )
     cfg = ScaleConfig(
-        workers, watchers, heartbeat_s, steady_s, changes, ring_keys=ring_keys, ha=ha, unary=unary,
+        workers, watchers, heartbeat_s, steady_s, changes, ring_keys=ring_keys, ha=ha,
+        protocol=protocol, per_connection=per_connection, deltas=not full_maps,
         background_load=background_load,
     )  # fmt: skip
     console = Console()
