@@ -26,6 +26,9 @@ def _rows(runs: list[dict[str, Any]], ring: dict[str, Any]) -> list[list[str]]:
     rows: list[list[str]] = []
     for r in runs:
         m = r["mode"]
+        if m == "etcd-leases":
+            rows += _lease_rows(r, f)
+            continue
         rows += [
             [f"{m}: workers / watchers", f"{r['map_workers']} / {r['watchers']}", ""],
             [f"{m}: registration of all workers", f(r["register_s"], "{:.2f} s"), ""],
@@ -123,9 +126,30 @@ def _rows(runs: list[dict[str, Any]], ring: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _lease_rows(r: dict[str, Any], f: Any) -> list[list[str]]:
+    m = r["mode"]
+    if "error" in r:
+        return [[m, r["error"], ""]]
+    return [
+        [f"{m}: registration (grant + put)", f(r["register_s"], "{:.2f} s"), ""],
+        [f"{m}: keep-alives/s", f(r["keepalives_per_s"], "{:.0f}"), ""],
+        [f"{m}: keep-alives answered", f(100 * r["keepalives_answered_ratio"], "{:.1f}%"), ""],
+        [f"{m}: etcd CPU", f(100 * r["etcd_cpu_per_s"], "{:.1f}% of a core"), ""],
+        [f"{m}: etcd CPU per keep-alive", f(1e6 * r["etcd_cpu_per_keepalive_s"], "{:.0f} us"), ""],
+        [f"{m}: simulator CPU", f(100 * r["simulator_cpu_per_s"], "{:.0f}%"), ""],
+        [f"{m}: healthy leases expired", str(r["leases_expired_healthy"]), "0"],
+        [
+            f"{m}: {r['fail_count']} stop -> keys gone",
+            f(r["fail_detected_s"], "{:.2f} s"),
+            f"TTL {r['lease_ttl_s']} s",
+        ],
+    ]
+
+
 def _plots(runs: list[dict[str, Any]], ring: dict[str, Any], out: Path, st: str) -> list[Path]:
     plt = report.pyplot()
-    if plt is None:
+    runs = [r for r in runs if r["mode"] != "etcd-leases"]
+    if plt is None or not runs:
         return []
     paths = []
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
@@ -231,6 +255,12 @@ def _plots(runs: list[dict[str, Any]], ring: dict[str, Any], out: Path, st: str)
     show_default=True,
     help="Busy processes (CPU spinners) running beside the masters for the whole run.",
 )
+@click.option(
+    "--etcd-leases",
+    is_flag=True,
+    help="Also measure the alternative design: worker leases kept alive in etcd, a "
+    "master only watching (needs etcd).",
+)
 @click.option("--quick", is_flag=True, help="Shorter run: 8 s steady, 6 changes, 1M ring keys.")
 @click.option(
     "--out", type=click.Path(path_type=Path), default=Path("bench/results"), show_default=True
@@ -246,7 +276,7 @@ def _plots(runs: list[dict[str, Any]], ring: dict[str, Any], out: Path, st: str)
 def scale_cmd(
     workers: int, watchers: int, heartbeat_s: float, steady_s: float, changes: int, ha: bool,
     ring_keys: int, protocol: str, per_connection: int, full_maps: bool, background_load: int,
-    quick: bool, out: Path, json_path: Path | None, no_plots: bool,
+    etcd_leases: bool, quick: bool, out: Path, json_path: Path | None, no_plots: bool,
 ) -> None:  # fmt: skip
     """The control plane at scale: a real master, simulated workers and watchers."""
     if workers < 2 or watchers < 1 or heartbeat_s <= 0 or steady_s <= 0 or changes < 1:
@@ -260,7 +290,7 @@ def scale_cmd(
     cfg = ScaleConfig(
         workers, watchers, heartbeat_s, steady_s, changes, ring_keys=ring_keys, ha=ha,
         protocol=protocol, per_connection=per_connection, deltas=not full_maps,
-        background_load=background_load,
+        background_load=background_load, etcd_leases=etcd_leases,
     )  # fmt: skip
     console = Console()
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn

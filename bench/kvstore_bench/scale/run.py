@@ -46,6 +46,7 @@ from kvstore.cluster import Daemon, Etcd, StartError, free_port, spawn, start_et
 from kvstore_client.proto import master_pb2, master_pb2_grpc
 
 from .. import report
+from .leases import run_leases
 from .load import BackgroundLoad, heartbeats_served
 from .sim import (
     CALL_TIMEOUT,
@@ -80,6 +81,7 @@ class ScaleConfig:
     protocol: str = "beats"
     per_connection: int = 10  # simulated workers per gRPC connection
     deltas: bool = True  # watchers ask for map deltas (False: full maps, older clients)
+    etcd_leases: bool = False  # also measure worker leases in etcd (see .leases)
     background_load: int = 0  # busy processes beside the run (see .load)
 
 
@@ -410,8 +412,9 @@ async def _run_mode(
 
 
 def run_scale(cfg: ScaleConfig, *, modes: tuple[str, ...], say: Any) -> list[dict[str, Any]]:
-    """Run the control-plane scenario once per mode ("single", "ha"), with
-    ``cfg.background_load`` busy processes beside it the whole time."""
+    """Run the control-plane scenario once per mode ("single", "ha"), then with
+    ``cfg.etcd_leases`` the lease design (:mod:`.leases`), with
+    ``cfg.background_load`` busy processes beside it all the whole time."""
     out = []
     with BackgroundLoad(cfg.background_load):
         for mode in modes:
@@ -423,4 +426,11 @@ def run_scale(cfg: ScaleConfig, *, modes: tuple[str, ...], say: Any) -> list[dic
                 res = asyncio.run(_run_mode(cfg, addrs, pids, etcd, say, tuple(urls)))
                 res["load_average"] = os.getloadavg()
                 out.append(res)
+        if cfg.etcd_leases:
+            res = run_leases(
+                cfg.workers, cfg.per_connection, cfg.heartbeat_s, cfg.steady_s,
+                cfg.fail_fraction, say,
+            )  # fmt: skip
+            res["load_average"] = os.getloadavg()
+            out.append(res)
     return out
