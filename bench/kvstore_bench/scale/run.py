@@ -236,7 +236,7 @@ async def _run_mode(
     # 1. registration storm; each worker heartbeats from its registration on
     say(f"{mode}: {cfg.workers} workers register")
     sem = asyncio.Semaphore(64)
-    served0, t_beats = await _served(metric_urls), time.monotonic()
+    served0 = await _served(metric_urls)
     if cfg.protocol == "beats":
         conns = [sims[i : i + per] for i in range(0, len(sims), per)]
         tasks += [asyncio.create_task(connection_loop(c, cfg.heartbeat_s)) for c in conns]
@@ -253,6 +253,7 @@ async def _run_mode(
     c1 = sampler.sample()
     res["register_s"] = c1[0] - c0[0]
     res["register_cpu_s"] = sum(c1[1]) - sum(c0[1])
+    sent_reg, t_reg = sum(w.heartbeats for w in sims), time.monotonic()
 
     # 2. watchers, spread over the masters
     say(f"{mode}: {cfg.watchers} watchers connect")
@@ -379,17 +380,17 @@ async def _run_mode(
         await asyncio.sleep(1.0)
         end = await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=CALL_TIMEOUT)
         res["workers_in_map_end"] = len(end.workers)
-        sent = sum(w.heartbeats for w in sims)
+        sent, end_t = sum(w.heartbeats for w in sims), time.monotonic()
         served = await _served(metric_urls) - served0
-        span = time.monotonic() - t_beats
         # served: what the master applied / what the simulated workers sent (from the
-        # registrations to the end of the run); due: sent / one per worker and interval
-        # over that time (below 1 when the simulator or a master's backoff slowed the
-        # beats down, and by the registration phase and the paused workers)
+        # registrations to the end of the run); due: what they sent after all had
+        # registered / one per unpaused worker and interval over that time (below 1
+        # when the simulator or a master's backoff slowed the beats down)
         res["heartbeats_sent"] = sent
         res["heartbeats_served"] = served
         res["heartbeats_served_ratio"] = served / sent if sent else float("nan")
-        res["heartbeats_sent_per_due"] = sent / (cfg.workers * span / cfg.heartbeat_s)
+        worker_s = cfg.workers * (end_t - t_reg) - n_fail * (tr - tf)
+        res["heartbeats_sent_per_due"] = (sent - sent_reg) / (worker_s / cfg.heartbeat_s)
 
     s_end = sampler.sample()
     res["total_s"] = s_end[0] - t_start
