@@ -261,3 +261,55 @@ def test_a_real_worker_beats_and_a_client_follows_deltas(make_cluster: MakeClust
             full = stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=5)
             assert sorted(w.id for w in client.workers()) == [w.id for w in full.workers]
             assert client.map_version == full.version
+
+
+def test_a_client_takes_full_maps_from_a_master_before_deltas() -> None:
+    """A master older than deltas ignores the request's flag and sends full maps on
+    the watch: the client asks for deltas and takes them whole."""
+    from concurrent import futures
+    from typing import Any
+
+    asked: list[bool] = []
+
+    def full(version: int, n: int) -> master_pb2.ShardMap:
+        return master_pb2.ShardMap(version=version, workers=[_info(i) for i in range(n)])
+
+    def get(req: master_pb2.GetShardMapRequest, ctx: Any) -> master_pb2.ShardMap:
+        return full(1, 2)
+
+    def watch(req: master_pb2.WatchShardMapRequest, ctx: Any) -> Iterator[master_pb2.ShardMap]:
+        asked.append(req.deltas)
+        yield full(1, 2)
+        time.sleep(0.3)
+        yield full(2, 3)
+        time.sleep(0.3)
+        yield full(3, 1)
+        time.sleep(30)
+
+    handlers = {
+        "GetShardMap": grpc.unary_unary_rpc_method_handler(
+            get,
+            request_deserializer=master_pb2.GetShardMapRequest.FromString,
+            response_serializer=master_pb2.ShardMap.SerializeToString,
+        ),
+        "WatchShardMap": grpc.unary_stream_rpc_method_handler(
+            watch,
+            request_deserializer=master_pb2.WatchShardMapRequest.FromString,
+            response_serializer=master_pb2.ShardMap.SerializeToString,
+        ),
+    }
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("kvstore.v1.Master", handlers),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with Client(f"127.0.0.1:{port}", transport="tcp") as c:
+            deadline = time.monotonic() + 10
+            while c.map_version != 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert c.map_version == 3 and [w.id for w in c.workers()] == ["w00"]
+        assert asked and asked[0], "the client asked for deltas"
+    finally:
+        server.stop(0)
