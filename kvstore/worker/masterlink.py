@@ -168,6 +168,9 @@ class MasterLink:
         say = Throttle()
         waiting_since: float | None = None
         conflict_until: float | None = None
+        # the last round ended in a refusal: a Register that succeeds then does not
+        # reset the backoff (a bind refused right after it would otherwise loop hot)
+        refused = False
         channel = open_channel(self.masters[idx], self.tls, _CHANNEL_OPTIONS)
         try:
             while not self._stop.is_set():
@@ -199,8 +202,9 @@ class MasterLink:
                             after,
                         )
                         waiting_since = conflict_until = None
-                        backoff.reset()
-                        say.reset()
+                        if not refused:
+                            backoff.reset()
+                            say.reset()
                         if not self.ever_registered:
                             self.ever_registered = True
                             self._on_registered()
@@ -213,6 +217,7 @@ class MasterLink:
                     else:
                         registered = self._beats(stub, interval, ttl)
                         delay = 0.0 if registered else _jitter(interval)
+                    refused = False
                 except _Silent as e:  # no answer on the stream for two TTLs
                     registered = False
                     log.warning("%s; reconnecting", e)
@@ -235,6 +240,7 @@ class MasterLink:
                         log.warning("master %s is older: heartbeats by %s", self.masters[idx], how)
                         continue
                     registered = False
+                    refused = code == grpc.StatusCode.FAILED_PRECONDITION
                     now = time.monotonic()
                     if waiting_since is None:
                         waiting_since = now
