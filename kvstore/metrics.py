@@ -146,7 +146,55 @@ ETCD_ERRORS = Counter(
     ["op"],
     registry=None,
 )
-_MASTER_METRICS = (LIVE_WORKERS, MAP_VERSION, MASTER_LEADER, LEADER_TERMS, ETCD_ERRORS)
+HEARTBEATS = Counter(
+    "kvstore_heartbeats_total",
+    "Worker heartbeats the master applied (one per worker beat, batched or not)",
+    registry=None,
+)
+WORKERS_EXPIRED = Counter(
+    "kvstore_workers_expired_total",
+    "Workers the master removed for missing heartbeats",
+    registry=None,
+)
+MASTER_LAG = Gauge(
+    "kvstore_master_lag_seconds",
+    "How late the master's last expiry tick ran (its event loop or host is behind)",
+    registry=None,
+)
+MASTER_DEAF = Counter(
+    "kvstore_master_deaf_seconds_total",
+    "Time the master was behind and did not count as any worker's silence",
+    registry=None,
+)
+MASTER_OVERLOADED = Gauge(
+    "kvstore_master_overloaded",
+    "1 while the master is behind, holds silent workers or asks for slower heartbeats",
+    registry=None,
+)
+HEARTBEAT_INTERVAL = Gauge(
+    "kvstore_heartbeat_interval_seconds",
+    "The heartbeat interval the master asks of workers (longer while it sheds load)",
+    registry=None,
+)
+EXPIRIES_HELD = Gauge(
+    "kvstore_expiries_held",
+    "Workers silent past the TTL that the master holds back (many fell silent at once)",
+    registry=None,
+)
+_MASTER_METRICS = (
+    LIVE_WORKERS,
+    MAP_VERSION,
+    MASTER_LEADER,
+    LEADER_TERMS,
+    ETCD_ERRORS,
+    HEARTBEATS,
+    WORKERS_EXPIRED,
+    MASTER_LAG,
+    MASTER_DEAF,
+    MASTER_OVERLOADED,
+    HEARTBEAT_INTERVAL,
+    EXPIRIES_HELD,
+)
 _master_enabled = False
 
 

@@ -37,8 +37,9 @@ from .errors import (
     from_rpc_error,
 )
 from .keys import HASH_LEN, check_hashes, check_namespace, leading_run
+from .mapwatch import MapWatch
 from .parts import check_disjoint, part_views
-from .proto import master_pb2, master_pb2_grpc, store_pb2, store_pb2_grpc
+from .proto import master_pb2, store_pb2, store_pb2_grpc
 from .replicas import (
     ReplicaStats,
 )
@@ -103,73 +104,23 @@ class Client:
         self._token = token if token is not None else os.environ.get("KVSTORE_TOKEN", "")
         self.identity = new_identity()  # who this client is to the workers (security.py)
         self._md = metadata(self._token, self.identity)
-        self._masters = parse_masters(master)
-        self._master_idx = 0
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._d = Dispatch(timeout, max_threads, self.tls, self._md)
         self._links = Links(transport, self.tls, self._token, self.identity)
-        self._channel: grpc.Channel | None = None
-        self._watch_call: Any = None  # the open WatchShardMap call, to cancel on close
+        self._watch = MapWatch(
+            parse_masters(master), tls=self.tls, md=self._md, timeout=timeout, apply=self._apply_map
+        )
         self.session_writer = session_writer
         self._hints: SessionHints | None = None
         try:
-            self._apply_map(self._fetch_map())
+            self._watch.fetch()
         except BaseException:
             self.close()
             raise
-        self._watcher = threading.Thread(target=self._watch_loop, name="kvstore-watch", daemon=True)
-        self._watcher.start()
+        self._watch.start()
 
     # ---- map -----------------------------------------------------------------
-
-    def _master_stub(self) -> master_pb2_grpc.MasterStub:
-        if self._channel is None:
-            self._channel = open_channel(self._masters[self._master_idx], self.tls)
-        return master_pb2_grpc.MasterStub(self._channel)
-
-    def _next_master(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-        self._channel = None
-        self._master_idx = (self._master_idx + 1) % len(self._masters)
-
-    def _fetch_map(self) -> master_pb2.ShardMap:
-        last: grpc.RpcError | None = None
-        for _ in range(len(self._masters)):
-            try:
-                return self._master_stub().GetShardMap(
-                    master_pb2.GetShardMapRequest(), timeout=self.timeout, metadata=self._md
-                )
-            except grpc.RpcError as e:
-                last = e
-                if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                    raise from_rpc_error(e) from e
-                self._next_master()
-        assert last is not None
-        raise Unavailable(
-            f"no master answered at {','.join(self._masters)}: {from_rpc_error(last)}"
-        )
-
-    def _watch_loop(self) -> None:
-        backoff = 0.2
-        while not self._closed.is_set():
-            try:
-                view = self._view
-                req = master_pb2.WatchShardMapRequest(known_version=view.version if view else 0)
-                call = self._master_stub().WatchShardMap(req, metadata=self._md)
-                self._watch_call = call
-                for m in call:
-                    self._apply_map(m)
-                    backoff = 0.2
-            except grpc.RpcError:
-                if self._closed.is_set():
-                    return
-                self._next_master()
-            except Exception:
-                log.exception("shard map watch failed")
-            self._closed.wait(backoff)
-            backoff = min(backoff * 2, 2.0)
 
     def _apply_map(self, m: master_pb2.ShardMap) -> None:
         with self._lock:
@@ -727,7 +678,7 @@ class Client:
         if self._closed.is_set():
             raise InvalidArgument("this Client is closed")
         try:
-            return self._master_stub().ClusterStatus(
+            return self._watch.stub().ClusterStatus(
                 master_pb2.ClusterStatusRequest(), timeout=self.timeout, metadata=self._md
             )
         except grpc.RpcError as e:
@@ -768,11 +719,7 @@ class Client:
         if self._closed.is_set():
             return
         self._closed.set()
-        call = self._watch_call
-        if call is not None:
-            call.cancel()
-        if self._channel is not None:
-            self._channel.close()
+        self._watch.close()
         self._d.close()
         with self._lock:
             self._links.close()

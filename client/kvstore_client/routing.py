@@ -45,6 +45,36 @@ def parse_masters(master: str) -> list[str]:
     return out
 
 
+def merge_map(
+    held: master_pb2.ShardMap | None, m: master_pb2.ShardMap
+) -> master_pb2.ShardMap | None:
+    """The full map that ``m`` from a map watch means to a client holding ``held``.
+
+    A full map (``base_version`` 0) is itself. A delta (see master.proto) applies to
+    the map of version ``base_version`` only: the result holds its workers less
+    ``removed``, with ``workers`` added or replaced (sorted by id, as the master
+    sends them), and the delta's other fields. None when ``held`` is not that map:
+    the client must fetch a full map again (reopen its watch without a version).
+    """
+    if not m.base_version:
+        return m
+    if held is None or held.version != m.base_version:
+        return None
+    workers = {w.id: w for w in held.workers}
+    for wid in m.removed:
+        workers.pop(wid, None)
+    for w in m.workers:
+        workers[w.id] = w
+    return master_pb2.ShardMap(
+        version=m.version,
+        workers=[workers[k] for k in sorted(workers)],
+        vnodes_per_gib=m.vnodes_per_gib,
+        replicas=m.replicas,
+        cluster_id=m.cluster_id,
+        namespace_replicas=m.namespace_replicas,
+    )
+
+
 def bind(fn: Callable[..., Any], *args: object) -> Callable[[], Any]:
     """A task for a fan-out: ``fn(*args)`` later."""
     return functools.partial(fn, *args)

@@ -1,11 +1,11 @@
 """Tenant checks for the Master service, as one gRPC server interceptor.
 
 With a tenants file, every Master call needs a known bearer token
-(UNAUTHENTICATED otherwise); membership writes (Register, Heartbeat, HeartbeatStream, Leave) and
-ClusterStatus (every worker's endpoints and stats, which tell one tenant about
-the others' use) need an admin tenant's (PERMISSION_DENIED otherwise). The shard
-map stays readable by every tenant: clients route with it. Health checks stay
-open for probes.
+(UNAUTHENTICATED otherwise); membership writes (Register, Heartbeat, HeartbeatStream,
+Beats, Leave) and ClusterStatus (every worker's endpoints and stats, which tell one
+tenant about the others' use) need an admin tenant's (PERMISSION_DENIED otherwise).
+The shard map stays readable by every tenant: clients route with it. Health checks
+stay open for probes.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ if TYPE_CHECKING:
 else:  # the stubs are generic, the runtime class is not
     Handler = grpc.RpcMethodHandler
 SERVICE = "/kvstore.v1.Master/"
-ADMIN_ONLY = frozenset({"Register", "Heartbeat", "HeartbeatStream", "Leave", "Drain"})
+ADMIN_ONLY = frozenset({"Register", "Heartbeat", "HeartbeatStream", "Beats", "Leave", "Drain"})
 ADMIN_READS = frozenset({"ClusterStatus"})
-STREAMING = frozenset({"WatchShardMap", "HeartbeatStream"})  # streamed answers
-STREAMED_REQUESTS = frozenset({"HeartbeatStream"})
+STREAMING = frozenset({"WatchShardMap", "HeartbeatStream", "Beats"})  # streamed answers
+STREAMED_REQUESTS = frozenset({"HeartbeatStream", "Beats"})
 
 
 def _denied(code: grpc.StatusCode, message: str, name: str) -> Handler:

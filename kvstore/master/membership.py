@@ -1,11 +1,12 @@
 """Cluster membership and the shard map, as a state machine without I/O.
 
-Events in (register, heartbeat, leave, tick with the current time), state out
-(the map and its version). Every change that clients must see bumps
-``version``; the servicer pushes the new map to watchers.
+Events in (register, bind, beat, update, leave, tick with the current time and how
+late the tick ran), state out (the map and its version, what a tick decided). Every
+change that clients must see bumps ``version``; the servicer pushes the new map to
+watchers.
 
 A registration is bound to the worker's *instance token* (random, made by each
-worker process at start). While a registration lives, a register, heartbeat or
+worker process at start). While a registration lives, a register, bind, heartbeat or
 leave for its id with another token raises :class:`IdConflict` and changes
 nothing: a second process started with the same ``--id``, or anyone on the
 network with tokens off, can neither take over a live worker's id (and so its
@@ -13,6 +14,33 @@ traffic) nor drop it from the map. Once the id expired or left, any instance
 may register it again (a restarted worker waits at most one TTL). The servicer
 also lets a new instance in at once when it proves the old one gone (the old
 registration's gRPC port refuses connections; :meth:`evict`).
+
+**Liveness is judged on what arrived.** A worker is expired for silence the master
+could have heard, not for beats it did not get to read:
+
+- *Deaf time.* Each :meth:`~Membership.tick` says how late it ran. Lateness beyond a
+  small tolerance means the master (its event loop, or its host) was behind: beats
+  may be waiting unread. That time is not counted as anyone's silence: silence runs
+  on a *listening clock*, wall time minus the deaf time.
+- *Mass silence.* When more than ``storm_fraction`` of the members (and at least
+  ``storm_min``) are silent past the TTL at once, the trouble is more likely the
+  master's or the network's than theirs: they are held, not expired, for HOLD_TTLS
+  more TTLs (the tick reports them, the servicer alerts).
+- *Backoff.* A master that is behind because of its own work (deaf for more than
+  SHED_DEAF_TTLS of the last TTL while it used more than SHED_BUSY of a core) asks
+  the workers to beat less often (:attr:`~Membership.pace` doubles, up to
+  ``max_pace``), and stretches the TTL by as much before any worker slows down.
+  A master that is merely starved by its neighbours (late, but not busy) does not
+  shed: fewer heartbeats would not give it the CPU back, and the deaf time already
+  keeps its lateness from expiring anyone. The pace halves again after a TTL
+  without cause, and the longer TTL stays one more TTL, until every worker heard of
+  the shorter interval.
+- A worker silent for MAX_SILENCE_TTLS TTLs of wall time is expired whatever the
+  deaf time, the storm or a new leader's grace, so a master that is behind for ever
+  still drops the dead.
+
+Beats by slot (the Beats protocol) cost no map work: :meth:`~Membership.bind` once
+per stream, then :meth:`~Membership.beat_all` sets two numbers per member.
 
 Registrations are checked against size limits (:func:`check_worker`), and the
 number of members is capped, so the map every client downloads stays small. A
@@ -23,6 +51,8 @@ total) is accepted and :meth:`Membership.ring_note` says how it is counted.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvstore_client.errors import (
@@ -55,6 +85,16 @@ MIN_INSTANCE = 16
 MAX_INSTANCE = 128
 MAX_WORKERS = 1024  # at <= 2.7 KiB per worker, the map stays under gRPC's 4 MiB default
 MAX_CAPACITY = 1 << 50  # bytes of DRAM one worker may register (1 PiB: no host has it)
+
+# Liveness (see the module doc). Fractions of the TTL unless said otherwise.
+LAG_TOLERANCE_TTLS = 0.02  # a tick later than this: the excess is deaf time
+STORM_FRACTION = 0.1  # more members than this silent at once: held, not expired
+STORM_MIN = 3
+HOLD_TTLS = 2.0  # held members expire after this many more TTLs of silence
+MAX_SILENCE_TTLS = 4.0  # ... and anyone after this many TTLs of wall-clock silence
+SHED_DEAF_TTLS = 0.25  # deaf for more than this within a TTL ...
+SHED_BUSY = 0.5  # ... while using more than this of a core: ask workers to slow down
+MAX_PACE = 4.0  # the longest interval asked is MAX_PACE x the base interval
 
 
 class IdConflict(KVStoreError):
@@ -109,17 +149,37 @@ def check_worker(info: master_pb2.WorkerInfo) -> None:
     _check_len("version", info.version, MAX_VERSION)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Member:
+    """One registration. ``heard``: when the master last heard from it, on the
+    listening clock (:meth:`Membership.listening`); ``seen``: the same in wall time."""
+
     info: master_pb2.WorkerInfo
-    last_seen: float
+    heard: float
     stats: master_pb2.WorkerStats = field(default_factory=master_pb2.WorkerStats)
     draining: bool = False
     instance: str = ""  # "" only for state persisted by an older master: bound on next contact
+    seen: float = float("nan")  # wall time of the last contact (nan: as ``heard``)
+
+    def __post_init__(self) -> None:
+        if self.seen != self.seen:
+            self.seen = self.heard
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """What one :meth:`Membership.tick` decided."""
+
+    expired: list[str]  # removed for silence
+    held: int  # silent past the TTL, kept because the master may be the one at fault
+    deaf: float  # seconds of this tick's lateness counted as deaf time
+    pace: float  # the interval multiplier the workers are asked for now
+    overloaded: bool  # deaf within the last TTL, holding members, or asking for backoff
 
 
 class Membership:
-    """Workers that joined and still heartbeat within ``ttl`` seconds."""
+    """Workers that joined and still heartbeat within ``ttl`` seconds (see the module
+    doc for how silence is judged). Times are seconds on one monotonic clock."""
 
     def __init__(
         self,
@@ -129,6 +189,9 @@ class Membership:
         cluster_id: str = "kvstore",
         vnodes_per_gib: int = DEFAULT_VNODES_PER_GIB,
         max_workers: int = MAX_WORKERS,
+        storm_fraction: float = STORM_FRACTION,
+        storm_min: int = STORM_MIN,
+        max_pace: float = MAX_PACE,
     ) -> None:
         if ttl <= 0:
             raise ValueError("ttl must be positive")
@@ -137,35 +200,88 @@ class Membership:
         self.vnodes_per_gib = vnodes_per_gib
         self.cluster_id = cluster_id
         self.max_workers = max_workers
+        self.storm_fraction = storm_fraction
+        self.storm_min = storm_min
+        self.max_pace = max(1.0, max_pace)
         self.members: dict[str, Member] = {}
         self.version = 1
         self._scale_noted = False  # ring_note said the ring is scaled down
+        self.beats = 0  # heartbeats applied (a bind, beat or update each), for the metrics
+        self.deaf = 0.0  # seconds not counted as anyone's silence (the master was behind)
+        self.pace = 1.0
+        self._ttl_pace = 1.0  # the pace the TTL is stretched by (see _set_pace)
+        self._ttl_pace_until = -float("inf")  # ... until then (wall time), after a lower pace
+        self._pace_at = -float("inf")  # wall time of the last pace change
+        self._deaf_log: deque[tuple[float, float]] = deque()  # (wall time, excess), last TTL
+        self._busy_log: deque[tuple[float, float]] = deque()  # (wall time, CPU s), last TTL
+        self._ticked = -float("inf")  # wall time of the last tick
+        self._grace_until = -float("inf")  # listening time: no expiry but the hard limit
+        self.held = 0
+
+    # ---- clocks and limits -----------------------------------------------------
+
+    @property
+    def base_interval(self) -> float:
+        """The heartbeat interval at pace 1: a quarter of the TTL."""
+        return self.ttl / 4
 
     @property
     def heartbeat_interval(self) -> float:
-        return self.ttl / 4
+        """The interval the master asks for now (the base interval times the pace)."""
+        return self.base_interval * self.pace
 
-    def _bound(self, worker_id: str, instance: str, now: float) -> Member | None:
+    @property
+    def ttl_now(self) -> float:
+        """The silence (listening time) after which a member expires, stretched by
+        the pace workers may still be beating at."""
+        return self.ttl * self._ttl_pace
+
+    def listening(self, now: float) -> float:
+        """``now`` on the listening clock: wall time minus deaf time."""
+        return now - self.deaf
+
+    def grace(self, now: float, seconds: float) -> None:
+        """Expire nobody (but past the hard limit) for ``seconds`` from ``now``: a new
+        leader gives the workers that look for it time to arrive."""
+        self._grace_until = max(self._grace_until, self.listening(now) + seconds)
+
+    # ---- membership events -------------------------------------------------------
+
+    def _find(self, worker_id: str, instance: str, now: float) -> Member | None:
         """The live member ``worker_id`` if ``instance`` may act for it, None if unknown.
 
         Raises IdConflict when it is live and bound to another instance. Another
-        instance finds a member whose TTL ran out (not yet swept by
-        :meth:`expire`) gone; its own instance may still refresh it.
+        instance finds a member whose TTL ran out (not yet swept by :meth:`tick`)
+        gone; its own instance may still refresh it.
         """
         m = self.members.get(worker_id)
         if m is None:
             return None
         if m.instance and m.instance != instance:
-            if now - m.last_seen > self.ttl:
+            if self.listening(now) - m.heard > self.ttl_now:
                 del self.members[worker_id]
                 self.version += 1
                 return None
             raise IdConflict(
                 f"worker id {worker_id!r} is registered by another live instance "
-                f"(last heartbeat {max(0.0, now - m.last_seen):.1f}s ago); it can be taken "
+                f"(last heartbeat {max(0.0, now - m.seen):.1f}s ago); it can be taken "
                 f"once it leaves or misses heartbeats for {self.ttl:g}s"
             )
         m.instance = instance  # binds a member restored from an older master's state
+        return m
+
+    def _heard(self, m: Member, now: float) -> None:
+        m.heard = self.listening(now)
+        m.seen = now
+        self.beats += 1
+
+    def bind(self, worker_id: str, instance: str, now: float) -> Member | None:
+        """The member ``worker_id`` for the beats of a stream that names it once (see
+        :meth:`beat`), refreshed; None if unknown (it must register again).
+        IdConflict when the id is live under another instance token."""
+        m = self._find(worker_id, instance, now)
+        if m is not None:
+            self._heard(m, now)
         return m
 
     def register(self, info: master_pb2.WorkerInfo, instance: str, now: float) -> bool:
@@ -173,18 +289,64 @@ class Membership:
 
         Raises InvalidArgument for an incomplete or oversized registration or a bad
         token, IdConflict when the id is live under another instance token, and
-        ResourceExhausted when ``max_workers`` are already registered.
+        ResourceExhausted when ``max_workers`` are already registered. A refresh by
+        the same instance with the same info keeps the member (and the streams'
+        bindings of it).
         """
         check_worker(info)
         check_instance(instance)
-        old = self._bound(info.id, instance, now)
+        old = self._find(info.id, instance, now)
         if old is None and len(self.members) >= self.max_workers:
             raise ResourceExhausted(f"the cluster already has {self.max_workers} workers")
-        self.members[info.id] = Member(info, now, instance=instance)
-        if old is None or old.info != info or old.draining:
+        if old is not None and old.info == info and not old.draining:
+            old.heard, old.seen = self.listening(now), now
+            return False
+        self.members[info.id] = Member(info, self.listening(now), instance=instance, seen=now)
+        self.version += 1
+        return True
+
+    def beat(self, m: Member, now: float) -> bool:
+        """A sign of life from a member bound earlier (:meth:`bind`): no map work.
+        False when that registration is gone (expired, left, replaced by a new one):
+        the worker must register again."""
+        if self.members.get(m.info.id) is not m:
+            return False
+        self._heard(m, now)
+        return True
+
+    def beat_all(self, members: Iterable[Member | None], now: float) -> list[int]:
+        """:meth:`beat` for each; the positions that failed (None counts as failed)."""
+        listen = self.listening(now)
+        get = self.members.get
+        stale: list[int] = []
+        n = 0
+        for i, m in enumerate(members):
+            if m is None or get(m.info.id) is not m:
+                stale.append(i)
+                continue
+            m.heard = listen
+            m.seen = now
+            n += 1
+        self.beats += n
+        return stale
+
+    def update(
+        self,
+        m: Member,
+        now: float,
+        stats: master_pb2.WorkerStats | None = None,
+        draining: bool = False,
+    ) -> bool:
+        """:meth:`beat` that also carries news: new ``stats``, or ``draining`` (a
+        draining worker leaves the map at once, so clients stop routing to it)."""
+        if not self.beat(m, now):
+            return False
+        if stats is not None:
+            m.stats = stats
+        if (draining or (stats is not None and stats.draining)) and not m.draining:
+            m.draining = True
             self.version += 1
-            return True
-        return False
+        return True
 
     def heartbeat(
         self,
@@ -194,20 +356,11 @@ class Membership:
         now: float,
         draining: bool = False,
     ) -> bool:
-        """Refresh a worker; False if it is unknown (it must register again).
-
-        Raises IdConflict when the id is live under another instance token.
-        A draining worker leaves the map at once, so clients stop routing to it.
-        """
-        m = self._bound(worker_id, instance, now)
-        if m is None:
-            return False
-        m.last_seen = now
-        m.stats = stats
-        if (draining or stats.draining) and not m.draining:
-            m.draining = True
-            self.version += 1
-        return True
+        """A heartbeat by id (the unary and per-worker stream protocols). False if the
+        worker is unknown (it must register again); IdConflict when the id is live
+        under another instance token."""
+        m = self._find(worker_id, instance, now)
+        return m is not None and self.update(m, now, stats, draining)
 
     def drain(self, worker_id: str) -> bool:
         """An operator's drain (Master.Drain): the worker leaves the map at once and
@@ -224,7 +377,7 @@ class Membership:
 
     def leave(self, worker_id: str, instance: str, now: float) -> bool:
         """Remove a worker; False if unknown. IdConflict for another instance's id."""
-        if self._bound(worker_id, instance, now) is None:
+        if self._find(worker_id, instance, now) is None:
             return False
         del self.members[worker_id]
         self.version += 1
@@ -245,16 +398,75 @@ class Membership:
         self.version += 1
         return True
 
-    def expire(self, now: float, ttl: float | None = None) -> list[str]:
-        """Remove workers silent for longer than ``ttl`` (default: the TTL); returns
-        their ids."""
-        limit = self.ttl if ttl is None else ttl
-        dead = [wid for wid, m in self.members.items() if now - m.last_seen > limit]
-        for wid in dead:
+    # ---- time ------------------------------------------------------------------
+
+    def tick(self, now: float, late: float = 0.0, busy: float = 0.0) -> Tick:
+        """Time passes: ``now``, how many seconds later than planned this tick ran (the
+        master's own lateness), and ``busy``, the share of a core the master used since
+        the last tick. Counts the deaf time, sets the pace, and expires the members
+        silent for too long (see the module doc)."""
+        excess = max(0.0, late - LAG_TOLERANCE_TTLS * self.ttl)
+        self.deaf += excess
+        if excess > 0:
+            self._deaf_log.append((now, excess))
+        if self._ticked > -float("inf"):
+            self._busy_log.append((now, max(0.0, busy) * (now - self._ticked)))
+        self._ticked = now
+        for log in (self._deaf_log, self._busy_log):
+            while log and now - log[0][0] > self.ttl:
+                log.popleft()
+        self._set_pace(now)
+        listen = self.listening(now)
+        ttl = self.ttl_now
+        hard = MAX_SILENCE_TTLS * ttl
+        wall = now - excess  # this tick's own lateness is nobody's silence either
+        silent = [
+            (wid, m)
+            for wid, m in self.members.items()
+            if listen - m.heard > ttl or wall - m.seen > hard
+        ]
+        storm = len(silent) >= self.storm_min and len(silent) > self.storm_fraction * len(
+            self.members
+        )
+        hold = (1 + HOLD_TTLS) * ttl
+        expired: list[str] = []
+        for wid, m in silent:
+            if wall - m.seen > hard:
+                expired.append(wid)  # whatever the deaf time, the storm or the grace
+            elif listen < self._grace_until or (storm and listen - m.heard <= hold):
+                continue
+            else:
+                expired.append(wid)
+        for wid in expired:
             del self.members[wid]
-        if dead:
+        if expired:
             self.version += 1
-        return dead
+        self.held = len(silent) - len(expired)
+        overloaded = bool(self._deaf_log) or self.held > 0 or self.pace > 1
+        return Tick(expired, self.held, excess, self.pace, overloaded)
+
+    def _set_pace(self, now: float) -> None:
+        """Double the pace while the master is behind because of its own work (see
+        the module doc), halve it after a TTL without that; at most one step per TTL.
+        The TTL stretches at once with a higher pace, and shrinks only one TTL after
+        a lower one (each worker hears of it within an interval)."""
+        deaf = sum(e for _, e in self._deaf_log)
+        busy = sum(c for _, c in self._busy_log) / self.ttl
+        shed = deaf > SHED_DEAF_TTLS * self.ttl and busy > SHED_BUSY
+        if now - self._pace_at >= self.ttl:
+            if shed and self.pace < self.max_pace:
+                self.pace = min(self.max_pace, self.pace * 2)
+                self._pace_at = now
+            elif not shed and self.pace > 1:
+                self._ttl_pace_until = now + self.ttl_now
+                self.pace = max(1.0, self.pace / 2)
+                self._pace_at = now
+        if self.pace >= self._ttl_pace or now >= self._ttl_pace_until:
+            self._ttl_pace = self.pace
+
+    def expire(self, now: float) -> list[str]:
+        """Remove workers silent for longer than the TTL (a :meth:`tick` on time)."""
+        return self.tick(now).expired
 
     def ring_note(self, worker_id: str) -> str:
         """How clients' rings bound live member ``worker_id``, in one sentence for

@@ -8,10 +8,13 @@ With ``--etcd`` several masters elect a leader (see :mod:`kvstore.master.ha`):
 
 - map reads (GetShardMap, WatchShardMap) are served by every master, the
   standbys from their mirror of etcd, so clients need no leader;
-- membership writes (Register, Heartbeat, Leave) that reach a standby are
-  forwarded to the leader; when there is no reachable leader they fail with
-  UNAVAILABLE, the details and the ``kvstore-leader`` trailer naming the leader
-  if one is known, and the worker tries its next master;
+- membership writes (Register, Leave) that reach a standby are forwarded to
+  the leader; when there is no reachable leader they fail with UNAVAILABLE, the
+  details and the ``kvstore-leader`` trailer naming the leader if one is known,
+  and the worker tries its next master;
+- heartbeats (Beats, HeartbeatStream, Heartbeat) are never forwarded: a standby
+  answers UNAVAILABLE with the ``kvstore-leader`` trailer, so a thousand workers
+  looking for a new leader cost a standby one refusal each, not a relay;
 - ClusterStatus on a standby is forwarded too (for live stats), falling back
   to the mirror (membership without stats) when the leader does not answer.
 """
@@ -42,8 +45,10 @@ from ..auth import Tenants
 from ..config import MasterConfig
 from ..errors import InvalidArgument, KVStoreError, to_grpc_code
 from . import drain
+from .beats import BeatSession
+from .feed import MapFeed
 from .guard import TenantGuard
-from .membership import MAX_ID, IdConflict, Membership
+from .membership import MAX_ID, IdConflict, Membership, Tick
 from .probe import address_accepts, address_refuses
 from .snapshot import Layout, Snapshot, encode, restore
 
@@ -60,10 +65,9 @@ TTL_TRAILER = "kvstore-ttl"  # on an IdConflict: the TTL after which a silent id
 LIVE_TRAILER = "kvstore-id-live"  # on an IdConflict: the holder answers at this address
 FORWARD_TIMEOUT = 3.0
 STATUS_FORWARD_TIMEOUT = 1.5
-WATCH_COALESCE_S = 0.1  # bench scale: bounds the watch fan-out under churn
-WATCH_COALESCE_MAX_S = 1.0  # ... and under sustained churn (the gap doubles up to this)
-OVERLOAD_LAG_TTLS = 0.1  # the expiry tick this late (x TTL): the master is behind, see expire_loop
 FAILOVER_GRACE_TTLS = 1.0  # a new leader expires nobody for this many TTLs beyond the first
+FLUSH_GAP_S = 0.05  # membership changes are persisted and published at most this often
+OVERLOAD_LOG_S = 30.0  # at most one overload warning per this long
 
 if TYPE_CHECKING:  # the etcd code is imported only with --etcd
     from .ha import HaCoordinator
@@ -108,21 +112,24 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self.m = members
         self.tls = tls
         self.address = address
-        self.published = members.shard_map()
-        self.changed = asyncio.Condition()
+        self.feed = MapFeed(members.shard_map())
         self.ha: HaCoordinator | None = None
         self._expiry: asyncio.Task[None] | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.namespace_replicas: dict[str, int] = {}  # published in every map
-        self._wire_of: master_pb2.ShardMap | None = None  # the map ``_wire`` serializes
-        self._wire = b""
         self._next_flush: asyncio.Future[None] | None = None  # see _bump
         self._flusher: asyncio.Task[None] | None = None
-        self._grace_until = 0.0  # no expiry before this (monotonic), after a takeover
+        self._flushed_at = -float("inf")  # when the last flush ended
+        self._overload_said = -float("inf")  # when the last overload warning was logged
 
     @property
     def is_leader(self) -> bool:
         return self.ha is None or self.ha.is_leader
+
+    @property
+    def published(self) -> master_pb2.ShardMap:
+        """The map clients see now."""
+        return self.feed.current
 
     # ---- publishing ----------------------------------------------------------
 
@@ -145,6 +152,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     async def _flush_loop(self) -> None:
         while self._next_flush is not None:
+            # at most one write and one published map per FLUSH_GAP_S: a storm of
+            # registrations costs a few dozen of each per second, not one per worker
+            # (each is O(workers): the etcd state, the map, every standby's mirror)
+            wait = self._flushed_at + FLUSH_GAP_S - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
             fut, self._next_flush = self._next_flush, None
             try:
                 if self.ha is not None:
@@ -155,14 +168,11 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                 fut.exception()  # retrieved: a caller that was cancelled logs nothing
             else:
                 fut.set_result(None)
+            self._flushed_at = time.monotonic()
 
     async def _publish(self, m: master_pb2.ShardMap) -> None:
         m.namespace_replicas.update(self.namespace_replicas)
-        self.published = m
-        metrics.MAP_VERSION.set(m.version)
-        metrics.LIVE_WORKERS.set(len(m.workers))
-        async with self.changed:
-            self.changed.notify_all()
+        await self.feed.publish(m)
 
     def _restore(self, snap: Snapshot) -> Membership:
         return restore(
@@ -181,7 +191,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         expires for FAILOVER_GRACE_TTLS more: a thousand workers that lost the old
         leader find this one without a wave of expiries and re-registrations."""
         self.m = self._restore(snap)
-        self._grace_until = time.monotonic() + (1 + FAILOVER_GRACE_TTLS) * self.m.ttl
+        self.m.grace(time.monotonic(), (1 + FAILOVER_GRACE_TTLS) * self.m.ttl)
         await self._publish(self.m.shard_map())
         self.start_expiry()
 
@@ -326,9 +336,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self, request: master_pb2.HeartbeatRequest, context: Ctx
     ) -> master_pb2.HeartbeatResponse:
         if not self.is_leader:
-            return await self._forward(
-                context, lambda s, md: s.Heartbeat(request, timeout=FORWARD_TIMEOUT, metadata=md)
-            )
+            await self._not_leader(context, "heartbeats go to the leader")
         v0 = self.m.version
         try:
             known = self.m.heartbeat(
@@ -340,6 +348,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             )
         except KVStoreError as e:
             await self._refuse(context, "Heartbeat", request.worker_id, e)
+        metrics.HEARTBEATS.inc(known)
         if self.m.version != v0:
             await self._commit(context)
         return master_pb2.HeartbeatResponse(known=known, map_version=self.m.version)
@@ -383,6 +392,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             except KVStoreError as e:
                 metrics.observe_request("heartbeat", to_grpc_code(e).name, 0.0)
                 await self._refuse(context, "Heartbeat", req.worker_id, e)
+            metrics.HEARTBEATS.inc(known)
             if self.m.version != v0:
                 await self._commit(context)
             metrics.observe_request("heartbeat", "OK", time.perf_counter() - t0)
@@ -392,6 +402,36 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             if now - answered >= self.m.ttl:
                 answered = now
                 yield master_pb2.HeartbeatResponse(known=True, map_version=self.m.version)
+
+    async def Beats(
+        self, request_iterator: AsyncIterator[master_pb2.BeatBatch], context: Ctx
+    ) -> AsyncIterator[master_pb2.BeatAnswer]:
+        """Batched heartbeats of the workers on one connection (leader only; see
+        master.proto and :class:`~kvstore.master.beats.BeatSession`). A standby, or a
+        leader that stepped down, ends the stream UNAVAILABLE; a slot number out of
+        range INVALID_ARGUMENT."""
+        if not self.is_leader:
+            await self._not_leader(context, "heartbeats go to the leader")
+        session = BeatSession()
+        while True:
+            req = await context.read()
+            if req is grpc.aio.EOF:  # type: ignore[attr-defined]
+                return
+            assert isinstance(req, master_pb2.BeatBatch)
+            if not self.is_leader:
+                await self._not_leader(context, "stepped down")
+            m, v0 = self.m, self.m.version
+            b0 = m.beats
+            try:
+                answer = session.handle(m, req, time.monotonic())
+            except KVStoreError as e:
+                log.warning("refused a heartbeat batch from %s: %s", context.peer(), e)
+                await context.abort(to_grpc_code(e), str(e))
+            metrics.HEARTBEATS.inc(m.beats - b0)
+            if m.version != v0:
+                await self._commit(context)
+            if answer is not None:
+                yield answer
 
     @observed("leave")
     async def Leave(
@@ -422,36 +462,13 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     async def WatchShardMap(
         self, request: master_pb2.WatchShardMapRequest, context: Ctx
     ) -> AsyncIterator[master_pb2.ShardMap]:
-        known = request.known_version
-        gap = WATCH_COALESCE_S
+        """The current map, then every new version (see :meth:`MapFeed.watch`): as
+        deltas when the request asks for them."""
         try:
-            while True:
-                if self.published.version != known:
-                    current = self.published
-                    known = current.version
-                    yield current
-                    # at most one map per watcher per `gap`: a burst of changes
-                    # (workers re-registering at once) costs one send each. Under
-                    # sustained churn the gap doubles up to WATCH_COALESCE_MAX_S, so
-                    # the fan-out (map size x watchers per send) cannot feed a storm;
-                    # the first change after a quiet gap still goes out at once.
-                    await asyncio.sleep(gap)
-                    churn = self.published.version != known
-                    gap = min(2 * gap, WATCH_COALESCE_MAX_S) if churn else WATCH_COALESCE_S
-                async with self.changed:
-                    await self.changed.wait_for(functools.partial(self._moved_on, known))
+            async for m in self.feed.watch(request.known_version, request.deltas):
+                yield m
         except asyncio.CancelledError:
             return  # the client went away or the master is stopping: not an error
-
-    def map_wire(self, m: master_pb2.ShardMap) -> bytes:
-        """WatchShardMap's serializer: each published map is serialized once, not
-        once per watcher (about 0.16 ms per watcher at 1,000 workers)."""
-        if m is not self._wire_of:
-            self._wire, self._wire_of = m.SerializeToString(), m
-        return self._wire
-
-    def _moved_on(self, known: int) -> bool:
-        return self.published.version != known
 
     @observed("cluster_status")
     async def ClusterStatus(
@@ -479,7 +496,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                 master_pb2.WorkerStatus(
                     info=mem.info,
                     stats=mem.stats,
-                    last_heartbeat_age_s=now - mem.last_seen,
+                    last_heartbeat_age_s=now - mem.seen,
                     draining=mem.draining,
                 )
                 for _, mem in sorted(self.m.members.items())
@@ -553,37 +570,46 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             self._expiry = None
 
     async def expire_loop(self) -> None:
-        """Drop workers silent for longer than the TTL; runs while this master leads.
-
-        A master that is itself behind (this loop woke more than OVERLOAD_LAG_TTLS x
-        TTL late: CPU-starved, its event loop backed up) cannot tell a silent worker
-        from a heartbeat it has not read yet: it expires nobody until one TTL after
-        it caught up, rather than turn its own slowness into a storm of expiries,
-        re-registrations and map pushes. Whatever the grace, a worker silent for
-        (2 + FAILOVER_GRACE_TTLS) TTLs is dropped.
-        """
+        """Tick the membership while this master leads: every TTL/10 it learns how late
+        the tick ran (the master's own lateness, which it does not count as anyone's
+        silence) and how busy the master was (its CPU time), expires the silent, sets
+        the backoff it asks of workers, and alerts (metrics, a warning at most every
+        OVERLOAD_LOG_S) while overloaded. See :mod:`kvstore.master.membership`."""
+        cpu, last = time.process_time(), time.monotonic()
         while True:
             tick = max(0.05, self.m.ttl / 10)
-            t0 = time.monotonic()
+            due = time.monotonic() + tick
             await asyncio.sleep(tick)
-            now = time.monotonic()
-            if now - t0 - tick > OVERLOAD_LAG_TTLS * self.m.ttl:
-                if now >= self._grace_until:
-                    log.warning(
-                        "the master is %.1fs behind: no expiry until it keeps up", now - t0 - tick
-                    )
-                self._grace_until = max(self._grace_until, now + self.m.ttl)
-            if now >= self._grace_until:
-                dead = self.m.expire(now)
-            else:  # in a grace period, yet nobody stays silent in the map for ever
-                dead = self.m.expire(now, (2 + FAILOVER_GRACE_TTLS) * self.m.ttl)
-            if dead:
-                log.warning("workers missed heartbeats, removed: %s", ", ".join(dead))
+            now, cpu_now = time.monotonic(), time.process_time()
+            busy = (cpu_now - cpu) / max(1e-3, now - last)
+            cpu, last = cpu_now, now
+            t = self.m.tick(now, now - due, busy)
+            self._report(t, now - due, now)
+            if t.expired:
+                metrics.WORKERS_EXPIRED.inc(len(t.expired))
+                log.warning("workers missed heartbeats, removed: %s", ", ".join(t.expired))
             if self.m.version != self.published.version:
                 try:
                     await self._bump()
                 except KVStoreError as e:
                     log.warning("could not persist the map: %s", e)
+
+    def _report(self, t: Tick, late: float, now: float) -> None:
+        metrics.MASTER_LAG.set(max(0.0, late))
+        metrics.MASTER_DEAF.inc(t.deaf)
+        metrics.MASTER_OVERLOADED.set(int(t.overloaded))
+        metrics.HEARTBEAT_INTERVAL.set(self.m.heartbeat_interval)
+        metrics.EXPIRIES_HELD.set(t.held)
+        if t.overloaded and now - self._overload_said >= OVERLOAD_LOG_S:
+            self._overload_said = now
+            log.warning(
+                "the master is behind (this tick %.2fs late, %.1fs not counted as silence "
+                "so far): %d silent workers held, heartbeats asked every %.2gs",
+                late,
+                self.m.deaf,
+                t.held,
+                self.m.heartbeat_interval,
+            )
 
     async def close(self) -> None:
         self.stop_expiry()
@@ -609,13 +635,13 @@ class _Capture:
 
 def _add_servicer(servicer: MasterServicer, server: grpc.aio.Server) -> None:
     """``add_MasterServicer_to_server`` with WatchShardMap's serializer replaced by
-    :meth:`MasterServicer.map_wire` (one serialization per map version)."""
+    :meth:`MapFeed.wire` (one serialization per message)."""
     cap = _Capture()
     master_pb2_grpc.add_MasterServicer_to_server(servicer, cap)  # type: ignore[arg-type]
     cap.handlers["WatchShardMap"] = grpc.unary_stream_rpc_method_handler(
         servicer.WatchShardMap,
         request_deserializer=master_pb2.WatchShardMapRequest.FromString,
-        response_serializer=servicer.map_wire,
+        response_serializer=servicer.feed.wire,
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(cap.name, cap.handlers),))
     server.add_registered_method_handlers(cap.name, cap.handlers)  # type: ignore[attr-defined]

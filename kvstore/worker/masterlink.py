@@ -16,15 +16,19 @@ the master refuses another token for an id that is live (FAILED_PRECONDITION).
   answer at another address (trailer ``kvstore-id-live``), that happens at once.
 - ``on_registered`` runs after the first successful registration (the worker
   turns its health to SERVING there).
-- **Heartbeats** go on one long-lived ``HeartbeatStream`` per registration (a
-  message on an open stream costs the master about half of a unary call's CPU);
-  a master without it (UNIMPLEMENTED) gets unary Heartbeat calls instead. When
-  the master answers that it forgot the worker, or ends the stream, the link
-  registers again after a random pause of 0.5-1 heartbeat interval; a standby's
-  UNAVAILABLE names the leader (``kvstore-leader`` trailer), which the link tries
-  next when it is in its master list. Retry delays are jittered (x0.5-1), so
-  workers that lost the same master do not all come back at the same moment.
-  A stream on which the master said nothing for two TTLs is dropped.
+- **Heartbeats** go on one long-lived ``Beats`` stream per registration (see
+  master.proto): the first batch binds the worker's id and token to slot 0, then
+  a beat with nothing new is that slot number alone; stats go along when they
+  changed, at most every STATS_EVERY intervals, and a change of ``draining`` at
+  once. The link beats at the interval the master's answers ask for (it asks for
+  longer ones while it is behind). A master without Beats (UNIMPLEMENTED) gets
+  one ``HeartbeatStream`` message per beat, and one without that unary Heartbeat
+  calls. When the master answers that it forgot the worker, or ends the stream,
+  the link registers again after a random pause of 0.5-1 heartbeat interval; a
+  standby's UNAVAILABLE names the leader (``kvstore-leader`` trailer), which the
+  link tries next when it is in its master list. Retry delays are jittered
+  (x0.5-1), so workers that lost the same master do not all come back at the
+  same moment. A stream on which the master said nothing for two TTLs is dropped.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ TTL_TRAILER = "kvstore-ttl"  # sent by the master with an id conflict (kvstore.m
 LIVE_TRAILER = "kvstore-id-live"  # ... with the holder's address when it answers there
 LEADER_TRAILER = "kvstore-leader"  # sent by a standby master: the leader's address
 DEFAULT_CONFLICT_TTL = 30.0  # when the master did not say its TTL
+STATS_EVERY = 2  # changed stats go along at most every this many heartbeat intervals
+PROTOCOLS = ("beats", "stream", "unary")  # newest first; UNIMPLEMENTED moves to the next
 
 
 class IdInUse(KVStoreError):
@@ -140,7 +146,7 @@ class MasterLink:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self.ever_registered = False
-        self._unary = False  # True after a master without HeartbeatStream answered
+        self.protocol = PROTOCOLS[0]  # the next one after a master answered UNIMPLEMENTED
 
     def start(self) -> None:
         self._thread.start()
@@ -162,6 +168,9 @@ class MasterLink:
         say = Throttle()
         waiting_since: float | None = None
         conflict_until: float | None = None
+        # the last round ended in a refusal: a Register that succeeds then does not
+        # reset the backoff (a bind refused right after it would otherwise loop hot)
+        refused = False
         channel = open_channel(self.masters[idx], self.tls, _CHANNEL_OPTIONS)
         try:
             while not self._stop.is_set():
@@ -193,17 +202,22 @@ class MasterLink:
                             after,
                         )
                         waiting_since = conflict_until = None
-                        backoff.reset()
-                        say.reset()
+                        if not refused:
+                            backoff.reset()
+                            say.reset()
                         if not self.ever_registered:
                             self.ever_registered = True
                             self._on_registered()
-                    if self._unary:
+                    if self.protocol == "unary":
                         registered = self._unary_heartbeat(stub)
                         delay = interval if registered else _jitter(interval)
-                    else:
+                    elif self.protocol == "stream":
                         registered = self._stream_heartbeats(stub, interval, ttl)
                         delay = 0.0 if registered else _jitter(interval)
+                    else:
+                        registered = self._beats(stub, interval, ttl)
+                        delay = 0.0 if registered else _jitter(interval)
+                    refused = False
                 except _Silent as e:  # no answer on the stream for two TTLs
                     registered = False
                     log.warning("%s; reconnecting", e)
@@ -212,23 +226,29 @@ class MasterLink:
                         idx = (idx + 1) % len(self.masters)
                         channel = open_channel(self.masters[idx], self.tls, _CHANNEL_OPTIONS)
                     delay = _jitter(backoff.next())
-                except grpc.RpcError as e:
-                    code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
-                    if code == grpc.StatusCode.UNIMPLEMENTED and not self._unary:
-                        # an older master: still registered, heartbeat with unary calls
-                        log.warning("master %s has no heartbeat stream: unary heartbeats",
-                                    self.masters[idx])  # fmt: skip
-                        self._unary = True
+                except (grpc.RpcError, _Refused) as err:
+                    f = _Failure.of(err)
+                    code = f.code
+                    if (
+                        code == grpc.StatusCode.UNIMPLEMENTED
+                        and registered
+                        and self.protocol != PROTOCOLS[-1]
+                    ):
+                        # an older master: still registered, heartbeat the older way
+                        self.protocol = PROTOCOLS[PROTOCOLS.index(self.protocol) + 1]
+                        how = "unary calls" if self.protocol == "unary" else "stream"
+                        log.warning("master %s is older: heartbeats by %s", self.masters[idx], how)
                         continue
                     registered = False
+                    refused = code == grpc.StatusCode.FAILED_PRECONDITION
                     now = time.monotonic()
                     if waiting_since is None:
                         waiting_since = now
-                    details = (e.details() if isinstance(e, grpc.Call) else "") or str(code)
+                    details = f.details or str(code)
                     if code == grpc.StatusCode.FAILED_PRECONDITION:
                         if conflict_until is None:
-                            conflict_until = now + _conflict_ttl(e) * 1.5 + 1.0
-                        if _trailer(e, LIVE_TRAILER):  # the holder answers: no use waiting
+                            conflict_until = now + f.ttl * 1.5 + 1.0
+                        if f.live_at:  # the holder answers: no use waiting
                             conflict_until = now
                         if not self.ever_registered and now >= conflict_until:
                             self._on_fatal(
@@ -262,7 +282,7 @@ class MasterLink:
                         ):
                             channel.close()
                             # a standby names the leader: go there, else try the next
-                            leader = _trailer(e, LEADER_TRAILER)
+                            leader = f.leader
                             idx = (
                                 self.masters.index(leader)
                                 if leader in self.masters and leader != self.masters[idx]
@@ -280,6 +300,75 @@ class MasterLink:
                     )
         finally:
             channel.close()
+
+    def _beats(self, stub: master_pb2_grpc.MasterStub, interval: float, ttl: float) -> bool:
+        """Heartbeat on one Beats stream (slot 0 is this worker) until ``stop``
+        (returns True: still registered) or until the master answers that it forgot
+        this worker or ends the stream (returns False: register again).
+
+        Beats at the interval the master's answers ask for. Sends nothing while the
+        data plane is not serving (the master then drops the worker within its TTL).
+        Raises grpc.RpcError when the stream fails, _Refused when the master refuses
+        the bind (another instance holds the id), and _Silent when the master said
+        nothing for two TTLs.
+        """
+        done = threading.Event()
+        heard = [time.monotonic()]
+        pace = [interval, ttl]  # what the master asked for last
+        calls: list[Any] = []
+        say = Throttle()
+        silent = [False]
+
+        def batches() -> Iterator[master_pb2.BeatBatch]:
+            bound = False
+            sent: master_pb2.WorkerStats | None = None
+            sent_at = -float("inf")
+            while not done.is_set():
+                if self._serving():
+                    now = time.monotonic()
+                    st = self._stats()
+                    b = master_pb2.BeatBatch()
+                    if not bound:
+                        b.bind.add(slot=0, worker_id=self.worker_id, instance=self.instance)
+                        bound = True
+                    news = sent is None or st.draining != sent.draining
+                    if news or (st != sent and now - sent_at >= STATS_EVERY * pace[0]):
+                        b.changed.add(slot=0, stats=st, draining=st.draining)
+                        sent, sent_at = st, now
+                    elif not b.bind:
+                        b.alive.append(0)
+                    yield b
+                elif say.ready(time.monotonic()):
+                    log.error("the transfer plane is not serving: not heartbeating")
+                if self._stop.wait(pace[0]) or done.is_set():
+                    return
+                if time.monotonic() - heard[0] > 2 * pace[1] and calls:
+                    silent[0] = True
+                    calls[0].cancel()
+                    return
+
+        call = stub.Beats(batches(), metadata=self.md)
+        calls.append(call)
+        try:
+            for resp in call:
+                heard[0] = time.monotonic()
+                if resp.interval_s > 0:
+                    if resp.interval_s != pace[0]:
+                        log.info("the master asks for a heartbeat every %.2gs", resp.interval_s)
+                    pace[0] = resp.interval_s
+                if resp.ttl_s > 0:
+                    pace[1] = resp.ttl_s
+                if resp.refused:
+                    raise _Refused(resp.refused[0])
+                if resp.unknown:
+                    return False
+            return self._stop.is_set()
+        except grpc.RpcError:
+            if silent[0]:
+                raise _Silent(f"the master said nothing for {2 * pace[1]:g}s") from None
+            raise
+        finally:
+            done.set()
 
     def _unary_heartbeat(self, stub: master_pb2_grpc.MasterStub) -> bool:
         """One unary Heartbeat (masters without HeartbeatStream); True if known."""
@@ -340,6 +429,46 @@ class MasterLink:
 
 class _Silent(Exception):
     """The heartbeat stream heard nothing from the master for two TTLs."""
+
+
+class _Refused(Exception):
+    """The master refused this worker's bind on a Beats stream."""
+
+    def __init__(self, refusal: master_pb2.BeatRefusal) -> None:
+        super().__init__(refusal.message)
+        self.refusal = refusal
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    """A failed call to the master, or a refused bind, as the link acts on it."""
+
+    code: grpc.StatusCode
+    details: str
+    ttl: float  # FAILED_PRECONDITION: the master's TTL, after which a silent id is free
+    live_at: str  # FAILED_PRECONDITION: the holder answers there
+    leader: str  # UNAVAILABLE from a standby: the leader's address
+
+    @staticmethod
+    def of(err: grpc.RpcError | _Refused) -> _Failure:
+        if isinstance(err, _Refused):
+            r = err.refusal
+            code = next((c for c in grpc.StatusCode if c.value[0] == r.code), None)
+            return _Failure(
+                code or grpc.StatusCode.UNKNOWN,
+                r.message,
+                r.ttl_s if r.ttl_s > 0 else DEFAULT_CONFLICT_TTL,
+                r.live_at,
+                "",
+            )
+        code = err.code() if isinstance(err, grpc.Call) else grpc.StatusCode.UNKNOWN
+        return _Failure(
+            code,
+            (err.details() if isinstance(err, grpc.Call) else "") or "",
+            _conflict_ttl(err),
+            _trailer(err, LIVE_TRAILER),
+            _trailer(err, LEADER_TRAILER),
+        )
 
 
 def _jitter(delay: float) -> float:

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,32 +29,63 @@ def test_ring_figures_meet_the_goals_at_small_size() -> None:
     assert abs(r["moved_fraction"] - r["left_capacity_share"]) < 0.01
 
 
-def test_bench_scale_tiny(tmp_path: Path) -> None:
-    ha = shutil.which("etcd") is not None
+def _scale(tmp_path: Path, *args: str) -> dict[str, dict[str, Any]]:
     out = subprocess.run(
         [
             *(sys.executable, "-m", "kvstore", "bench", "scale"),
-            *("--workers", "50", "--watchers", "20", "--steady", "2", "--changes", "2"),
+            *("--watchers", "20", "--steady", "2", "--changes", "2"),
             *("--ring-keys", "20000", "--out", str(tmp_path), "--no-plots"),
             *("--json", str(tmp_path / "scale.json")),
-            "--ha" if ha else "--no-ha",
+            *args,
         ],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     doc = json.loads((tmp_path / "scale.json").read_text())
-    runs = {r["mode"]: r for r in doc["runs"]}
-    assert set(runs) == ({"single", "ha"} if ha else {"single"})
-    for r in runs.values():
-        assert r["map_workers"] == 50
-        assert r["delivery_missed"] == 0, "every watcher got every map change"
-        assert r["fail_map_workers"] == 49, "1% (one worker) expired"
-        assert r["return_all_watchers_s"] is not None, "it came back"
-        assert 0 < r["master_cpu_per_s"] < 2
-        assert r["heartbeats_per_s"] > 25
+    return {r["mode"]: r for r in doc["runs"]}
+
+
+def _check(r: dict[str, Any], workers: int) -> None:
+    assert r["map_workers"] == workers
+    assert r["delivery_missed"] == 0, "every watcher got every map change"
+    assert r["fail_map_workers"] == workers - 1, "1% (one worker) expired"
+    assert r["return_all_watchers_s"] is not None, "it came back"
+    assert r["workers_in_map_end"] == workers
+    assert 0 < r["master_cpu_per_s"] < 2
+    assert r["heartbeats_per_s"] > workers / 2
+    assert r["heartbeats_served_ratio"] > 0.9, "the master counted the beats it applied"
+
+
+def test_bench_scale_tiny(tmp_path: Path) -> None:
+    ha = shutil.which("etcd") is not None
+    runs = _scale(
+        tmp_path,
+        *("--workers", "50", "--background-load", "1"),
+        *(("--ha", "--etcd-leases") if ha else ("--no-ha",)),
+    )
+    assert set(runs) == ({"single", "ha", "etcd-leases"} if ha else {"single"})
+    for mode in ("single", "ha") if ha else ("single",):
+        _check(runs[mode], 50)
+        assert runs[mode]["load_average"][0] > 0
     if ha:
         assert runs["ha"]["etcd_total"]["etcd_mvcc_txn_total"] > 0
+        lease = runs["etcd-leases"]
+        assert lease["leases_expired_healthy"] == 0
+        assert lease["keepalives_answered_ratio"] > 0.9
+        assert lease["fail_detected_s"] is not None, "the stopped worker's key went"
     if not ha:
         pytest.skip("etcd is not installed: HA mode not run (scripts/install_etcd.sh)")
+
+
+@pytest.mark.parametrize("protocol", ["stream", "unary"])
+def test_workers_of_the_older_protocols_against_this_master(tmp_path: Path, protocol: str) -> None:
+    """Workers older than Beats (a HeartbeatStream each, or unary calls) and watchers
+    older than deltas (full maps) keep working against this master."""
+    runs = _scale(
+        tmp_path,
+        *("--workers", "20", "--no-ha", "--protocol", protocol),
+        *("--per-connection", "1", "--full-maps"),
+    )
+    _check(runs["single"], 20)

@@ -75,7 +75,7 @@ def test_layout_round_trip_and_diff() -> None:
     assert snap.workers["b"][1] is True, "draining survives a takeover"
     back = restore(snap, ttl=10, replicas=1, cluster_id="c1", now=100.0)
     assert back.shard_map() == m.shard_map()
-    assert all(mem.last_seen == 100.0 for mem in back.members.values()), "a fresh TTL for all"
+    assert all(mem.seen == 100.0 for mem in back.members.values()), "a fresh TTL for all"
     assert back.members["a"].instance == TOKEN_A
     with pytest.raises(IdConflict):  # a new leader still refuses a takeover of a live id
         back.register(_info("a"), TOKEN_B, now=101.0)
@@ -288,23 +288,35 @@ def test_standbys_mirror_forward_and_take_over_on_sigterm(ha: HaCluster) -> None
             lambda: [x.id for x in shard_map(ha.addresses[standby]).workers] == ["fake"],
         )
         assert shard_map(ha.addresses[lead]) == shard_map(ha.addresses[standby])
-        hb = stub.Heartbeat(master_pb2.HeartbeatRequest(worker_id="nobody"), timeout=10)
-        assert not hb.known, "the leader answered: it does not know this worker"
-        # A heartbeat stream is not forwarded: the standby ends it UNAVAILABLE and
-        # names the leader, where the worker goes next.
-        call = stub.HeartbeatStream(
-            iter([master_pb2.HeartbeatRequest(worker_id="fake", instance=TOKEN_A)]), timeout=10
-        )
-        with pytest.raises(grpc.RpcError) as e:
-            next(call)
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert dict(e.value.trailing_metadata() or ())["kvstore-leader"] == ha.addresses[lead]
+        # Heartbeats are never forwarded (a storm of them would load the standby and
+        # the leader twice): a unary heartbeat and both streams end UNAVAILABLE and
+        # name the leader, where the worker goes next.
+        for beat in (
+            lambda: stub.Heartbeat(master_pb2.HeartbeatRequest(worker_id="fake"), timeout=10),
+            lambda: next(
+                stub.HeartbeatStream(
+                    iter([master_pb2.HeartbeatRequest(worker_id="fake", instance=TOKEN_A)]),
+                    timeout=10,
+                )
+            ),
+            lambda: next(
+                stub.Beats(
+                    iter([master_pb2.BeatBatch(alive=[0])]),
+                    timeout=10,
+                )
+            ),
+        ):
+            with pytest.raises(grpc.RpcError) as e:
+                beat()
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            leader_md = dict(cast(grpc.Call, e.value).trailing_metadata() or ())
+            assert leader_md["kvstore-leader"] == ha.addresses[lead]
         with pytest.raises(grpc.RpcError) as e:
             stub.Register(master_pb2.RegisterRequest(worker=master_pb2.WorkerInfo()), timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, "the leader's answer"
         with pytest.raises(grpc.RpcError) as e:  # never forwarded twice
-            stub.Heartbeat(
-                master_pb2.HeartbeatRequest(worker_id="fake"),
+            stub.Leave(
+                master_pb2.LeaveRequest(worker_id="fake", instance=TOKEN_A),
                 timeout=10,
                 metadata=(("kvstore-forwarded", "x"),),
             )
@@ -318,6 +330,8 @@ def test_standbys_mirror_forward_and_take_over_on_sigterm(ha: HaCluster) -> None
     version = shard_map(ha.addresses[lead]).version
     served = requests_by_code(scrape(ha.metrics_ports[standby]))
     assert served[("heartbeat", "UNAVAILABLE")] == 1 and served[("register", "OK")] == 1
+    assert served[("leave", "UNAVAILABLE")] == 1
+    assert gauge(scrape(ha.metrics_ports[standby]), "kvstore_heartbeats_total") == 0
     assert served[("register", "INVALID_ARGUMENT")] == 1, "the leader's code, passed on"
     assert gauge(scrape(ha.metrics_ports[lead]), "kvstore_master_leader") == 1
     assert gauge(scrape(ha.metrics_ports[standby]), "kvstore_master_leader") == 0

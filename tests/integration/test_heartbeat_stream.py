@@ -160,4 +160,10 @@ def test_heartbeat_stream_is_admin_only(make_cluster: MakeCluster, tmp_path: Pat
             with pytest.raises(grpc.RpcError) as e:
                 next(call)
             assert e.value.code() == code
+            batch = master_pb2.BeatBatch()
+            batch.bind.add(slot=0, worker_id=wid, instance=OTHER)
+            batch.changed.add(slot=0, draining=True)
+            with pytest.raises(grpc.RpcError) as e:
+                next(stub.Beats(iter([batch]), metadata=md))
+            assert e.value.code() == code
     assert c.live_worker_ids() == {wid}, "a refused stream changes nothing"

@@ -100,10 +100,12 @@ def test_watchers_get_fewer_maps_under_sustained_churn() -> None:
                 got.append(m.version)
 
         t = asyncio.create_task(watch())
+        bumps = []
         for i in range(125):
             s.m.register(_info(i), "t" * 32, 0.0)
-            await s._bump()
+            bumps.append(asyncio.create_task(s._bump()))
             await asyncio.sleep(0.02)
+        await asyncio.gather(*bumps)
         await asyncio.sleep(1.2)
         t.cancel()
         return got, s.published.version

@@ -75,7 +75,7 @@ def test_wrong_token_heartbeat_and_leave_change_nothing() -> None:
     with pytest.raises(IdConflict):
         m.leave("a", B, now=1)
     assert [w.id for w in m.shard_map().workers] == ["a"] and m.version == v
-    assert m.members["a"].last_seen == 0, "a refused heartbeat does not keep the id alive"
+    assert m.members["a"].seen == 0, "a refused heartbeat does not keep the id alive"
     assert m.heartbeat("a", A, master_pb2.WorkerStats(), now=2)
 
 

@@ -15,7 +15,7 @@ from kvstore.console import make_console
 
 from .. import report
 from .ring import ring_figures
-from .run import ScaleConfig, run_scale
+from .run import PROTOCOLS, ScaleConfig, run_scale
 
 __all__ = ["scale_cmd"]
 
@@ -27,10 +27,33 @@ def _rows(runs: list[dict[str, Any]], ring: dict[str, Any]) -> list[list[str]]:
     rows: list[list[str]] = []
     for r in runs:
         m = r["mode"]
+        if m == "etcd-leases":
+            rows += _lease_rows(r, f)
+            continue
         rows += [
             [f"{m}: workers / watchers", f"{r['map_workers']} / {r['watchers']}", ""],
             [f"{m}: registration of all workers", f(r["register_s"], "{:.2f} s"), ""],
+            [
+                f"{m}: host load average 1 / 5 min (end)",
+                " / ".join(f"{x:.1f}" for x in r.get("load_average", ())[:2]) or "-",
+                "",
+            ],
             [f"{m}: heartbeats/s", f(r["heartbeats_per_s"], "{:.0f}"), ""],
+            [
+                f"{m}: heartbeats served (by the master / sent)",
+                f(100 * r.get("heartbeats_served_ratio", float("nan")), "{:.1f}%"),
+                ">= 95%",
+            ],
+            [
+                f"{m}: heartbeats sent / due at the interval",
+                f(100 * r.get("heartbeats_sent_per_due", float("nan")), "{:.1f}%"),
+                "",
+            ],
+            [
+                f"{m}: workers in the map at the end",
+                f"{r.get('workers_in_map_end', '-')} / {r['workers']}",
+                "all",
+            ],
             [
                 f"{m}: simulator CPU (this process)",
                 f(100 * r["simulator_cpu_per_s"], "{:.0f}%"),
@@ -104,9 +127,30 @@ def _rows(runs: list[dict[str, Any]], ring: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _lease_rows(r: dict[str, Any], f: Any) -> list[list[str]]:
+    m = r["mode"]
+    if "error" in r:
+        return [[m, r["error"], ""]]
+    return [
+        [f"{m}: registration (grant + put)", f(r["register_s"], "{:.2f} s"), ""],
+        [f"{m}: keep-alives/s", f(r["keepalives_per_s"], "{:.0f}"), ""],
+        [f"{m}: keep-alives answered", f(100 * r["keepalives_answered_ratio"], "{:.1f}%"), ""],
+        [f"{m}: etcd CPU", f(100 * r["etcd_cpu_per_s"], "{:.1f}% of a core"), ""],
+        [f"{m}: etcd CPU per keep-alive", f(1e6 * r["etcd_cpu_per_keepalive_s"], "{:.0f} us"), ""],
+        [f"{m}: simulator CPU", f(100 * r["simulator_cpu_per_s"], "{:.0f}%"), ""],
+        [f"{m}: healthy leases expired", str(r["leases_expired_healthy"]), "0"],
+        [
+            f"{m}: {r['fail_count']} stop -> keys gone",
+            f(r["fail_detected_s"], "{:.2f} s"),
+            f"TTL {r['lease_ttl_s']} s",
+        ],
+    ]
+
+
 def _plots(runs: list[dict[str, Any]], ring: dict[str, Any], out: Path, st: str) -> list[Path]:
     plt = report.pyplot()
-    if plt is None:
+    runs = [r for r in runs if r["mode"] != "etcd-leases"]
+    if plt is None or not runs:
         return []
     paths = []
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
@@ -185,10 +229,38 @@ def _plots(runs: list[dict[str, Any]], ring: dict[str, Any], out: Path, st: str)
     help="Keys placed to measure balance and movement.",
 )
 @click.option(
-    "--unary-heartbeats",
-    "unary",
+    "--protocol",
+    type=click.Choice(PROTOCOLS),
+    default="beats",
+    show_default=True,
+    help="How simulated workers heartbeat: beats (one batched stream per connection), "
+    "stream (one HeartbeatStream per worker) or unary (a call per heartbeat); the last "
+    "two are the protocols before Beats.",
+)
+@click.option(
+    "--per-connection",
+    type=click.IntRange(1, 1024),
+    default=10,
+    show_default=True,
+    help="Simulated workers per gRPC connection (1: one process per worker, as on separate hosts).",
+)
+@click.option(
+    "--full-maps",
     is_flag=True,
-    help="Simulated workers heartbeat with one unary call each (the pre-stream protocol).",
+    help="Watchers ask for full maps on every change (clients before map deltas).",
+)
+@click.option(
+    "--background-load",
+    type=click.IntRange(0, 64),
+    default=0,
+    show_default=True,
+    help="Busy processes (CPU spinners) running beside the masters for the whole run.",
+)
+@click.option(
+    "--etcd-leases",
+    is_flag=True,
+    help="Also measure the alternative design: worker leases kept alive in etcd, a "
+    "master only watching (needs etcd).",
 )
 @click.option("--quick", is_flag=True, help="Shorter run: 8 s steady, 6 changes, 1M ring keys.")
 @click.option(
@@ -204,7 +276,8 @@ def _plots(runs: list[dict[str, Any]], ring: dict[str, Any], out: Path, st: str)
 @click.option("--no-plots", is_flag=True)
 def scale_cmd(
     workers: int, watchers: int, heartbeat_s: float, steady_s: float, changes: int, ha: bool,
-    ring_keys: int, unary: bool, quick: bool, out: Path, json_path: Path | None, no_plots: bool,
+    ring_keys: int, protocol: str, per_connection: int, full_maps: bool, background_load: int,
+    etcd_leases: bool, quick: bool, out: Path, json_path: Path | None, no_plots: bool,
 ) -> None:  # fmt: skip
     """The control plane at scale: a real master, simulated workers and watchers."""
     if workers < 2 or watchers < 1 or heartbeat_s <= 0 or steady_s <= 0 or changes < 1:
@@ -216,8 +289,10 @@ def scale_cmd(
             min(ring_keys, 1_000_000),
         )
     cfg = ScaleConfig(
-        workers, watchers, heartbeat_s, steady_s, changes, ring_keys=ring_keys, ha=ha, unary=unary
-    )
+        workers, watchers, heartbeat_s, steady_s, changes, ring_keys=ring_keys, ha=ha,
+        protocol=protocol, per_connection=per_connection, deltas=not full_maps,
+        background_load=background_load, etcd_leases=etcd_leases,
+    )  # fmt: skip
     console = make_console()
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -233,7 +308,7 @@ def scale_cmd(
         ring = ring_figures(workers, ring_keys, cfg.fail_fraction)
         runs = run_scale(cfg, modes=("single", "ha") if ha else ("single",), say=say)
     for r in runs:
-        r.update(heartbeat_s=heartbeat_s, watchers=watchers)
+        r.update(heartbeat_s=heartbeat_s, watchers=watchers, workers=workers)
     st = report.stamp()
     console.print(report.table(f"kvstore bench scale ({report.command_line()})",
                                ["figure", "measured", "goal"], _rows(runs, ring)))  # fmt: skip

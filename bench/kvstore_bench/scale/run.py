@@ -3,15 +3,22 @@
 A real master process (``python -m kvstore master``; with ``--ha`` three masters on
 a real etcd) and, in this process on asyncio, simulated workers and map watchers:
 
-1. ``workers`` simulated workers register and heartbeat at the configured interval
-   (the master's ``--worker-ttl`` is four intervals);
+1. ``workers`` simulated workers (:mod:`.sim`) register and heartbeat at the
+   configured interval (the master's ``--worker-ttl`` is four intervals),
+   ``per_connection`` of them per gRPC connection, by default batched on one Beats
+   stream per connection;
 2. ``watchers`` clients open the Master's WatchShardMap stream (as
-   ``kvstore_client.Client`` does) and time every map version they receive;
+   ``kvstore_client.Client`` does, asking for deltas) and time every map version
+   they receive;
 3. steady state: master CPU seconds per second and per heartbeat (from
    ``/proc/PID/stat``), RSS, map size;
 4. map changes (a worker joins, then leaves): time until each watcher has the new
    map (p50/p99 over watchers and changes, and the time until all have it);
 5. 1% of the workers stop heartbeating at once (expired after the TTL), then return.
+
+With ``background_load`` N busy processes run beside it all (:mod:`.load`); the
+master's own count of heartbeats applied (its metrics endpoint) gives the share of
+the simulated workers' heartbeats that it served.
 
 The client's ring at the same size is measured by :mod:`.ring` (build time, per-key
 lookup, placement balance with mixed capacities, keys moved when 1% of workers leave);
@@ -25,28 +32,37 @@ import asyncio
 import contextlib
 import os
 import random
-import secrets
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import click
 import grpc
 
-from kvstore.cluster import Daemon, Etcd, StartError, spawn, start_etcd
+from kvstore.cluster import Daemon, Etcd, StartError, free_port, spawn, start_etcd
 from kvstore_client.proto import master_pb2, master_pb2_grpc
 
 from .. import report
+from .leases import run_leases
+from .load import BackgroundLoad, heartbeats_served
+from .sim import (
+    CALL_TIMEOUT,
+    SimWorker,
+    Watcher,
+    connection_loop,
+    map_version,
+    sim_info,
+    worker_loop,
+    worker_rpc,
+)
 
-__all__ = ["ScaleConfig", "run_scale", "sim_info", "worker_rpc"]
+__all__ = ["PROTOCOLS", "ScaleConfig", "map_version", "run_scale", "sim_info", "worker_rpc"]
 
-GIB = 1 << 30
-PER_CHANNEL = 10  # simulated workers (or watchers) per gRPC connection
-WATCH_METHOD = "/kvstore.v1.Master/WatchShardMap"
-CALL_TIMEOUT = 30.0  # the bench's own calls; a master on a loaded host can take seconds
+PER_CHANNEL = 10  # watchers per gRPC connection
+PROTOCOLS = ("beats", "stream", "unary")  # how the simulated workers heartbeat
 
 
 @dataclass(slots=True)
@@ -60,156 +76,13 @@ class ScaleConfig:
     fail_fraction: float = 0.01
     ring_keys: int = 2_000_000
     ha: bool = True
-    unary: bool = False  # heartbeats as unary calls (the old protocol) instead of streams
-
-
-# ---------------------------------------------------------------- simulated workers
-
-
-@dataclass(slots=True)
-class SimWorker:
-    """One simulated worker: what it registers and whether it heartbeats."""
-
-    info: master_pb2.WorkerInfo
-    stub: master_pb2_grpc.MasterAsyncStub
-    paused: bool = False
-    heartbeats: int = 0
-    registers: int = 0
-    # Each worker process binds its registration to a random instance token.
-    instance: str = field(default_factory=lambda: secrets.token_hex(16))
-
-
-def sim_info(i: int, tag: str = "sim") -> master_pb2.WorkerInfo:
-    """A plausible WorkerInfo for simulated worker ``i`` (mixed capacities)."""
-    port = 20000 + i
-    return master_pb2.WorkerInfo(
-        id=f"{tag}-{i:05d}",
-        grpc=f"10.0.{i // 250}.{i % 250}:{port}",
-        endpoints=[f"tcp://10.0.{i // 250}.{i % 250}:{port + 1}"],
-        capacity_bytes=[64, 128, 256][i % 3] * GIB,
-        max_value_bytes=16 << 20,
-        host_id=f"host-{i // 2:05d}",
-        version="sim",
-    )
-
-
-async def worker_rpc(w: SimWorker, *, register: bool) -> int:
-    """The one place a simulated worker talks to the master: Register when
-    ``register`` (or when a heartbeat finds the worker forgotten), else Heartbeat.
-    Returns the map version the master answered with."""
-    if not register:
-        hb = await w.stub.Heartbeat(
-            master_pb2.HeartbeatRequest(
-                worker_id=w.info.id, stats=master_pb2.WorkerStats(), instance=w.instance
-            ),
-            timeout=CALL_TIMEOUT,
-        )
-        w.heartbeats += 1
-        if hb.known:
-            return int(hb.map_version)
-    reg = await w.stub.Register(
-        master_pb2.RegisterRequest(worker=w.info, instance=w.instance), timeout=CALL_TIMEOUT
-    )
-    w.registers += 1
-    return int(reg.map_version)
-
-
-async def _heartbeat_loop(w: SimWorker, interval: float, unary: bool = False) -> None:
-    """Heartbeat as ``kvstore.worker.masterlink`` does: on one HeartbeatStream (or,
-    with ``unary``, one Heartbeat call each); when the master forgot the worker (it
-    expired while paused), register again after a jittered pause and reopen."""
-    await asyncio.sleep(random.random() * interval)  # spread the phases
-    while True:
-        if unary:
-            nxt = time.monotonic()
-            while True:
-                nxt += interval
-                if not w.paused:
-                    with contextlib.suppress(grpc.aio.AioRpcError):
-                        await worker_rpc(w, register=False)
-                await asyncio.sleep(max(0.0, nxt - time.monotonic()))
-        call = w.stub.HeartbeatStream()  # type: ignore[call-arg]
-        reader = asyncio.create_task(_read_answers(call))
-        try:
-            nxt = time.monotonic()
-            while not reader.done():
-                if not w.paused:
-                    await call.write(
-                        master_pb2.HeartbeatRequest(
-                            worker_id=w.info.id, stats=master_pb2.WorkerStats(), instance=w.instance
-                        )
-                    )
-                    w.heartbeats += 1
-                nxt += interval
-                await asyncio.wait([reader], timeout=max(0.0, nxt - time.monotonic()))
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-            pass
-        finally:
-            call.cancel()
-            reader.cancel()
-        await asyncio.sleep(interval * (0.5 + random.random() / 2))
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            await worker_rpc(w, register=True)
-
-
-async def _read_answers(call: Any) -> None:
-    """Returns when the master says it forgot the worker or the stream ends."""
-    with contextlib.suppress(grpc.aio.AioRpcError):
-        async for resp in call:
-            if not resp.known:
-                return
-
-
-# ---------------------------------------------------------------- watchers
-
-
-def map_version(raw: bytes) -> int:
-    """The version (field 1, the first one serialized) of a serialized ShardMap."""
-    if not raw or raw[0] != 0x08:
-        return 0
-    v, shift = 0, 0
-    for b in raw[1:11]:
-        v |= (b & 0x7F) << shift
-        if b < 0x80:
-            return v
-        shift += 7
-    return 0
-
-
-@dataclass(slots=True)
-class Watcher:
-    """A watch stream; records (version, arrival time) without parsing the map,
-    so that the simulator stays cheap (a real client also builds its ring)."""
-
-    seen: list[tuple[int, float]] = field(default_factory=list)
-    bytes: int = 0
-
-    @property
-    def version(self) -> int:
-        return self.seen[-1][0] if self.seen else 0
-
-    def first_at_least(self, v: int) -> float | None:
-        for ver, t in self.seen:
-            if ver >= v:
-                return t
-        return None
-
-    async def run(self, channel: grpc.aio.Channel) -> None:
-        call = channel.unary_stream(
-            WATCH_METHOD,
-            request_serializer=master_pb2.WatchShardMapRequest.SerializeToString,
-            response_deserializer=None,
-        )
-        while True:
-            try:
-                async for raw in call(master_pb2.WatchShardMapRequest(known_version=self.version)):
-                    self.seen.append((map_version(raw), time.monotonic()))
-                    self.bytes += len(raw)
-            except grpc.aio.AioRpcError:
-                await asyncio.sleep(0.2)
-
-
-# ---------------------------------------------------------------- processes
+    # beats: one Beats stream per connection; stream: a HeartbeatStream per worker;
+    # unary: a Heartbeat call per beat (the protocols before Beats)
+    protocol: str = "beats"
+    per_connection: int = 10  # simulated workers per gRPC connection
+    deltas: bool = True  # watchers ask for map deltas (False: full maps, older clients)
+    etcd_leases: bool = False  # also measure worker leases in etcd (see .leases)
+    background_load: int = 0  # busy processes beside the run (see .load)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -245,18 +118,22 @@ def _start_etcd(workdir: Path) -> Etcd:
 @contextlib.contextmanager
 def masters(
     cfg: ScaleConfig, workdir: Path, ha: bool
-) -> Iterator[tuple[list[Daemon], Etcd | None]]:
-    """One in-memory master, or an etcd and three HA masters."""
+) -> Iterator[tuple[list[Daemon], Etcd | None, list[str]]]:
+    """One in-memory master, or an etcd and three HA masters; with their metrics URLs."""
     ttl = f"{4 * cfg.heartbeat_s:g}s"
     etcd = _start_etcd(workdir) if ha else None
     ds: list[Daemon] = []
+    urls: list[str] = []
     try:
         for i in range(3 if ha else 1):
+            mport = free_port()
             args = ["--host", "127.0.0.1", "--port", "0", "--worker-ttl", ttl]
+            args += ["--metrics-port", str(mport)]
             if etcd is not None:
                 args += ["--etcd", etcd.url]
             ds.append(spawn("master", args, log_path=str(workdir / f"master{i}.log")))
-        yield ds, etcd
+            urls.append(f"http://127.0.0.1:{mport}/metrics")
+        yield ds, etcd, urls
     finally:
         for d in ds:
             d.stop()
@@ -330,43 +207,62 @@ class _Sampler:
             await asyncio.sleep(self.every)
 
 
+async def _served(urls: tuple[str, ...]) -> float:
+    return await asyncio.to_thread(heartbeats_served, urls)
+
+
 async def _run_mode(
-    cfg: ScaleConfig, addrs: list[str], pids: list[int], etcd: Etcd | None, say: Any
+    cfg: ScaleConfig,
+    addrs: list[str],
+    pids: list[int],
+    etcd: Etcd | None,
+    say: Any,
+    metric_urls: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     mode = "ha" if etcd is not None else "single"
     lead = await _leader(addrs) if etcd is not None else 0
     res: dict[str, Any] = {"mode": mode, "masters": len(addrs), "leader": lead}
     sampler = _Sampler(pids)
     tasks: list[asyncio.Task[Any]] = [asyncio.create_task(sampler.run())]
-    wchans = [_channel(addrs[lead]) for _ in range(max(1, -(-cfg.workers // PER_CHANNEL)))]
+    per = max(1, cfg.per_connection)
+    wchans = [_channel(addrs[lead]) for _ in range(-(-cfg.workers // per))]
     sims = [
-        SimWorker(sim_info(i), master_pb2_grpc.MasterStub(wchans[i % len(wchans)]))
+        SimWorker(sim_info(i), master_pb2_grpc.MasterStub(wchans[i // per]))
         for i in range(cfg.workers)
     ]
     etcd0 = etcd.metric(ETCD_METRICS) if etcd is not None else {}
     t_start = time.monotonic()
 
-    # 1. registration storm
+    # 1. registration storm; each worker heartbeats from its registration on
     say(f"{mode}: {cfg.workers} workers register")
     sem = asyncio.Semaphore(64)
+    served0 = await _served(metric_urls)
+    if cfg.protocol == "beats":
+        conns = [sims[i : i + per] for i in range(0, len(sims), per)]
+        tasks += [asyncio.create_task(connection_loop(c, cfg.heartbeat_s)) for c in conns]
 
     async def reg(w: SimWorker) -> None:
         async with sem:
             await worker_rpc(w, register=True)
+        if cfg.protocol != "beats":
+            unary = cfg.protocol == "unary"
+            tasks.append(asyncio.create_task(worker_loop(w, cfg.heartbeat_s, unary)))
 
     c0 = sampler.sample()
     await asyncio.gather(*(reg(w) for w in sims))
     c1 = sampler.sample()
     res["register_s"] = c1[0] - c0[0]
     res["register_cpu_s"] = sum(c1[1]) - sum(c0[1])
-    tasks += [asyncio.create_task(_heartbeat_loop(w, cfg.heartbeat_s, cfg.unary)) for w in sims]
+    sent_reg, t_reg = sum(w.heartbeats for w in sims), time.monotonic()
 
     # 2. watchers, spread over the masters
     say(f"{mode}: {cfg.watchers} watchers connect")
-    per = max(1, -(-cfg.watchers // PER_CHANNEL))
-    vchans = [_channel(addrs[i % len(addrs)]) for i in range(per)]
+    nv = max(1, -(-cfg.watchers // PER_CHANNEL))
+    vchans = [_channel(addrs[i % len(addrs)]) for i in range(nv)]
     watchers = [Watcher() for _ in range(cfg.watchers)]
-    tasks += [asyncio.create_task(w.run(vchans[i % per])) for i, w in enumerate(watchers)]
+    tasks += [
+        asyncio.create_task(w.run(vchans[i % nv], cfg.deltas)) for i, w in enumerate(watchers)
+    ]
     async with _channel(addrs[lead]) as ch:
         stub = master_pb2_grpc.MasterStub(ch)
         first = await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=CALL_TIMEOUT)
@@ -380,14 +276,17 @@ async def _run_mode(
         # 3. steady state
         say(f"{mode}: steady state {cfg.steady_s:.0f}s")
         await asyncio.sleep(min(2.0, cfg.steady_s / 4))
+        e0 = etcd.metric(ETCD_METRICS) if etcd is not None else {}
+        sv0 = await _served(metric_urls)
         hb0 = sum(w.heartbeats for w in sims)
         p0 = time.process_time()
         s0 = sampler.sample()
-        e0 = etcd.metric(ETCD_METRICS) if etcd is not None else {}
         await asyncio.sleep(cfg.steady_s)
         s1 = sampler.sample()
-        e1 = etcd.metric(ETCD_METRICS) if etcd is not None else {}
         hbs = sum(w.heartbeats for w in sims) - hb0
+        sv1 = await _served(metric_urls)
+        e1 = etcd.metric(ETCD_METRICS) if etcd is not None else {}
+        res["heartbeats_served_steady_ratio"] = (sv1 - sv0) / hbs if hbs else float("nan")
         dt = s1[0] - s0[0]
         cpu = [b - a for a, b in zip(s0[1], s1[1], strict=True)]
         res["steady_s"] = dt
@@ -479,6 +378,19 @@ async def _run_mode(
             await _until(lambda: all(w.version >= final for w in watchers), 10)
         res["return_all_watchers_s"] = time.monotonic() - tr if ok else float("nan")
         await asyncio.sleep(1.0)
+        end = await stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=CALL_TIMEOUT)
+        res["workers_in_map_end"] = len(end.workers)
+        sent, end_t = sum(w.heartbeats for w in sims), time.monotonic()
+        served = await _served(metric_urls) - served0
+        # served: what the master applied / what the simulated workers sent (from the
+        # registrations to the end of the run); due: what they sent after all had
+        # registered / one per unpaused worker and interval over that time (below 1
+        # when the simulator or a master's backoff slowed the beats down)
+        res["heartbeats_sent"] = sent
+        res["heartbeats_served"] = served
+        res["heartbeats_served_ratio"] = served / sent if sent else float("nan")
+        worker_s = cfg.workers * (end_t - t_reg) - n_fail * (tr - tf)
+        res["heartbeats_sent_per_due"] = (sent - sent_reg) / (worker_s / cfg.heartbeat_s)
 
     s_end = sampler.sample()
     res["total_s"] = s_end[0] - t_start
@@ -501,14 +413,25 @@ async def _run_mode(
 
 
 def run_scale(cfg: ScaleConfig, *, modes: tuple[str, ...], say: Any) -> list[dict[str, Any]]:
-    """Run the control-plane scenario once per mode ("single", "ha")."""
+    """Run the control-plane scenario once per mode ("single", "ha"), then with
+    ``cfg.etcd_leases`` the lease design (:mod:`.leases`), with
+    ``cfg.background_load`` busy processes beside it all the whole time."""
     out = []
-    for mode in modes:
-        with (
-            tempfile.TemporaryDirectory(prefix="kvscale-") as tmp,
-            masters(cfg, Path(tmp), mode == "ha") as (ds, etcd),
-        ):
-            out.append(
-                asyncio.run(_run_mode(cfg, [d.address for d in ds], [d.pid for d in ds], etcd, say))
-            )
+    with BackgroundLoad(cfg.background_load):
+        for mode in modes:
+            with (
+                tempfile.TemporaryDirectory(prefix="kvscale-") as tmp,
+                masters(cfg, Path(tmp), mode == "ha") as (ds, etcd, urls),
+            ):
+                addrs, pids = [d.address for d in ds], [d.pid for d in ds]
+                res = asyncio.run(_run_mode(cfg, addrs, pids, etcd, say, tuple(urls)))
+                res["load_average"] = os.getloadavg()
+                out.append(res)
+        if cfg.etcd_leases:
+            res = run_leases(
+                cfg.workers, cfg.per_connection, cfg.heartbeat_s, cfg.steady_s,
+                cfg.fail_fraction, say,
+            )  # fmt: skip
+            res["load_average"] = os.getloadavg()
+            out.append(res)
     return out

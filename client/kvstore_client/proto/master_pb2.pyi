@@ -243,7 +243,7 @@ class HeartbeatResponse(_message.Message):
 Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
 
 @_typing.final
-class LeaveRequest(_message.Message):
+class BeatBind(_message.Message):
     """Heartbeats on one long-lived stream per worker (HeartbeatStream): each request
     is handled as a Heartbeat call would be, but the master answers only
      - the first heartbeat of the stream,
@@ -256,9 +256,189 @@ class LeaveRequest(_message.Message):
     ends it with FAILED_PRECONDITION. All heartbeats of one stream must name the
     same worker id and instance (INVALID_ARGUMENT otherwise).
     A unary call costs the master ~0.7 ms of CPU in grpc; a message on an open
-    stream a small fraction of that.
+    stream a small fraction of that; Beats (below) one message per connection for
+    all the workers on it.
+
+    Heartbeats v2 (Beats): one stream per connection carries the beats of every
+    worker that uses it, and a beat with nothing new is one varint. On a stream the
+    sender names each worker once (a bind: its id and instance token, checked as a
+    Heartbeat's are) under a small number of its choosing, the slot; afterwards a
+    slot number in `alive` is that worker's beat, and `changed` carries news (new
+    stats, draining). A bind, an alive slot and a change each count as one beat.
+
+    The master answers
+     - the first batch of the stream, and batches naming slots it must refuse
+       (`refused`, e.g. FAILED_PRECONDITION for another instance's token: the stream
+       goes on for the other slots) or does not know (`unknown`: those workers were
+       forgotten and must Register again, then bind again on the same stream);
+     - whenever the interval it asks for changes (`interval_s`, its backoff when it
+       is behind: the workers beat at that interval from then on; the TTL is
+       stretched before anyone slows down),
+     - and otherwise at most once per `ttl_s` (a sign of life: a sender that hears
+       nothing for two TTLs drops the stream and reconnects).
+    A standby master, or a leader that steps down, ends the stream with UNAVAILABLE
+    (and the `kvstore-leader` trailer when it knows the leader). At most 1,024 slots
+    per stream, slot numbers below 1,024 (INVALID_ARGUMENT otherwise).
     """
 
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SLOT_FIELD_NUMBER: _builtins.int
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    slot: _builtins.int
+    worker_id: _builtins.str
+    instance: _builtins.str
+    def __init__(
+        self,
+        *,
+        slot: _builtins.int = ...,
+        worker_id: _builtins.str = ...,
+        instance: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "slot", b"slot", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeatBind: _TypeAlias = BeatBind  # noqa: Y015
+
+@_typing.final
+class BeatChange(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SLOT_FIELD_NUMBER: _builtins.int
+    STATS_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    slot: _builtins.int
+    draining: _builtins.bool
+    """the worker drains: it leaves the map at once"""
+    @_builtins.property
+    def stats(self) -> Global___WorkerStats:
+        """set: the worker's stats changed"""
+
+    def __init__(
+        self,
+        *,
+        slot: _builtins.int = ...,
+        stats: Global___WorkerStats | None = ...,
+        draining: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "slot", b"slot", "stats", b"stats"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeatChange: _TypeAlias = BeatChange  # noqa: Y015
+
+@_typing.final
+class BeatBatch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BIND_FIELD_NUMBER: _builtins.int
+    ALIVE_FIELD_NUMBER: _builtins.int
+    CHANGED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def bind(self) -> _containers.RepeatedCompositeFieldContainer[Global___BeatBind]:
+        """(re)binds slots on this stream; each is a beat too"""
+
+    @_builtins.property
+    def alive(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """slots with nothing new (packed: a byte or two each)"""
+
+    @_builtins.property
+    def changed(self) -> _containers.RepeatedCompositeFieldContainer[Global___BeatChange]:
+        """slots with news"""
+
+    def __init__(
+        self,
+        *,
+        bind: _abc.Iterable[Global___BeatBind] | None = ...,
+        alive: _abc.Iterable[_builtins.int] | None = ...,
+        changed: _abc.Iterable[Global___BeatChange] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "bind", b"bind", "changed", b"changed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeatBatch: _TypeAlias = BeatBatch  # noqa: Y015
+
+@_typing.final
+class BeatRefusal(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SLOT_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    LIVE_AT_FIELD_NUMBER: _builtins.int
+    slot: _builtins.int
+    code: _builtins.int
+    """a grpc status code, as the unary call would have ended"""
+    message: _builtins.str
+    ttl_s: _builtins.float
+    """FAILED_PRECONDITION: the TTL after which a silent id is free"""
+    live_at: _builtins.str
+    """FAILED_PRECONDITION: the holder answers at this address"""
+    def __init__(
+        self,
+        *,
+        slot: _builtins.int = ...,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        ttl_s: _builtins.float = ...,
+        live_at: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "live_at", b"live_at", "message", b"message", "slot", b"slot", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeatRefusal: _TypeAlias = BeatRefusal  # noqa: Y015
+
+@_typing.final
+class BeatAnswer(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    UNKNOWN_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
+    INTERVAL_S_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    MAP_VERSION_FIELD_NUMBER: _builtins.int
+    interval_s: _builtins.float
+    """beat every interval_s from now on"""
+    ttl_s: _builtins.float
+    map_version: _builtins.int
+    @_builtins.property
+    def unknown(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """forgotten: Register again, then bind again"""
+
+    @_builtins.property
+    def refused(self) -> _containers.RepeatedCompositeFieldContainer[Global___BeatRefusal]: ...
+    def __init__(
+        self,
+        *,
+        unknown: _abc.Iterable[_builtins.int] | None = ...,
+        refused: _abc.Iterable[Global___BeatRefusal] | None = ...,
+        interval_s: _builtins.float = ...,
+        ttl_s: _builtins.float = ...,
+        map_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["interval_s", b"interval_s", "map_version", b"map_version", "refused", b"refused", "ttl_s", b"ttl_s", "unknown", b"unknown"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeatAnswer: _TypeAlias = BeatAnswer  # noqa: Y015
+
+@_typing.final
+class LeaveRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WORKER_ID_FIELD_NUMBER: _builtins.int
@@ -333,12 +513,20 @@ class ShardMap(_message.Message):
     REPLICAS_FIELD_NUMBER: _builtins.int
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
     NAMESPACE_REPLICAS_FIELD_NUMBER: _builtins.int
+    BASE_VERSION_FIELD_NUMBER: _builtins.int
+    REMOVED_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     vnodes_per_gib: _builtins.int
     """virtual nodes per GiB of capacity"""
     replicas: _builtins.int
     """copies of each block by default (the master's --replicas)"""
     cluster_id: _builtins.str
+    base_version: _builtins.int
+    """A delta (only on a watch that asked for them, WatchShardMapRequest.deltas): not 0,
+    the version this map is to be applied to; `workers` then holds only the workers
+    that joined or changed since, `removed` the ids that left, and the other fields
+    are whole. 0: a full map.
+    """
     @_builtins.property
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerInfo]: ...
     @_builtins.property
@@ -347,6 +535,8 @@ class ShardMap(_message.Message):
         longest matching prefix wins over `replicas`; a client call's own count wins over both.
         """
 
+    @_builtins.property
+    def removed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -356,10 +546,12 @@ class ShardMap(_message.Message):
         replicas: _builtins.int = ...,
         cluster_id: _builtins.str = ...,
         namespace_replicas: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        base_version: _builtins.int = ...,
+        removed: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "namespace_replicas", b"namespace_replicas", "replicas", b"replicas", "version", b"version", "vnodes_per_gib", b"vnodes_per_gib", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "cluster_id", b"cluster_id", "namespace_replicas", b"namespace_replicas", "removed", b"removed", "replicas", b"replicas", "version", b"version", "vnodes_per_gib", b"vnodes_per_gib", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -385,15 +577,23 @@ class WatchShardMapRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     KNOWN_VERSION_FIELD_NUMBER: _builtins.int
+    DELTAS_FIELD_NUMBER: _builtins.int
     known_version: _builtins.int
+    deltas: _builtins.bool
+    """The client applies deltas (ShardMap.base_version): after the first map, each new
+    version comes as the change from the one before it on this stream, and the first
+    too when known_version is one the master still remembers. A master that predates
+    deltas ignores this and sends full maps, which such a client also takes.
+    """
     def __init__(
         self,
         *,
         known_version: _builtins.int = ...,
+        deltas: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["known_version", b"known_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deltas", b"deltas", "known_version", b"known_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -49,6 +49,11 @@ class MasterStub:
                 request_serializer=master__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=master__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Beats = channel.stream_stream(
+                '/kvstore.v1.Master/Beats',
+                request_serializer=master__pb2.BeatBatch.SerializeToString,
+                response_deserializer=master__pb2.BeatAnswer.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/kvstore.v1.Master/Leave',
                 request_serializer=master__pb2.LeaveRequest.SerializeToString,
@@ -93,6 +98,13 @@ class MasterServicer:
 
     def HeartbeatStream(self, request_iterator, context):
         """The same heartbeats on one stream per worker (see HeartbeatResponse above).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Beats(self, request_iterator, context):
+        """Batched heartbeats of every worker on a connection (see BeatBatch above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -146,6 +158,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.HeartbeatStream,
                     request_deserializer=master__pb2.HeartbeatRequest.FromString,
                     response_serializer=master__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Beats': grpc.stream_stream_rpc_method_handler(
+                    servicer.Beats,
+                    request_deserializer=master__pb2.BeatBatch.FromString,
+                    response_serializer=master__pb2.BeatAnswer.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
@@ -254,6 +271,33 @@ class Master:
             '/kvstore.v1.Master/HeartbeatStream',
             master__pb2.HeartbeatRequest.SerializeToString,
             master__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Beats(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvstore.v1.Master/Beats',
+            master__pb2.BeatBatch.SerializeToString,
+            master__pb2.BeatAnswer.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,6 +38,8 @@ class MasterStub:
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_master_pb2.HeartbeatRequest, _master_pb2.HeartbeatResponse]
     HeartbeatStream: _grpc.StreamStreamMultiCallable[_master_pb2.HeartbeatRequest, _master_pb2.HeartbeatResponse]
     """The same heartbeats on one stream per worker (see HeartbeatResponse above)."""
+    Beats: _grpc.StreamStreamMultiCallable[_master_pb2.BeatBatch, _master_pb2.BeatAnswer]
+    """Batched heartbeats of every worker on a connection (see BeatBatch above)."""
     Leave: _grpc.UnaryUnaryMultiCallable[_master_pb2.LeaveRequest, _master_pb2.LeaveResponse]
     GetShardMap: _grpc.UnaryUnaryMultiCallable[_master_pb2.GetShardMapRequest, _master_pb2.ShardMap]
     WatchShardMap: _grpc.UnaryStreamMultiCallable[_master_pb2.WatchShardMapRequest, _master_pb2.ShardMap]
@@ -52,6 +54,8 @@ class MasterAsyncStub(MasterStub):
     Heartbeat: _aio.UnaryUnaryMultiCallable[_master_pb2.HeartbeatRequest, _master_pb2.HeartbeatResponse]  # type: ignore[assignment]
     HeartbeatStream: _aio.StreamStreamMultiCallable[_master_pb2.HeartbeatRequest, _master_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """The same heartbeats on one stream per worker (see HeartbeatResponse above)."""
+    Beats: _aio.StreamStreamMultiCallable[_master_pb2.BeatBatch, _master_pb2.BeatAnswer]  # type: ignore[assignment]
+    """Batched heartbeats of every worker on a connection (see BeatBatch above)."""
     Leave: _aio.UnaryUnaryMultiCallable[_master_pb2.LeaveRequest, _master_pb2.LeaveResponse]  # type: ignore[assignment]
     GetShardMap: _aio.UnaryUnaryMultiCallable[_master_pb2.GetShardMapRequest, _master_pb2.ShardMap]  # type: ignore[assignment]
     WatchShardMap: _aio.UnaryStreamMultiCallable[_master_pb2.WatchShardMapRequest, _master_pb2.ShardMap]  # type: ignore[assignment]
@@ -81,6 +85,14 @@ class MasterServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_master_pb2.HeartbeatResponse], _abc.AsyncIterator[_master_pb2.HeartbeatResponse]]:
         """The same heartbeats on one stream per worker (see HeartbeatResponse above)."""
+
+    @_abc_1.abstractmethod
+    def Beats(
+        self,
+        request_iterator: _MaybeAsyncIterator[_master_pb2.BeatBatch],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_master_pb2.BeatAnswer], _abc.AsyncIterator[_master_pb2.BeatAnswer]]:
+        """Batched heartbeats of every worker on a connection (see BeatBatch above)."""
 
     @_abc_1.abstractmethod
     def Leave(
