@@ -163,6 +163,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         async with self.changed:
             self.changed.notify_all()
 
+    async def republish(self) -> None:
+        """Publish the current map again (at start: the metrics and the watchers)."""
+        await self._publish(self.published)
+
     def _restore(self, snap: Snapshot) -> Membership:
         return restore(
             snap,
@@ -638,7 +642,7 @@ async def serve(cfg: MasterConfig) -> int:
     await hs.set("", health_pb2.HealthCheckResponse.SERVING)
     await hs.set("kvstore.v1.Master", health_pb2.HealthCheckResponse.SERVING)
     metrics.serve(cfg.metrics_port, cfg.host)
-    await servicer._publish(servicer.published)
+    await servicer.republish()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -237,7 +237,7 @@ class Worker:
             raise
         self._undo = undo.pop_all()
 
-    def _abort(self) -> None:
+    def abort(self) -> None:
         """Undo a start that failed: close listeners, the hand-over socket and the arena."""
         self._undo.close()
         self.arena.close()
@@ -376,7 +376,7 @@ def run(cfg: WorkerConfig) -> int:
     try:
         w.start()
     except BaseException:
-        w._abort()
+        w.abort()
         raise
     stopping = procs.StopSignals()
     ep = w.endpoints
