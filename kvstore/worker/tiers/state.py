@@ -74,7 +74,8 @@ from .ssdindex import SsdIndex
 R = TypeVar("R")
 
 _SCALAR_KEYS = 16  # shorter lookups probe key by key (cheaper than one numpy pass)
-_YIELD_ROUNDS = 8  # retained blocks asked to yield room for one new block, at most
+_YIELD_ROUNDS = 8
+_WALK_CUTS = st.WalkCuts()  # retained blocks asked to yield room for one new block, at most
 
 
 class TierState:
@@ -126,6 +127,7 @@ class TierState:
             session_share=session_share,
             session_order=session_order,
         )
+        self._sessions = self.policy.sessions
         self.ssd_size = ssd_size
         self.ssd_index: SsdIndex = self.policy.ssd
         self.staged: dict[st.Key, Staged] = {}
@@ -211,8 +213,8 @@ class TierState:
         else:
             reply = None
             self._follow(self.policy.handle(stim))
-        if self.policy.sessions.cutting:  # chains cut by blocks lost meanwhile
-            out.append(st.WalkCuts())
+        if self._sessions.cutting:  # chains cut by blocks lost meanwhile
+            out.append(_WALK_CUTS)
         return reply, out
 
     # ---- what the instructions say ---------------------------------------------------

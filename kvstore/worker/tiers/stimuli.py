@@ -48,7 +48,7 @@ class Stimulus(Generic[R]):
 # ---- the data path -------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Present(Stimulus[npt.NDArray[np.bool_]]):
     """exists: per key, is it held in DRAM, a staged copy or on SSD (no LRU change)."""
 
@@ -56,7 +56,7 @@ class Present(Stimulus[npt.NDArray[np.bool_]]):
     keys: Sequence[bytes]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LeadingRun(Stimulus[int]):
     """match_prefix: how many leading keys are present (no LRU change)."""
 
@@ -64,7 +64,7 @@ class LeadingRun(Stimulus[int]):
     keys: Sequence[bytes]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Sizes(Stimulus[int]):
     """Payload bytes a read of ``keys`` would return (duplicates counted), pinning nothing."""
 
@@ -72,7 +72,7 @@ class Sizes(Stimulus[int]):
     keys: Sequence[bytes]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Reserve(Stimulus[list[Block | ResourceExhausted | None]]):
     """A put's first phase: per key a reserved Block, None (already present) or
     ResourceExhausted (QuotaExceeded; SessionShareFull only when ``hinted``)."""
@@ -85,7 +85,7 @@ class Reserve(Stimulus[list[Block | ResourceExhausted | None]]):
     now: float | None = None  # the clock, for retained blocks asked to yield room
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Commit(Stimulus[list[bool]]):
     """A put's second phase for one slice: commit the blocks whose bytes arrived
     intact (``ok``), abort the others; ``checksums``: given only now (FLAG_LATE_SUM).
@@ -105,7 +105,7 @@ class Pinned:
     on_ssd: list[int]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Pin(Stimulus[Pinned]):
     """A read: pin the DRAM blocks of ``keys`` (counted as hits and misses)."""
 
@@ -113,14 +113,14 @@ class Pin(Stimulus[Pinned]):
     keys: Sequence[bytes]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Unpin(Stimulus[None]):
     """A read is done with these DRAM blocks (release them, in this order)."""
 
     blocks: Sequence[Block]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SsdFound(Stimulus[bool]):
     """A read found the key on SSD (counted as a hit); replies: promote it."""
 
@@ -129,7 +129,7 @@ class SsdFound(Stimulus[bool]):
     now: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SsdCorrupt(Stimulus[None]):
     """An SSD entry failed its header or checksum check: drop it, count an error."""
 
@@ -137,7 +137,7 @@ class SsdCorrupt(Stimulus[None]):
     key: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Corrupt(Stimulus[None]):
     """A block a read held failed its checksum: a miss, dropped from its tier."""
 
@@ -146,7 +146,7 @@ class Corrupt(Stimulus[None]):
     held: Held
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PromoteReserve(Stimulus[Block | None]):
     """Reserve a DRAM slot to copy an SSD block into (None: not wanted or no room)."""
 
@@ -156,7 +156,7 @@ class PromoteReserve(Stimulus[Block | None]):
     checksum: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PromoteCommit(Stimulus[bool]):
     """The promoted bytes are in: commit if the block is still on SSD (a removal in
     between wins); ``prefetched``: a resumed session's prefetch."""
@@ -165,7 +165,7 @@ class PromoteCommit(Stimulus[bool]):
     prefetched: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Remove(Stimulus[int]):
     """Remove keys from every tier; replies how many were present."""
 
@@ -173,21 +173,21 @@ class Remove(Stimulus[int]):
     keys: Sequence[bytes]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class InboxMismatches(Stimulus[None]):
     """Blocks a same-host writer sent whose bytes failed their checksum (not stored)."""
 
     n: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Publishing(Stimulus[None]):
     """KV events are wanted from now on (``on``), or no longer."""
 
     on: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DramTick(Stimulus[int]):
     """A heartbeat tick: how many bytes of DRAM to demote now (0: none)."""
 
@@ -195,26 +195,26 @@ class DramTick(Stimulus[int]):
 # ---- the same-host index -------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ShareIndex(Stimulus[None]):
     """Attach the same-host index (tiers.shared) to the DRAM tier, or detach it (None)."""
 
     index: SharedIndex | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ApplyReads(Stimulus[None]):
     """Reads same-host clients logged in the index (a slice of them)."""
 
     logged: Sequence[tuple[int, int]]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class HazardHeld(Stimulus[list[Any]]):
     """The blocks the DRAM tier holds for clients' hazard words (a copy)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Reap(Stimulus[None]):
     """Free the held slots no live page names any more (a plan made off the lock)."""
 
@@ -224,12 +224,12 @@ class Reap(Stimulus[None]):
 # ---- the SSD tier --------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StageBatch(Stimulus[list[tuple[Key, Staged]]]):
     """The staged copies of evicted blocks not being written yet (marked as being written)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StageWritten(Stimulus[None]):
     """A :class:`StageBatch` reached LMDB (``written``: (ns, key, size, stored) per
     block) or failed (None); ``booked``: what its NeedSsdRoom booked."""
@@ -239,7 +239,7 @@ class StageWritten(Stimulus[None]):
     booked: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ForceSsdRoom(Stimulus[bool]):
     """LMDB said it is full: evict ``nbytes`` of SSD blocks whatever the watermarks
     say; replies whether anything was evicted."""
@@ -257,7 +257,7 @@ class DemoteBatch:
     todo: list[Block]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DemotePick(Stimulus[DemoteBatch]):
     """Pick and pin up to ``nbytes`` of least recently used DRAM blocks to demote;
     ``everything``: blocks of pinned namespaces too (shutdown)."""
@@ -266,7 +266,7 @@ class DemotePick(Stimulus[DemoteBatch]):
     everything: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DemoteDone(Stimulus[int]):
     """A :class:`DemotePick` batch's SSD write is over (``written`` None: failed):
     unpin, drop the DRAM copies now on SSD; replies the bytes moved."""
@@ -276,7 +276,7 @@ class DemoteDone(Stimulus[int]):
     booked: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Rebuilt(Stimulus[None]):
     """Start-up: LMDB holds these blocks (ns, key, size, stored bytes); ``malformed``
     entries were dropped."""
@@ -285,12 +285,12 @@ class Rebuilt(Stimulus[None]):
     malformed: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SsdKeys(Stimulus[list[Key]]):
     """Every key the SSD tier holds (a copy)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PrefetchRoom(Stimulus[int]):
     """Bytes a prefetch may copy into DRAM without evicting (below the low watermark)."""
 
@@ -298,17 +298,17 @@ class PrefetchRoom(Stimulus[int]):
 # ---- namespaces ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DramNamespaces(Stimulus[list[str]]):
     """Namespaces holding DRAM blocks."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class OffDramKeys(Stimulus[list[Key]]):
     """Every key on SSD or staged (a copy: the caller filters it off the lock)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DramKeys(Stimulus[list[bytes]]):
     """Up to ``n`` keys of the namespace's DRAM blocks."""
 
@@ -319,7 +319,7 @@ class DramKeys(Stimulus[list[bytes]]):
 # ---- sessions ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RecordCuts(Stimulus[None]):
     """Cut notices a client carried: (session, depth, turn) of namespace ``ns``."""
 
@@ -328,21 +328,21 @@ class RecordCuts(Stimulus[None]):
     client: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CutStep(Stimulus[bool]):
     """Walk up to ``n`` keys of the recorded chain cuts; replies False when none was left."""
 
     n: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Drain(Stimulus[bool]):
     """Give up up to ``n`` keys of sessions that left the table; False: none left."""
 
     n: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Advance(Stimulus[bool]):
     """Move up to ``n`` keys of the session's pending state change; False: none pending."""
 
@@ -351,7 +351,7 @@ class Advance(Stimulus[bool]):
     n: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SessionOwner(Stimulus[bytes | None]):
     """The identity of the client whose session it is here (None: not in the table)."""
 
@@ -359,7 +359,7 @@ class SessionOwner(Stimulus[bytes | None]):
     session: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SessionKnown(Stimulus[bool]):
     """Is the session in the table?"""
 
@@ -367,7 +367,7 @@ class SessionKnown(Stimulus[bool]):
     session: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Claim(Stimulus[str]):
     """May ``client``'s hint change the session? (SessionTable.claim; the verdict)."""
 
@@ -378,7 +378,7 @@ class Claim(Stimulus[str]):
     whole: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ChainOpen(Stimulus[Iterator[bytes] | None]):
     """A cursor over the session's chain (None: gone, ended or another client's)."""
 
@@ -387,7 +387,7 @@ class ChainOpen(Stimulus[Iterator[bytes] | None]):
     client: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ChainNext(Stimulus[list[bytes] | None]):
     """Up to ``n`` more keys of a :class:`ChainOpen` cursor (None: the chain changed)."""
 
@@ -395,7 +395,7 @@ class ChainNext(Stimulus[list[bytes] | None]):
     n: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ChainBytes(Stimulus[int]):
     """Bytes these blocks of a chain occupy in DRAM, else on SSD."""
 
@@ -403,7 +403,7 @@ class ChainBytes(Stimulus[int]):
     keys: Sequence[bytes]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SetRoom(Stimulus[None]):
     """What a live session may still add within its share."""
 
@@ -412,7 +412,7 @@ class SetRoom(Stimulus[None]):
     room: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RecordHits(Stimulus[None]):
     """A lookup of the session's chain: ``hits`` leading blocks of ``lookups``."""
 
@@ -422,7 +422,7 @@ class RecordHits(Stimulus[None]):
     lookups: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TakeCuts(Stimulus[list[tuple[str, int, int]]]):
     """``client``'s cut notices of ``ns`` not taken yet: (session, depth, turn)."""
 
@@ -430,12 +430,12 @@ class TakeCuts(Stimulus[list[tuple[str, int, int]]]):
     client: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TakeClosedRates(Stimulus[list[float]]):
     """Hit ratios of sessions that left the table since the last call."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SessionInfo:
     ns: str
     name: str
@@ -446,7 +446,7 @@ class SessionInfo:
     expires_in: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SessionsView:
     """The reply to :class:`SessionsReport`: the busiest sessions and the counters."""
 
@@ -464,7 +464,7 @@ class SessionsView:
     restarted: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SessionsReport(Stimulus[SessionsView]):
     """Up to ``limit`` sessions whose namespace ``owns`` accepts (None: any), those
     that asked about the most blocks first, at clock ``now``."""
@@ -477,7 +477,7 @@ class SessionsReport(Stimulus[SessionsView]):
 # ---- instructions --------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Publish:
     """KV events: these blocks were stored in (``stored``) or removed from ``medium``
     (appended to the sink under the store's lock, in order)."""
@@ -487,12 +487,12 @@ class Publish:
     items: Sequence[Key]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class WriteStaged:
     """Staged copies of evicted blocks wait: write them to LMDB (off the lock)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class WalkCuts:
     """Recorded chain cuts wait: walk them (:class:`CutStep` a slice at a time)."""
 
