@@ -174,6 +174,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         m.namespace_replicas.update(self.namespace_replicas)
         await self.feed.publish(m)
 
+    async def republish(self) -> None:
+        """Publish the current map again (at start: the metrics and the watchers)."""
+        await self._publish(self.published)
+
     def _restore(self, snap: Snapshot) -> Membership:
         return restore(
             snap,
@@ -724,7 +728,7 @@ async def serve(cfg: MasterConfig) -> int:
     await hs.set("", health_pb2.HealthCheckResponse.SERVING)
     await hs.set("kvstore.v1.Master", health_pb2.HealthCheckResponse.SERVING)
     metrics.serve(cfg.metrics_port, cfg.host)
-    await servicer._publish(servicer.published)
+    await servicer.republish()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

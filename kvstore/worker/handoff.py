@@ -38,13 +38,6 @@ class HandOffResult:
     seconds: float = 0.0
 
 
-def hot_blocks(store: BlockStore) -> list[tuple[str, bytes, int]]:
-    """(namespace, key, size) of every DRAM block, most recently used first."""
-    with store.lock:
-        oldest = store.tier.oldest(1 << 62, include_pinned_ns=True)
-    return [(b.ns, b.key, b.size) for b in reversed(oldest)]
-
-
 def _batches(blocks: list[tuple[str, bytes, int]]) -> list[tuple[str, list[bytes], int]]:
     """Runs of one namespace, each at most BATCH_BYTES (one block at least), in order."""
     out: list[tuple[str, list[bytes], int]] = []
@@ -69,7 +62,7 @@ def hand_off(
     t0 = time.monotonic()
     deadline = t0 + (timeout_s if timeout_s > 0 else DEFAULT_TIMEOUT_S)
     res = HandOffResult()
-    blocks = hot_blocks(store)
+    blocks = store.hot_blocks()
     with open_client() as c:
         while any(w.id == worker_id for w in c.workers()):
             if time.monotonic() > deadline:

@@ -9,39 +9,32 @@ lock, filtered outside it).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from .storehost import StoreHost
 from .storerecords import LOOKUP_SLICES
-
-if TYPE_CHECKING:
-    from .store import BlockStore
+from .tiers.stimuli import DramKeys, DramNamespaces, OffDramKeys
 
 
-def remove_tree(store: BlockStore, ns: str) -> int:
+def remove_tree(host: StoreHost, ns: str) -> int:
     """Remove ``ns`` and every namespace below ``ns + "/"``; returns blocks removed.
     Prefix semantics, like tenant ownership: "t" removes "t" and "t/...", never "tx"."""
-    return sum(remove_namespace(store, n) for n in namespaces_under(store, ns))
+    return sum(remove_namespace(host, n) for n in namespaces_under(host, ns))
 
 
-def namespaces_under(store: BlockStore, ns: str) -> list[str]:
+def namespaces_under(host: StoreHost, ns: str) -> list[str]:
     """``ns`` and every namespace below ``ns + "/"`` that holds blocks (DRAM or SSD)."""
-    with store.lock:
-        names = set(store.tier.namespaces())
-        others = [*store.ssd_index.entries, *store._staged]
-    names.update(n for n, _ in others)
+    names = set(host.apply(DramNamespaces()))
+    names.update(n for n, _ in host.apply(OffDramKeys()))
     return sorted(n for n in names if n == ns or n.startswith(ns + "/"))
 
 
-def remove_namespace(store: BlockStore, ns: str) -> int:
+def remove_namespace(host: StoreHost, ns: str) -> int:
     """Remove every block of exactly this namespace; returns how many were present."""
-    step = store.slice_keys * LOOKUP_SLICES
-    with store.lock:
-        others = [*store.ssd_index.entries, *store._staged]
-    n = store.remove(ns, sorted({k for m, k in others if m == ns}))
+    step = host.slice_keys * LOOKUP_SLICES
+    others = host.apply(OffDramKeys())
+    n = host.remove(ns, sorted({k for m, k in others if m == ns}))
     while True:
-        with store.lock:
-            keys = store.tier.keys_of(ns, step)
-        gone = store.remove(ns, keys) if keys else 0
+        keys = host.apply(DramKeys(ns, step))
+        gone = host.remove(ns, keys) if keys else 0
         n += gone
         if not gone:
             return n

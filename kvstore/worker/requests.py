@@ -139,7 +139,8 @@ class Budget:
             if freed:
                 self._cond.notify_all()
 
-    def _take(self, h: Holder, nbytes: int, entries: int, wait: float, whole: bool) -> bool:
+    def take_for(self, h: Holder, nbytes: int, entries: int, wait: float, whole: bool) -> bool:
+        """:meth:`Holder.take` (the holder's counts are kept here, under this budget's lock)."""
         deadline = time.monotonic() + wait
         with self._cond:
             while not self._fits(h, nbytes, entries, whole):
@@ -156,7 +157,8 @@ class Budget:
             self.entries += entries
             return True
 
-    def _give(self, h: Holder, nbytes: int, entries: int) -> None:
+    def give_for(self, h: Holder, nbytes: int, entries: int) -> None:
+        """:meth:`Holder.give` (at most what ``h`` holds)."""
         nbytes = min(nbytes, h.bytes)
         entries = min(entries, h.entries)
         if not nbytes and not entries:
@@ -197,10 +199,10 @@ class Holder:
         holding nothing may take any amount up to the worker's bound (a read's pins: a
         client that releases each read before the next is never refused; one that holds
         reads open is bounded)."""
-        return self.budget._take(self, nbytes, entries, wait, whole)
+        return self.budget.take_for(self, nbytes, entries, wait, whole)
 
     def give(self, nbytes: int, entries: int = 0) -> None:
-        self.budget._give(self, nbytes, entries)
+        self.budget.give_for(self, nbytes, entries)
 
     def rebind(self, client: str) -> None:
         """Count under another client's account from now on (the connection said who
@@ -210,7 +212,7 @@ class Holder:
 
     def close(self) -> None:
         """Give back everything (the connection is gone)."""
-        self.budget._give(self, self.bytes, self.entries)
+        self.budget.give_for(self, self.bytes, self.entries)
 
 
 class RequestCore:

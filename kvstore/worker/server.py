@@ -117,7 +117,7 @@ class Worker:
             # no round trip (tiers.shared); the hand-over thread runs its upkeep.
             self.index = SharedIndex(self.store.tier.capacity, self.arena.tag, ssd=ssd is not None)
             undo.callback(_quietly, self.index.close)
-            self.store.tier.shared = self.index  # the tier is empty: nothing to publish yet
+            self.store.attach_shared(self.index)  # the tier is empty: nothing to publish yet
             self.events: KvEventPublisher | None = None
             if cfg.kv_events:
                 self.events = KvEventPublisher(
@@ -127,7 +127,7 @@ class Worker:
                     history_bytes=cfg.kv_events_history_bytes,
                     replay_peers=cfg.kv_events_replay_peers,
                 )
-                self.store.events = self.events.sink
+                self.store.publish_events(self.events.sink)
                 undo.callback(_quietly, self.events.close)
             n = cfg.shm_entries_per_connection
             self.core = RequestCore(
@@ -250,7 +250,7 @@ class Worker:
             raise
         self._undo = undo.pop_all()
 
-    def _abort(self) -> None:
+    def abort(self) -> None:
         """Undo a start that failed: close listeners, the hand-over socket and the arena."""
         self._undo.close()
         self.arena.close()
@@ -298,8 +298,7 @@ class Worker:
     def start(self) -> None:
         if self.events is not None:  # a clean slate, then what the SSD tier still holds
             self.events.start(cleared=True)
-            with self.store.lock:
-                held = list(self.store.ssd_index.entries)
+            held = self.store.ssd_keys()
             for i in range(0, len(held), 4096):
                 self.events.sink.add(True, SSD, held[i : i + 4096])
         self.tcp.start()
@@ -387,8 +386,7 @@ class Worker:
                 self.events.close()
             if self.share is not None:
                 self.share.close()
-            with self.store.lock:
-                self.store.tier.shared = None  # stats() at exit must not read a closed index
+            self.store.attach_shared(None)  # stats() at exit must not read a closed index
             self.index.close()
             self.arena.close()
 
@@ -404,7 +402,7 @@ def run(cfg: WorkerConfig) -> int:
     try:
         w.start()
     except BaseException:
-        w._abort()
+        w.abort()
         raise
     stopping = procs.StopSignals()
     ep = w.endpoints

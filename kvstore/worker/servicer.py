@@ -18,7 +18,6 @@ from kvstore_client.proto import store_pb2, store_pb2_grpc
 from .. import metrics
 from ..auth import Tenant, bearer, client_identity
 from ..errors import InvalidArgument, PermissionDenied, Unavailable, abort, to_grpc_code
-from . import removal
 from .handoff import HandOffResult
 from .requests import RequestCore
 from .sessions import check_hint
@@ -146,7 +145,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         # never overlap), so the one ownership check covers them. In slices.
         def go(tenant: Tenant | None) -> store_pb2.RemoveNamespaceResponse:
             ns = self._ns(tenant, request.namespace)
-            return store_pb2.RemoveNamespaceResponse(removed=removal.remove_tree(self.store, ns))
+            return store_pb2.RemoveNamespaceResponse(removed=self.store.remove_tree(ns))
 
         return self._run("remove_namespace", context, go)
 
@@ -206,10 +205,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
                 client=client,
                 whole=request.whole,
             )
-            with self.store.lock:
-                table = self.store.policy.sessions
-                closed, table.closed_rates = table.closed_rates, []
-            metrics.observe_session_hit_ratios(closed)
+            metrics.observe_session_hit_ratios(self.store.take_closed_rates())
             out = [
                 store_pb2.SessionCut(namespace=request.namespace, session_id=n, depth=d, turn=t)
                 for n, d, t in self.store.take_cuts(ns, client)
@@ -222,39 +218,35 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         self, request: store_pb2.SessionsRequest, context: grpc.ServicerContext
     ) -> store_pb2.SessionsResponse:
         def go(tenant: Tenant | None) -> store_pb2.SessionsResponse:
-            now = time.monotonic()
+            owns = tenant.owns if tenant is not None else None
             limit = min(request.limit or 10, 1000)
-            with self.store.lock:
-                table = self.store.policy.sessions
-                mine = [s for s in table.top(len(table)) if tenant is None or tenant.owns(s.ns)]
-                infos = [
+            view = self.store.sessions_report(owns, limit, time.monotonic())
+            return store_pb2.SessionsResponse(
+                worker_id=self.worker_id,
+                sessions=[
                     store_pb2.SessionInfo(
                         namespace=s.ns,
                         session_id=s.name,
                         state=s.state,
-                        blocks=len(s.keys),
+                        blocks=s.blocks,
                         hit_blocks=s.hit_blocks,
                         lookup_blocks=s.lookup_blocks,
-                        expires_in_seconds=max(0.0, s.expires - now),
+                        expires_in_seconds=s.expires_in,
                     )
-                    for s in mine[:limit]
-                ]
-                c = table.counters
-                return store_pb2.SessionsResponse(
-                    worker_id=self.worker_id,
-                    sessions=infos,
-                    live=len(mine),
-                    dropped=c.dropped,
-                    expired=c.expired,
-                    retained_bytes=self.store.policy.retained_bytes,
-                    retain_budget_bytes=self.store.policy.retain_budget,
-                    prefetched=self.store.counters.prefetched,
-                    blocks_refused=c.blocks_refused,
-                    cuts_refused=c.cuts_refused,
-                    hints_refused=c.hints_refused,
-                    moved=c.moved,
-                    restarted=c.restarted,
-                )
+                    for s in view.sessions
+                ],
+                live=view.live,
+                dropped=view.dropped,
+                expired=view.expired,
+                retained_bytes=view.retained_bytes,
+                retain_budget_bytes=view.retain_budget,
+                prefetched=view.prefetched,
+                blocks_refused=view.blocks_refused,
+                cuts_refused=view.cuts_refused,
+                hints_refused=view.hints_refused,
+                moved=view.moved,
+                restarted=view.restarted,
+            )
 
         return self._run("sessions", context, go)
 

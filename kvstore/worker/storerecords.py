@@ -1,30 +1,19 @@
-"""Records of the block store (:mod:`kvstore.worker.store`): its counters and stats
-snapshot, a read in progress (:class:`Reading` of :class:`Held` blocks), and the
-bookkeeping it carries between its lock and the I/O it runs outside it."""
+"""Records of the block store (:mod:`kvstore.worker.store`): its stats snapshot and a
+read in progress (:class:`Reading` of :class:`~.tiers.blocks.Held` blocks)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
-from .tiers.blocks import Block
-from .tiers.dram import DramTier
-from .tiers.policy import TierPolicy
+from .tiers.blocks import Held, StoreCounters
+from .tiers.state import TierState
+
+__all__ = ["LOOKUP_SLICES", "Held", "Reading", "StoreCounters", "StoreStats", "snapshot"]
 
 LOOKUP_SLICES = 8  # a lookup (or a session hint) holds the store lock for this many slices
-
-
-@dataclass(slots=True)
-class StoreCounters:
-    checksum_errors: int = 0
-    bad_frames: int = 0
-    demotions: int = 0
-    promotions: int = 0
-    ssd_hits: int = 0
-    prefetched: int = 0  # blocks copied SSD -> DRAM for a resumed session
-    inbox_mismatches: int = 0  # same-host writers' blocks whose bytes failed the check
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,15 +50,6 @@ class StoreStats:
 
 
 @dataclass(slots=True)
-class Held:
-    """A block being read: its bytes (zero-copy view) and stored checksum."""
-
-    view: memoryview
-    checksum: int
-    block: Block | None  # the pinned DRAM block, or None when served from SSD / staged
-
-
-@dataclass(slots=True)
 class Reading:
     """The result of :meth:`BlockStore.read`; give it back with :meth:`BlockStore.done`."""
 
@@ -82,31 +62,9 @@ class Reading:
         return sum(len(h.view) for h in self.held if h is not None)
 
 
-@dataclass(slots=True)
-class _Staged:
-    """An evicted block's bytes on their way to SSD (readable meanwhile)."""
-
-    data: bytes
-    checksum: int
-    writing: bool = False
-
-
-@dataclass(slots=True)
-class _Todo:
-    """Instructions produced under the lock, executed after it is released."""
-
-    deletes: list[tuple[str, bytes]] = field(default_factory=list)
-    write_staged: bool = False
-    prefetch: list[tuple[str, tuple[bytes, ...]]] = field(default_factory=list)
-    drops: list[tuple[str, tuple[bytes, ...]]] = field(default_factory=list)  # dead chain tails
-
-
-def snapshot(
-    tier: DramTier, policy: TierPolicy, counters: StoreCounters, ssd_size: int | None
-) -> StoreStats:
-    """A store's counters and tier sizes now (read without the lock: a scrape);
-    ``ssd_size`` None: no SSD tier."""
-    t = tier
+def snapshot(state: TierState) -> StoreStats:
+    """A store's counters and tier sizes now (read without the lock: a scrape)."""
+    t, policy, counters, ssd_size = state.dram, state.policy, state.counters, state.ssd_size
     c = t.counters
     pc = policy.counters
     ssd_index = policy.ssd

@@ -54,7 +54,10 @@ class TimedLock(FairLock):
     ) -> None:
         dt = time.thread_time() - self.t0
         if dt > 0.0005:
-            where = traceback.extract_stack(limit=2)[0]  # the `with` line
+            # The `with` line; the store's one door (BlockStore.apply) names its caller.
+            stack = traceback.extract_stack(limit=4)[:-1]
+            outside = [f for f in stack if not f.filename.endswith("worker/store.py")]
+            where = (outside or stack)[-1] if stack[-1].name in ("apply", "tell") else stack[-1]
             self.holds.append((dt, f"{where.filename}:{where.lineno} {where.name}"))
         self.release()
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.worker.tiers.dram import DramTier, size_classes
+from kvstore.worker.tiers.dram import DramTier
 from kvstore_client.errors import InvalidArgument, ResourceExhausted
+from kvstore_client.sizeclasses import size_classes
 
 KiB = 1024
 MiB = 1 << 20

@@ -1,5 +1,7 @@
-"""The daemon package has no import circle (type-only imports count too): the layers
-of DESIGN.md hold, e.g. worker.store imports worker.session_ops, never the reverse."""
+"""No import circle in the daemons (kvstore/), the client (client/kvstore_client/) or the
+benches (bench/kvstore_bench/), within a package or across them (type-only and
+function-level imports count too): the layers of DESIGN.md hold, e.g. worker.store
+imports worker.session_ops, never the reverse, and the client never imports the daemons."""
 
 from __future__ import annotations
 
@@ -7,16 +9,25 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = (ROOT / "kvstore", ROOT / "client" / "kvstore_client", ROOT / "bench" / "kvstore_bench")
 
 
-def import_graph(package: Path) -> dict[str, set[str]]:
-    """Module -> the modules of the same package it imports (at any level of its code)."""
+def module_files(packages: tuple[Path, ...] = PACKAGES) -> dict[str, Path]:
+    """Dotted module name -> its file, for every module of ``packages``."""
     files = {}
-    for path in package.rglob("*.py"):
-        parts = list(path.relative_to(package.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        files[".".join(parts)] = path
+    for package in packages:
+        for path in package.rglob("*.py"):
+            parts = list(path.relative_to(package.parent).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            files[".".join(parts)] = path
+    return files
+
+
+def import_graph(packages: tuple[Path, ...] = PACKAGES) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` it imports (at any level of its code; an
+    import of a package counts as one of its ``__init__``)."""
+    files = module_files(packages)
     graph: dict[str, set[str]] = {m: set() for m in files}
     for mod, path in files.items():
         pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
@@ -32,7 +43,7 @@ def import_graph(package: Path) -> dict[str, set[str]]:
                             graph[mod].add(name)
                             break
             elif isinstance(node, ast.Import):
-                graph[mod].update(a.name for a in node.names if a.name in files)
+                graph[mod].update(a.name for a in node.names if a.name in files and a.name != mod)
     return graph
 
 
@@ -72,5 +83,23 @@ def test_the_finder_sees_a_circle() -> None:
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_the_daemon_package_has_no_import_circle() -> None:
-    assert circles(import_graph(ROOT / "kvstore")) == []
+def test_the_graph_sees_type_only_and_cross_package_imports() -> None:
+    graph = import_graph()
+    assert "kvstore_client.errors" in graph["kvstore.worker.store"]
+    assert "kvstore.worker.store" in graph["kvstore.worker.servicer"]
+
+
+def test_no_import_circle_in_the_daemons_the_client_or_the_benches() -> None:
+    assert circles(import_graph()) == []
+
+
+def test_the_client_never_imports_the_daemons_or_the_benches() -> None:
+    graph = import_graph()
+    leaks = sorted(
+        (m, d)
+        for m, deps in graph.items()
+        if m.startswith("kvstore_client")
+        for d in deps
+        if not d.startswith("kvstore_client")
+    )
+    assert leaks == []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.worker.tiers import dram
+from kvstore.worker.tiers import slabs
 from kvstore.worker.tiers.dram import DramTier
 from kvstore_client.sizeclasses import blocks_that_fit, size_classes
 
@@ -18,7 +18,7 @@ MiB = 1 << 20
 
 
 def test_the_tier_uses_the_shared_function() -> None:
-    assert dram.size_classes is size_classes
+    assert slabs.size_classes is size_classes  # the DRAM tier's allocator
 
 
 @pytest.mark.parametrize("block", [1000, 4 * KiB, 5 * KiB + 1, 96 * KiB, 1 * MiB])

@@ -22,15 +22,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from ..peers import Backend, leading
 from ..traces import IdSpace, Request, Session, block_hashes, load_agentic, load_mooncake
-from . import report as replayreport
-from .cachesim import HitStats, ideal_hit_rate, lru_hit_rate
+from .cachesim import ideal_hit_rate, lru_hit_rate
+from .results import ReplayConfig, ReplayResult, RequestRecord
 
 __all__ = [
     "ReplayConfig",
@@ -44,80 +42,6 @@ __all__ = [
 
 _SALT = b"kvstore-bench-replay"
 _MIX = np.uint64(0x9E3779B97F4A7C15)
-
-
-# --------------------------------------------------------------------------- model
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayConfig:
-    """How to replay. Byte sizes: a block is ``block_tokens * bytes_per_token`` bytes.
-
-    ``sessions``: top-level sessions replayed at once (1 = one after another, with
-    sub-agents run inline: fully deterministic). ``time_scale``: a pause of x seconds
-    in the trace lasts ``x * time_scale`` (0 = no pauses). The four switches are the
-    ablations: ``write_only_new`` (off: every block of each prompt is written),
-    ``batched_lookup`` (off: one exists call per block), ``parallel_loads`` (off: one
-    worker at a time), ``retain`` (off: a request's blocks are removed when it ends,
-    as with no shared store). ``verify`` compares every loaded block with the bytes
-    derived from its hash. ``buffer_bytes``: the pre-faulted buffer each running
-    session loads into and stores from, in chunks of at most this many bytes.
-    """
-
-    bytes_per_token: int = 512
-    model_bytes_per_token: int = 131072
-    prefill_tokens_per_s: float = 10_000.0
-    sessions: int = 8
-    time_scale: float = 0.0
-    write_only_new: bool = True
-    batched_lookup: bool = True
-    parallel_loads: bool = True
-    retain: bool = True
-    verify: bool = True
-    buffer_bytes: int = 32 << 20
-    sessions_aware: bool = False  # send session hints (see _Hints)
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    """What one replayed request measured. Times are seconds; ``end`` is since start."""
-
-    session: str
-    end: float
-    blocks: int
-    matched: int
-    hit: int
-    tokens: int
-    hit_tokens: int
-    match_s: float
-    load_s: float
-    store_s: float
-    loaded_bytes: int
-    written_bytes: int
-    skipped_bytes: int
-    content_errors: int
-    store_failed: int
-
-
-@dataclass(slots=True)
-class ReplayResult:
-    """A replay's records, its offline reference figures and the store it ran against."""
-
-    backend: str
-    description: str
-    config: ReplayConfig
-    block_tokens: int
-    block_bytes: int
-    wall_s: float
-    records: list[RequestRecord]
-    ideal: HitStats
-    lru: HitStats | None
-    capacity_blocks: int | None
-    label: str = ""
-
-    def summary(self) -> dict[str, Any]:
-        """The headline figures (see :func:`replayreport.summarize`)."""
-        return replayreport.summarize(self)
 
 
 def request_hashes(req: Request, cache: dict[int, bytes] | None = None) -> list[bytes]:

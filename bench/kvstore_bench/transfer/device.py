@@ -69,9 +69,11 @@ def stand_in_for_vllm(force: bool = False) -> bool:
 
 
 def worker_side(master: str, layers: int, nb: int, dev: str, staging_mb: int) -> Any:
-    """A connector worker side (mover path) over fresh random caches on ``dev``."""
+    """A connector worker side (mover path) over fresh random caches on ``dev``: the
+    side, its caches, its counters and the bytes of one block (all layers)."""
     import torch  # type: ignore[import-not-found, unused-ignore]
 
+    from kvstore_client.connectors import blockcopy
     from kvstore_client.connectors.config import ConnectorConfig
     from kvstore_client.connectors.naming import ModelIdentity
     from kvstore_client.connectors.stats import Counters
@@ -85,12 +87,14 @@ def worker_side(master: str, layers: int, nb: int, dev: str, staging_mb: int) ->
     names = [f"layer.{i}" for i in range(layers)]
     group = types.SimpleNamespace(layer_names=names)
     kcc = types.SimpleNamespace(num_blocks=nb, kv_cache_groups=[group])
-    ws = WorkerSide(setup, kcc, Counters(), (0, 1, 0, 1))
+    counts = Counters()
+    ws = WorkerSide(setup, kcc, counts, (0, 1, 0, 1))
     caches = {n: torch.randn((2, nb, 16, 8, 64), device=dev).to(torch.bfloat16) for n in names}
     ws.register_kv_caches(caches)
     if ws._holder.get(wait=30) is None:
         raise RuntimeError("the connector could not reach the master")
-    return ws, caches
+    block_bytes = sum(blockcopy.describe(t, nb).nbytes for t in caches.values())
+    return ws, caches, counts, block_bytes
 
 
 Guard = Callable[[], AbstractContextManager[Any]]
@@ -108,8 +112,8 @@ def run_path(path: str, master: str, dev: str, layers: int, blocks: int, iters: 
     os.environ["KVSTORE_TRANSPORT"] = "auto" if path == "arena" else "tcp"
     n = blocks
     nb = 2 * n + 4
-    w, wc = worker_side(master, layers, nb, dev, staging_mb)
-    r, rc = worker_side(master, layers, nb, dev, staging_mb)
+    w, wc, _, block_bytes = worker_side(master, layers, nb, dev, staging_mb)
+    r, rc, r_counts, _ = worker_side(master, layers, nb, dev, staging_mb)
     saves: list[tuple[float, float]] = []
     loads: list[float] = []
     errors: list[str] = []
@@ -149,13 +153,13 @@ def run_path(path: str, master: str, dev: str, layers: int, blocks: int, iters: 
             if it:
                 saves.append((t_save, hook_s))
                 loads.append(t_load)
-        gb = n * w._block_bytes / 1e9
+        gb = n * block_bytes / 1e9
         return {
-            "blocks": n, "block_bytes": w._block_bytes, "layers": layers,
+            "blocks": n, "block_bytes": block_bytes, "layers": layers,
             "save_GBps": gb / statistics.median(s for s, _ in saves),
             "save_hook_ms_p50": 1e3 * statistics.median(h for _, h in saves),
             "load_GBps": gb / statistics.median(loads),
-            "arena_loaded_blocks": r._interval.peek()["arena_loaded_blocks"],
+            "arena_loaded_blocks": r_counts.peek()["arena_loaded_blocks"],
             "errors": errors,
         }  # fmt: skip
     finally:

@@ -330,7 +330,8 @@ class Runner:
         points = sum(2 * len(plan.combos(b)) for b in plan.blocks) + 1
         return targets * (points + (3 if plan.aggregate_workers > 1 else 0))
 
-    def _say(self, what: str) -> None:
+    def say(self, what: str) -> None:
+        """Show ``what`` as the step in progress."""
         self.progress.update(self.task, description=what)
         self.progress.refresh()
 
@@ -340,7 +341,7 @@ class Runner:
 
     def point(self, t: Target, op: str, block: int, batch: int, conc: int,
               ws: list[bytes] | None = None) -> None:  # fmt: skip
-        self._say(f"{t.system}/{t.transport} {op} {format_size(block)} x{batch} c{conc}")
+        self.say(f"{t.system}/{t.transport} {op} {format_size(block)} x{batch} c{conc}")
         if ws is not None and len(ws) < batch:
             self.notes.append(
                 f"{t.system}/{t.transport} {op} {format_size(block)} x{batch} c{conc} "
@@ -357,7 +358,7 @@ class Runner:
         out: dict[str, list[bytes]] = {}
         for t in targets:
             if t.store not in out:
-                self._say(f"{t.store}: storing {format_size(block)} blocks to read")
+                self.say(f"{t.store}: storing {format_size(block)} blocks to read")
                 out[t.store] = store_working_set(t, self.plan, block, need)
         return out
 
@@ -381,7 +382,7 @@ class Runner:
                     self.point(t, "get", block, batch, conc, sets[t.store])
             self._drop(targets, sets)
         for t in targets:
-            self._say(f"{t.system}/{t.transport} batch_exists x{EXISTS_KEYS}")
+            self.say(f"{t.system}/{t.transport} batch_exists x{EXISTS_KEYS}")
             self.exists.append(run_exists(t, self.plan))
             self._tick()
 

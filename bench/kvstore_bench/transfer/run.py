@@ -260,10 +260,10 @@ def transfer_cmd(
             progress.update(task, total=Runner.count(plan, len(targets)))
             runner.sweep(targets)
             if plan.aggregate_workers > 1:
-                runner._say(f"growing to {plan.aggregate_workers} servers each")
+                runner.say(f"growing to {plan.aggregate_workers} servers each")
                 grow()
                 runner.aggregate(targets, plan.aggregate_workers)
-            runner._say("stopping")
+            runner.say("stopping")
     notes.extend(runner.notes)
     console.print("measuring the ceilings again; each is the better of the two runs ...")
     last = ceilings.measure(quick).to_json()

@@ -1,6 +1,7 @@
-"""The handles the DRAM tier gives out (:class:`Block`) and its counters. A handle reads
-the slot state it names from the tier's slot index, so it needs no more of the tier
-than :class:`~kvstore.worker.tiers.slots.SlotIndex`."""
+"""The handles the DRAM tier gives out (:class:`Block`) and its counters; a block being
+read (:class:`Held`), an evicted block on its way to SSD (:class:`Staged`) and the tier
+state's counters. A handle reads the slot state it names from the tier's slot index, so
+it needs no more of the tier than :class:`~kvstore.worker.tiers.slots.SlotIndex`."""
 
 from __future__ import annotations
 
@@ -72,3 +73,34 @@ class TierCounters:
     evictions: int = 0
     slab_moves: int = 0
     removed: int = 0
+
+
+@dataclass(slots=True)
+class Held:
+    """A block being read: its bytes (zero-copy view) and stored checksum."""
+
+    view: memoryview
+    checksum: int
+    block: Block | None  # the pinned DRAM block, or None when served from SSD / staged
+
+
+@dataclass(slots=True)
+class Staged:
+    """An evicted block's bytes on their way to SSD (readable meanwhile)."""
+
+    data: bytes
+    checksum: int
+    writing: bool = False
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    """The tier state's own counters (the DRAM tier's are :class:`TierCounters`)."""
+
+    checksum_errors: int = 0
+    bad_frames: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    ssd_hits: int = 0
+    prefetched: int = 0  # blocks copied SSD -> DRAM for a resumed session
+    inbox_mismatches: int = 0  # same-host writers' blocks whose bytes failed the check

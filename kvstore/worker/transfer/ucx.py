@@ -37,17 +37,15 @@ from typing import Any
 
 from kvstore_client import wire
 from kvstore_client.errors import KVStoreError, ProtocolError, Unavailable
-from kvstore_client.transport.ucx import (
-    StagingPool,
+from kvstore_client.transport.ucxcodec import StagingPool, Unpacker, slices
+from kvstore_client.transport.ucxruntime import (
     UcxRuntime,
-    Unpacker,
     abort,
     recv_all,
     recv_blocks,
     recv_packed,
     send_all,
     send_packed,
-    slices,
 )
 
 from ...auth import Tenants
