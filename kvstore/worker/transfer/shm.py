@@ -517,7 +517,13 @@ class ShmServer:
         there, in the worker's own copy, and committed only if that matches the sum
         the writer sent; otherwise aborted (PUT_CORRUPT, the key stays absent). The
         slots are held only while this frame is served, within the connection's budget."""
-        inbox = self.inboxes.get(identity) if self.inboxes is not None and identity else None
+        entries = list(wire.INBOX_ENTRY.iter_unpack(body))
+        sizes = [e[1] for e in entries]
+        with refusing(h):
+            self.core.check_sizes(sizes)  # a malformed frame is INVALID_ARGUMENT, inbox or not
+            if not identity:
+                raise InvalidArgument("PUT_INBOX before an AUTH that names the client")
+        inbox = self.inboxes.get(identity) if self.inboxes is not None else None
         if inbox is None:  # never handed over, or its client closed the hand-over since
             raise Refused(
                 h,
@@ -526,10 +532,7 @@ class ShmServer:
                     " the client's hand-over closed?): put over tcp://"
                 ),
             )
-        entries = list(wire.INBOX_ENTRY.iter_unpack(body))
-        sizes = [e[1] for e in entries]
         with refusing(h):
-            self.core.check_sizes(sizes)
             for i, (_, size, _, off) in enumerate(entries):
                 if off + size > len(inbox):
                     raise InvalidArgument(f"block {i} lies outside the inbox")
