@@ -519,11 +519,13 @@ class ShmServer:
         slots are held only while this frame is served, within the connection's budget."""
         entries = list(wire.INBOX_ENTRY.iter_unpack(body))
         sizes = [e[1] for e in entries]
-        with refusing(h):
-            self.core.check_sizes(sizes)  # a malformed frame is INVALID_ARGUMENT, inbox or not
-            if not identity:
-                raise InvalidArgument("PUT_INBOX before an AUTH that names the client")
-        inbox = self.inboxes.get(identity) if self.inboxes is not None else None
+        most = self.inboxes.size if self.inboxes is not None else 0
+        with refusing(h):  # a malformed frame is INVALID_ARGUMENT, whoever sent it
+            self.core.check_sizes(sizes)
+            for i, (_, size, _, off) in enumerate(entries):
+                if off + size > most:
+                    raise InvalidArgument(f"block {i} lies outside any inbox ({most} bytes)")
+        inbox = self.inboxes.get(identity) if self.inboxes is not None and identity else None
         if inbox is None:  # never handed over, or its client closed the hand-over since
             raise Refused(
                 h,
