@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import ssl
 import subprocess
 import sys
@@ -383,7 +384,11 @@ class LocalCluster:
         raise StartError(f"the master did not list {n} workers within {timeout:.0f}s{last}")
 
     def stop(self) -> None:
-        """Stop workers, then the master; safe to call twice or after a failed start."""
+        """Stop workers, then the master; safe to call twice or after a failed start.
+        The workers get SIGTERM all at once and stop side by side (in turn, a busy host
+        made N slow stops add up)."""
+        for w in self.worker_procs:
+            w.signal(signal.SIGTERM)
         for w in self.worker_procs:
             w.stop()
         if self.master is not None:
