@@ -490,7 +490,9 @@ def up(
         + (["--ucx-port", "0"] if w.ucx_port > 0 else [])
         + (["--metrics-port", "0"] if w.metrics_port > 0 and workers > 1 else []),
     )
-    stop = procs.StopSignals((signal.SIGTERM,))
+    # SIGINT too, as a flag: a child of a shell's background job inherits SIGINT
+    # ignored, and then Python raises no KeyboardInterrupt for Ctrl-C.
+    stop = procs.StopSignals((signal.SIGTERM, signal.SIGINT))
     try:
         cluster.start()
     except StartError as e:
@@ -505,8 +507,6 @@ def up(
             if not cluster.master or not cluster.master.alive():
                 click.echo("master exited", err=True)
                 break
-    except KeyboardInterrupt:
-        pass
     finally:
         cluster.stop()
         click.echo("cluster stopped")

@@ -108,6 +108,37 @@ def test_up_starts_and_ctrl_c_stops_everything() -> None:
             proc.wait()
 
 
+def test_up_stops_on_ctrl_c_when_it_inherited_sigint_ignored() -> None:
+    """A shell's background job (`make test &`, nohup, CI runners) starts its children
+    with SIGINT ignored, and Python then installs no KeyboardInterrupt: `kvstore up`
+    must still stop on SIGINT (and SIGTERM) and take its daemons with it."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        proc = subprocess.Popen(
+            ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *KV, "up", "--workers", "1",
+             "--dram-size", "32MiB", "--master-port", "0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert "master 127.0.0.1:" in line, line
+            daemons = subprocess.run(
+                ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
+            ).stdout.split()
+            assert len(daemons) == 2, daemons
+            proc.send_signal(sig)
+            assert proc.wait(30) == 0, f"kvstore up did not stop on {sig.name}"
+            for pid in daemons:
+                st = Path(f"/proc/{pid}/status")
+                assert not st.exists() or "zombie" in st.read_text(), f"daemon {pid} still runs"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def test_spawned_worker_without_master_keeps_retrying(tmp_path: Path) -> None:
     # Its log is kept: once in a CI run this worker did not exit within 15 s of SIGTERM.
     # A stop that runs 10 s past --drain-timeout writes every thread's stack to it.
