@@ -36,6 +36,7 @@ from kvstore.console import make_console
 
 from .. import synth
 from ..traces import load_agentic
+from .groups import parse_group, pick_group
 from .memory import kv_bytes_per_block, reference_hit_rates, working_set_blocks
 from .models import (
     MAX_LEN,
@@ -134,6 +135,12 @@ def _prefill_speed(run: ConfigRun) -> float | None:
 )
 @click.option("--max-turns", type=int, default=8, show_default=True, help="0 = all")
 @click.option("--max-sessions", type=int, default=0, help="First N sessions (0 = all).")
+@click.option(
+    "--trace-group",
+    default=None,
+    help="I/N: every N-th trace file from the I-th (N runs cover every trace once; "
+    "`kvstore bench engine-groups` gives mean and spread over their --json files).",
+)
 @click.option("--max-output", type=int, default=32, show_default=True)
 @click.option("--memory", default="512MiB", show_default=True, help="Store memory per config")
 @click.option(
@@ -213,6 +220,7 @@ def engine_cmd(
     max_pause: float,
     max_turns: int,
     max_sessions: int,
+    trace_group: str | None,
     max_output: int,
     memory: str,
     memory_sweep: str | None,
@@ -277,6 +285,13 @@ def engine_cmd(
         )
     else:
         paths = list(traces)
+    if trace_group:
+        try:
+            paths = pick_group(paths, parse_group(trace_group))
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--trace-group") from e
+        if not paths:
+            raise click.BadParameter("no trace in this group", param_hint="--trace-group")
     sessions = load_agentic(paths)
     if max_sessions:
         sessions = sessions[:max_sessions]
@@ -362,6 +377,7 @@ def engine_cmd(
         "kvstore_ssd": ssd,
         "kvstore_workers": kvstore_workers,
         "repeat": repeat,
+        "trace_group": trace_group,
         "saturate": saturate,
         "sessions_in_flight": ctx.saturate,
         "traces": [str(p) for p in paths],
