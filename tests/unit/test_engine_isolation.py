@@ -13,6 +13,7 @@ and fails when another engine holds it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -194,3 +195,28 @@ def test_saturated_sessions_start_when_there_is_room_not_on_the_trace_clock(
         assert [r.turn for r in sorted(mine, key=lambda r: r.start)] == [0, 1, 2]
     s = summarize(run, scripts, BLOCK)
     assert s.engine_busy_share is not None and 0 < s.engine_busy_share <= 1.0
+
+
+def test_saturated_pauses_skip_the_time_no_engine_has_work(tmp_path: Path) -> None:
+    """Two sessions whose turns are 10 s apart on the trace's clock: saturated, the
+    pauses keep their order within each session, but the engines do not wait them out."""
+
+    def reqs(sid: str) -> tuple[Request, ...]:
+        return tuple(
+            Request(sid, 500.0 * k, 200, 4, (1, 2), 64, "m", think_time=500.0 if k else 0.0)
+            for k in range(3)
+        )
+
+    sessions = [Session(id=f"s{i}", start=0.0, requests=reqs(f"s{i}")) for i in range(2)]
+    shape = WorkloadShape(token_scale=0.5, time_scale=50.0, max_output=2, engines=2)
+    scripts = build_scripts(sessions, shape)
+    assert all(t.pause_s == 10.0 for s in scripts for t in s.turns[1:])
+    py = _fake_python(tmp_path)
+    ctx = Context(py, tmp_path, 1 << 20, BLOCK, saturate=4)
+    run = run_config("prefix", ctx, _spec(py), scripts, engines=2)
+    assert run.ran, run.why_not
+    assert len(run.results) == 6 and not [r for r in run.results if r.error]
+    assert run.wall_s < 8.0  # not the 20 s of pauses
+    for sid in ("s0", "s1"):
+        mine = sorted((r for r in run.results if r.script == sid), key=lambda r: r.turn)
+        assert all(b.start >= a.end for a, b in itertools.pairwise(mine))

@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 
-from kvstore_bench.engine.saturate import Admission, goes_idle
+from kvstore_bench.engine.saturate import Admission, PauseClock, goes_idle
 from kvstore_bench.engine.workload import Script, Turn
 
 
@@ -101,3 +101,19 @@ def test_a_sub_agent_starts_after_its_fork_turn_and_counts_as_busy() -> None:
 def test_admission_wants_a_session_in_flight() -> None:
     with pytest.raises(ValueError):
         Admission([], 0)
+
+
+def test_pauses_keep_their_order_and_the_idle_time_between_them_is_skipped() -> None:
+    clock = PauseClock(floor=1)
+    clock.pause("a", 0.0, 5.0)
+    clock.pause("b", 0.0, 3.0)
+    assert not clock.due("a", 0.0) and not clock.due("b", 0.0)
+    assert clock.skip(0.0, busy=1) == 0.0  # a session is busy: its engine works
+    assert clock.skip(0.0, busy=0) == pytest.approx(3.0)  # nobody busy: b's pause ends now
+    assert clock.due("b", 0.0) and not clock.due("a", 0.0)
+    clock.resume("b")
+    assert clock.skip(0.5, busy=1) == 0.0
+    assert clock.skip(0.5, busy=0) == pytest.approx(1.5)  # a ends 2 s after b, as paused
+    assert clock.due("a", 0.5)
+    clock.resume("a")
+    assert clock.skip(0.5, busy=0) == 0.0  # no pause left

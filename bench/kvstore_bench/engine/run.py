@@ -28,7 +28,7 @@ from typing import Any
 
 from ..peers import stop_process
 from .peers import Backing, Context, NotRunnable, engine_env, make_backing
-from .saturate import Admission, goes_idle
+from .saturate import Admission, PauseClock, goes_idle
 from .workload import Script, Turn
 
 __all__ = ["ConfigRun", "EngineError", "EngineProc", "EngineSpec", "Result", "run_config"]
@@ -304,6 +304,8 @@ def _play(
     fork_events = {(s.id, t.index): threading.Event() for s in scripts for t in s.turns}
     errors: list[BaseException] = []
     adm = Admission(scripts, saturate) if saturate > 0 else None
+    # saturated: pauses on a clock that skips the time no engine would have work
+    clock = PauseClock(len(engines)) if saturate > 0 else None
 
     def run_turn(t: Turn) -> Result:
         start = time.perf_counter() - t0
@@ -342,8 +344,15 @@ def _play(
             if adm is None and delay > 0:
                 time.sleep(delay)
             for k, t in enumerate(s.turns):
-                if t.pause_s > 0 and k:
+                if t.pause_s > 0 and k and clock is None:
                     time.sleep(t.pause_s)
+                elif t.pause_s > 0 and k and clock is not None:
+                    with cond:  # the controller skips idle time and wakes us
+                        clock.pause(s.id, time.perf_counter(), t.pause_s)
+                        cond.notify_all()
+                        while not clock.due(s.id, time.perf_counter()):
+                            cond.wait(0.05)
+                        clock.resume(s.id)
                 # a sub-agent's first turn, or a turn after a pause, takes a place again
                 if adm is not None and ((k == 0 and not admitted) or (k and t.pause_s > 0)):
                     with cond:
@@ -373,12 +382,14 @@ def _play(
     if adm is None:
         threads = [spawn(s) for s in scripts]
     else:  # sub-agents wait for their fork; top-level scripts start when admitted
+        assert clock is not None
         threads = [spawn(s) for s in scripts if s.parent is not None]
         with cond:
-            while adm.waiting:
+            while adm.waiting or any(th.is_alive() for th in threads):
                 threads += [spawn(s, True) for s in adm.admit()]
-                if adm.waiting:
-                    cond.wait(0.5)
+                if not adm.waiting and clock.skip(time.perf_counter(), adm.busy) > 0:
+                    cond.notify_all()
+                cond.wait(0.05)
     for th in threads:
         th.join()
     if errors:

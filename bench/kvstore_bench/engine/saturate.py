@@ -9,9 +9,16 @@ ended. A session's own turns stay in order with their pauses between them; other
 sessions fill those pauses. Sub-agents start right after the parent turn they fork
 from (their trace start time is ignored) and count as busy while their turns run.
 
-Pure: no threads, no clock. The caller (:func:`kvstore_bench.engine.run.run_config`)
-holds a lock around every call and starts a thread for each script :meth:`admit`
-returns. Throughput is then prompt tokens per second of wall time, per configuration.
+Admission alone cannot fill a pause when every session has started (agentic traces
+start all their sessions at 0): :class:`PauseClock` then keeps pauses on a clock of their
+own that jumps ahead whenever fewer than ``floor`` sessions are busy (an engine would
+idle) and none is due: the pause that ends first ends now. Pauses stay in order, across
+sessions and within each; only the idle time between them goes.
+
+Pure: no threads, no clock (the caller passes the wall time). The caller
+(:func:`kvstore_bench.engine.run.run_config`) holds a lock around every call and starts
+a thread for each script :meth:`admit` returns; the pause clock's floor is the number
+of engines. Throughput is then prompt tokens per second of wall time, per configuration.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from collections.abc import Sequence
 
 from .workload import Script
 
-__all__ = ["DEFAULT_IN_FLIGHT", "Admission", "goes_idle"]
+__all__ = ["DEFAULT_IN_FLIGHT", "Admission", "PauseClock", "goes_idle"]
 
 # sessions busy per engine: one in the engine's step, one more waiting in its queue so
 # the engine never waits for the bench to send the next, one spare while an answer is
@@ -73,3 +80,39 @@ class Admission:
     def waiting(self) -> int:
         """Top-level scripts not started yet."""
         return len(self.pending)
+
+
+class PauseClock:
+    """Pauses on a virtual clock = wall time + the idle time skipped so far.
+
+    :meth:`pause` starts a session's pause; :meth:`due` says whether it is over;
+    :meth:`skip` jumps the clock to the earliest end of a pause when fewer than
+    ``floor`` sessions are busy and no pause is due, and returns the seconds skipped.
+    """
+
+    def __init__(self, floor: int) -> None:
+        self.floor = max(1, floor)
+        self.offset = 0.0
+        self.wakes: dict[str, float] = {}
+
+    def now(self, wall: float) -> float:
+        return wall + self.offset
+
+    def pause(self, sid: str, wall: float, seconds: float) -> None:
+        self.wakes[sid] = self.now(wall) + max(0.0, seconds)
+
+    def due(self, sid: str, wall: float) -> bool:
+        wake = self.wakes.get(sid)
+        return wake is None or self.now(wall) >= wake
+
+    def resume(self, sid: str) -> None:
+        self.wakes.pop(sid, None)
+
+    def skip(self, wall: float, busy: int) -> float:
+        if busy >= self.floor or not self.wakes:
+            return 0.0
+        gap = min(self.wakes.values()) - self.now(wall)
+        if gap <= 0:
+            return 0.0
+        self.offset += gap
+        return gap
