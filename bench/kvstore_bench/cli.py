@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, str] = {
     "transfer": "kvstore_bench.transfer.run:transfer_cmd",
     "contention": "kvstore_bench.contention:contention_cmd",
     "engine": "kvstore_bench.engine.cli:engine_cmd",
+    "engine-groups": "kvstore_bench.engine.groups:engine_groups_cmd",
 }
 
 

@@ -36,6 +36,7 @@ from kvstore.console import make_console
 
 from .. import synth
 from ..traces import load_agentic
+from .groups import parse_group, pick_group
 from .memory import kv_bytes_per_block, reference_hit_rates, working_set_blocks
 from .models import (
     MAX_LEN,
@@ -46,11 +47,12 @@ from .models import (
     preset_unavailable,
 )
 from .paired import by_engine_line
-from .peers import ABLATIONS, CONFIGS, KVSTORE_WORKERS, Context
+from .peers import ABLATIONS, CONFIGS, DEFAULT_CONFIGS, KVSTORE_WORKERS, Context
 from .repeat import REPEAT_COLUMNS, median_run, repeat_rows, rotations
 from .report import (
     TABLE_COLUMNS,
     Summary,
+    failed,
     plot,
     summarize,
     table_rows,
@@ -58,6 +60,7 @@ from .report import (
     to_json,
 )
 from .run import ConfigRun, EngineSpec, Result, run_config
+from .saturate import DEFAULT_IN_FLIGHT
 from .sweep import SWEEP_COLUMNS, Point, parse_fractions, sweep_json, sweep_plots, sweep_rows
 from .workload import Script, WorkloadShape, build_scripts
 
@@ -116,9 +119,9 @@ def _prefill_speed(run: ConfigRun) -> float | None:
 @click.option("--engine-python", default=None, help="Python of the e2e venv [.venv-e2e]")
 @click.option(
     "--configs",
-    default=",".join(CONFIGS),
+    default=",".join(DEFAULT_CONFIGS),
     show_default=True,
-    help="Comma-separated configurations.",
+    help=f"Comma-separated configurations, of {', '.join(CONFIGS)} and the ablations.",
 )
 @click.option("--ablate", is_flag=True, help="Add kvstore ablation variants.")
 @click.option("--token-scale", type=float, default=0.05, show_default=True)
@@ -132,6 +135,12 @@ def _prefill_speed(run: ConfigRun) -> float | None:
 )
 @click.option("--max-turns", type=int, default=8, show_default=True, help="0 = all")
 @click.option("--max-sessions", type=int, default=0, help="First N sessions (0 = all).")
+@click.option(
+    "--trace-group",
+    default=None,
+    help="I/N: every N-th trace file from the I-th (N runs cover every trace once; "
+    "`kvstore bench engine-groups` gives mean and spread over their --json files).",
+)
 @click.option("--max-output", type=int, default=32, show_default=True)
 @click.option("--memory", default="512MiB", show_default=True, help="Store memory per config")
 @click.option(
@@ -178,6 +187,20 @@ def _prefill_speed(run: ConfigRun) -> float | None:
     show_default=True,
     help="Run every configuration N times, in turn, and report its median run.",
 )
+@click.option(
+    "--saturate",
+    is_flag=True,
+    help="Keep --in-flight sessions per engine busy (sessions start when there is room, "
+    "not on the trace's clock; a session's turns stay in order with their pauses): "
+    "input tok/s is then throughput, not the arrival rate.",
+)
+@click.option(
+    "--in-flight",
+    type=click.IntRange(1, 64),
+    default=DEFAULT_IN_FLIGHT,
+    show_default=True,
+    help="--saturate: sessions kept busy per engine.",
+)
 @click.option("--json", "json_path", default=None, help="Write the numbers here.")
 @click.option("--out", default="bench/results", show_default=True, help="Plots go here.")
 @click.option("--work-dir", default=None, help="Logs of every process [a temp dir].")
@@ -197,6 +220,7 @@ def engine_cmd(
     max_pause: float,
     max_turns: int,
     max_sessions: int,
+    trace_group: str | None,
     max_output: int,
     memory: str,
     memory_sweep: str | None,
@@ -206,6 +230,8 @@ def engine_cmd(
     ssd: bool,
     quick: bool,
     repeat: int,
+    saturate: bool,
+    in_flight: int,
     json_path: str | None,
     out: str,
     work_dir: str | None,
@@ -259,6 +285,13 @@ def engine_cmd(
         )
     else:
         paths = list(traces)
+    if trace_group:
+        try:
+            paths = pick_group(paths, parse_group(trace_group))
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--trace-group") from e
+        if not paths:
+            raise click.BadParameter("no trace in this group", param_hint="--trace-group")
     sessions = load_agentic(paths)
     if max_sessions:
         sessions = sessions[:max_sessions]
@@ -308,6 +341,8 @@ def engine_cmd(
         expect_block_size=block,
         max_len=engine_len,
         kv_cache_bytes=kv_cache,
+        # a hybrid's cache also holds its convolution state: its blocks are not counted
+        block_bytes=block_bytes if engine_block_size(preset) is not None else 0,
     )
     ctx = Context(
         py,
@@ -318,6 +353,7 @@ def engine_cmd(
         session_hints=sessions_aware == "on",
         ssd=ssd,
         kvstore_workers=kvstore_workers,
+        saturate=engines * in_flight if saturate else 0,
     )
     stem = f"engine-{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     meta: dict[str, Any] = {
@@ -341,6 +377,9 @@ def engine_cmd(
         "kvstore_ssd": ssd,
         "kvstore_workers": kvstore_workers,
         "repeat": repeat,
+        "trace_group": trace_group,
+        "saturate": saturate,
+        "sessions_in_flight": ctx.saturate,
         "traces": [str(p) for p in paths],
         "work_dir": str(wdir),
     }
@@ -367,6 +406,7 @@ def engine_cmd(
             doc["sweep"] = sweep_json(points)
             Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
             console.print(f"json: {json_path}")
+        _fail_loudly(console, [s for p in points for s in p.summaries])
         return
 
     runs = _repeated(names, repeat, ctx, spec, scripts, engines, console, progress)
@@ -384,6 +424,7 @@ def engine_cmd(
     if json_path:
         Path(json_path).write_text(json.dumps(to_json(summaries, meta), indent=2) + "\n")
         console.print(f"json: {json_path}")
+    _fail_loudly(console, summaries)
 
 
 def _summary(
@@ -397,7 +438,22 @@ def _summary(
             timed_requests(run, scripts), block, ctx.memory_bytes // ctx.block_bytes
         )
         s.ref_lru_hit_rate, s.ref_opt_hit_rate = refs.lru, refs.opt
+        ok = [r for r in run.results if not r.error]
+        if s.own_cache_tokens is not None and s.prompt_tokens:
+            own = [max(0, r.local_cached_tokens) for r in ok]
+            s.ref_lru_store_rate, s.ref_opt_store_rate = refs.beyond(own, s.prompt_tokens)
     return s
+
+
+def _fail_loudly(console: Console, summaries: list[Summary]) -> None:
+    """Every failed run, in red, then exit 1: a peer that did not run (or whose requests
+    failed) is a failed bench, not a comparison against the peers that did."""
+    bad = [s for s in summaries if failed(s)]
+    if not bad:
+        return
+    for s in bad:
+        console.print(f"[bold red]FAILED[/] {s.name}: {failed(s)}")
+    raise click.exceptions.Exit(1)
 
 
 def _sweep(
@@ -552,6 +608,19 @@ def _print_engines(console: Console, summaries: list[Summary]) -> None:
         line = by_engine_line(s.name, s.per_request) if s.ran else None
         if line:
             console.print(f"  {line}")
+        if s.ran and s.engine_kv_blocks:
+            console.print(
+                f"  {s.name}: engines' own KV caches as allocated: "
+                + ", ".join(
+                    f"{b:,} blocks ({t:,} tokens)"
+                    for b, t in zip(s.engine_kv_blocks, s.engine_kv_tokens, strict=False)
+                )
+                + (
+                    f"; busy {100 * s.engine_busy_share:.0f}% of the wall time"
+                    if s.engine_busy_share is not None
+                    else ""
+                )
+            )
         n = s.load_failed_requests
         if s.ran and n:
             console.print(

@@ -63,11 +63,24 @@ def working_set_blocks(scripts: Iterable[Script], block: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class References:
-    """Token hit rates of a shared cache of ``capacity`` blocks."""
+    """Token hit rates of a shared cache of ``capacity`` blocks; ``lru_hits`` and
+    ``opt_hits``: each request's hit tokens (in the order given)."""
 
     capacity_blocks: int
     lru: float
     opt: float
+    lru_hits: tuple[int, ...] = ()
+    opt_hits: tuple[int, ...] = ()
+
+    def beyond(self, own: Sequence[int], total: int) -> tuple[float, float]:
+        """What a store with these references would have served beyond ``own`` (each
+        request's tokens from its engine's own cache), over ``total`` prompt tokens:
+        (LRU, Belady). The store's own share (the connector's tokens) compares with it."""
+        if not total:
+            return 0.0, 0.0
+        lru = sum(max(0, h - o) for h, o in zip(self.lru_hits, own, strict=True))
+        opt = sum(max(0, h - o) for h, o in zip(self.opt_hits, own, strict=True))
+        return lru / total, opt / total
 
 
 def _events(requests: Sequence[Timed]) -> list[tuple[float, int, int]]:
@@ -88,7 +101,7 @@ def reference_hit_rates(requests: Sequence[Timed], block: int, capacity: int) ->
     events = _events(requests)
     lru = _run_lru(requests, hashes, events, block, capacity)
     opt = _run_opt(requests, hashes, events, block, capacity)
-    return References(capacity, lru / total, opt / total)
+    return References(capacity, sum(lru) / total, sum(opt) / total, tuple(lru), tuple(opt))
 
 
 def _hit(chain: list[bytes], present: Any, cap_tokens: int, block: int) -> tuple[int, int]:
@@ -106,14 +119,14 @@ def _run_lru(
     events: list[tuple[float, int, int]],
     block: int,
     capacity: int,
-) -> int:
+) -> list[int]:
     cache: OrderedDict[bytes, None] = OrderedDict()
-    hits = 0
+    hits = [0] * len(requests)
     for _, kind, i in events:
         chain = hashes[i]
         if kind == 1:  # lookup
             n, tok = _hit(chain, cache, cacheable(len(requests[i].prompt), block), block)
-            hits += tok
+            hits[i] = tok
             for h in chain[:n]:
                 cache.move_to_end(h)
             continue
@@ -133,7 +146,7 @@ def _run_opt(
     events: list[tuple[float, int, int]],
     block: int,
     capacity: int,
-) -> int:
+) -> list[int]:
     never = len(events) + 1
     # the positions (in event order) of every lookup that asks for each block
     uses: dict[bytes, list[int]] = {}
@@ -155,12 +168,12 @@ def _run_opt(
 
     cache: dict[bytes, int] = {}  # block -> its next use when last (re)scored
     heap: list[tuple[int, bytes]] = []  # (-next use, block); stale entries skipped
-    hits = 0
+    hits = [0] * len(requests)
     for pos, (_, kind, i) in enumerate(events):
         chain = hashes[i]
         if kind == 1:
             _, tok = _hit(chain, cache, cacheable(len(requests[i].prompt), block), block)
-            hits += tok
+            hits[i] = tok
             for h in chain:
                 if h in cache:
                     nu = next_use(h, pos)

@@ -30,7 +30,9 @@ from ..peers import PeerUnavailable, free_port, stop_process, wait_for_port
 
 __all__ = [
     "ABLATIONS",
+    "CACHE_SIZE_ENV",
     "CONFIGS",
+    "DEFAULT_CONFIGS",
     "KVSTORE_WORKERS",
     "Backing",
     "Context",
@@ -40,6 +42,9 @@ __all__ = [
 
 HOST = "127.0.0.1"
 CONFIGS = ("prefix", "kvstore", "mooncake", "lmcache", "offload")
+# what runs without --configs: every configuration that runs on this (CPU) platform;
+# ``offload``'s engines do not start on it, and a run that fails fails the bench
+DEFAULT_CONFIGS = ("prefix", "kvstore", "mooncake", "lmcache")
 # One worker, as DESIGN deploys kvstore (one worker per host) and as the peers run one
 # store process: the bench is one host. Split over two workers, each evicts by its own
 # share of every chain and the store kept 0.4-2.3 points fewer tokens at a quarter of the
@@ -141,6 +146,7 @@ class Context:
     session_hints: bool = True  # the kvstore connector sends the requests' session hints
     ssd: bool = False  # kvstore: half of memory_bytes as DRAM, half as an SSD tier
     kvstore_workers: int = KVSTORE_WORKERS  # the memory is split evenly among them
+    saturate: int = 0  # sessions kept busy at once (--saturate); 0: the traces' clock
 
     @property
     def bin_dir(self) -> Path:
@@ -494,12 +500,33 @@ def make_backing(name: str, ctx: Context) -> Backing:
     raise ValueError(f"unknown configuration {name!r}")
 
 
-def engine_env(backing: Backing, pythonpath: list[str]) -> dict[str, str]:
-    """Environment of an engine process of this configuration."""
+# Environment variables that would set an engine's KV cache size behind the bench's back:
+# vLLM's CPU platform replaces ``kv_cache_memory_bytes`` with VLLM_CPU_KVCACHE_SPACE GiB
+# when it is set (vllm/platforms/cpu.py, "Legacy setting"). The bench says the size.
+CACHE_SIZE_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
+
+
+def engine_env(
+    backing: Backing, pythonpath: list[str], scratch: Path | None = None
+) -> dict[str, str]:
+    """Environment of an engine process of this configuration.
+
+    ``scratch``: the engine's own temp directory (TMPDIR, and vLLM's
+    VLLM_RPC_BASE_PATH where its IPC sockets go, e.g. the Mooncake store connector's
+    ``lookup_rpc_port_0_host_..._dp_rank0``, a name two engines on one host would
+    share) and its own VLLM_PORT. Variables of :data:`CACHE_SIZE_ENV` are dropped: the
+    engine's KV cache is the bench's ``kv_cache_bytes``."""
     env = dict(os.environ)
+    for k in CACHE_SIZE_ENV:
+        env.pop(k, None)
     env.update(backing.env)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.setdefault("VLLM_HOST_IP", HOST)  # what Mooncake's engines announce: loopback only
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env["PYTHONPATH"] = os.pathsep.join([*pythonpath, env.get("PYTHONPATH", "")])
+    if scratch is not None:
+        scratch.mkdir(parents=True, exist_ok=True)
+        for k in ("TMPDIR", "TMP", "TEMP", "VLLM_RPC_BASE_PATH"):
+            env[k] = str(scratch)
+        env["VLLM_PORT"] = str(free_port())
     return env

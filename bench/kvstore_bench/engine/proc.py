@@ -11,9 +11,14 @@ output goes to stderr):
   (greedy, EOS ignored; ``params``, optional: the request's ``kv_transfer_params``, e.g.
   session hints)
 - in: ``{"op": "exit"}``: stop at once (unfinished requests are dropped)
-- out, once: ``{"event": "ready", "block_size": n}`` (the resolved tokens per KV block)
-- out: ``{"event": "done", "id", "tokens", "logprobs", "num_cached_tokens", "ttft_s",
-  "e2e_s", "steps", "wait_s", "step_s"}`` where ``ttft_s`` runs from the request's
+- out, once: ``{"event": "ready", "block_size": n, "kv_blocks": n, "kv_cache_bytes": n}``
+  (the resolved tokens per KV block, the blocks of KV cache vLLM allocated and the bytes
+  it was configured with: what the engine really got, whatever the bench asked for)
+- out: ``{"event": "done", "id", "tokens", "logprobs", "num_cached_tokens",
+  "local_cached_tokens", "external_cached_tokens", "ttft_s", "e2e_s", "steps", "wait_s",
+  "step_s"}`` where ``local_cached_tokens`` came from the engine's own prefix cache and
+  ``external_cached_tokens`` from the KV connector (vLLM's prefill stats; -1 where vLLM
+  gave none), and ``ttft_s`` runs from the request's
   arrival in this process to the end of the step that produced its first token, ``e2e_s``
   to its last; ``steps`` counts the engine steps from its arrival to that one (inclusive),
   ``step_s`` is that step's duration and ``wait_s = ttft_s - step_s`` (lookup, waiting
@@ -102,6 +107,33 @@ class Server:
         self.arrived: dict[str, float] = {}
         self.first: dict[str, tuple[float, int, float]] = {}  # end, steps, step duration
         self.steps: dict[str, int] = {}
+        # (own prefix cache, connector) tokens per request, from vLLM's prefill stats
+        self.sources: dict[str, tuple[int, int]] = {}
+        self._watch_prefill_stats()
+
+    def _watch_prefill_stats(self) -> None:
+        """Read each request's prefill stats (local and external cached tokens) off the
+        engine core's outputs as they pass: the in-process client's ``get_output``,
+        wrapped; the request outputs carry only their sum."""
+        core = self.engine.engine_core
+        get_output = core.get_output
+
+        def watched() -> Any:
+            outs = get_output()
+            for o in getattr(outs, "outputs", None) or []:
+                ps = getattr(o, "prefill_stats", None)
+                if ps is None:
+                    continue
+                rid = str(o.request_id)
+                if rid not in self.arrived:  # vLLM appends "-" + 8 random characters
+                    rid = rid.rsplit("-", 1)[0]
+                self.sources[rid] = (
+                    int(ps.num_local_cached_tokens),
+                    int(ps.num_external_cached_tokens),
+                )
+            return outs
+
+        core.get_output = watched
 
     def emit(self, msg: dict[str, Any]) -> None:
         self.out.write(json.dumps(msg) + "\n")
@@ -167,6 +199,7 @@ class Server:
         t0 = self.arrived.pop(rid)
         self.steps.pop(rid, None)
         first, steps, first_step = self.first.pop(rid, (now, 0, step_s))
+        local, external = self.sources.pop(rid, (-1, -1))
         tokens = list(comp.token_ids) if comp is not None else []
         lps = comp.logprobs if comp is not None and comp.logprobs else []
         logprobs = [float(lp[t].logprob) for t, lp in zip(tokens, lps, strict=False) if t in lp]
@@ -177,6 +210,8 @@ class Server:
                 "tokens": tokens,
                 "logprobs": logprobs,
                 "num_cached_tokens": int(o.num_cached_tokens or 0),
+                "local_cached_tokens": local,
+                "external_cached_tokens": external,
                 "ttft_s": first - t0,
                 "e2e_s": now - t0,
                 "steps": steps,
@@ -197,8 +232,14 @@ def main() -> None:
     warm = [rng.randrange(3, 1000) for _ in range(min(1024, int(cfg["max_len"]) - 8))]
     llm.generate([token_prompt(warm)], sampling(2), use_tqdm=False)
     # the attention block size vLLM resolved (a hybrid's is set after the layers are built)
-    resolved = llm.llm_engine.vllm_config.cache_config.block_size
-    out.write(json.dumps({"event": "ready", "block_size": resolved}) + "\n")
+    cache = llm.llm_engine.vllm_config.cache_config
+    ready = {
+        "event": "ready",
+        "block_size": cache.block_size,
+        "kv_blocks": cache.num_gpu_blocks,
+        "kv_cache_bytes": cache.kv_cache_memory_bytes,
+    }
+    out.write(json.dumps(ready) + "\n")
     Server(llm, out).serve()
     _log_connector_totals()
     out.write(json.dumps({"event": "bye"}) + "\n")

@@ -19,7 +19,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from .report import Summary
+from .report import Summary, failed
 
 __all__ = ["REPEAT_COLUMNS", "median_run", "repeat_rows", "rotations"]
 
@@ -54,6 +54,9 @@ def median_run(runs: Sequence[Summary]) -> Summary:
     ]
     if done:
         pick.median_hit_rate = statistics.median(s.token_hit_rate for s in done)
+    bad = [s for s in runs if failed(s)]
+    if bad and not failed(pick):  # one failed run of N fails the configuration
+        pick.failure = f"{len(bad)} of {len(runs)} runs failed: {failed(bad[0])}"
     return pick
 
 

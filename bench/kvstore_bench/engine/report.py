@@ -23,7 +23,18 @@ from .paired import by_engine, compute_ms_per_token, paired
 from .run import ConfigRun, Result
 from .workload import Script, Timed, ideal_hits
 
-__all__ = ["LOGPROB_TOL", "Summary", "plot", "summarize", "table_rows", "to_json"]
+__all__ = [
+    "LOGPROB_TOL",
+    "Summary",
+    "busy_share",
+    "failed",
+    "failure_of",
+    "plot",
+    "sources_cell",
+    "summarize",
+    "table_rows",
+    "to_json",
+]
 
 LOGPROB_TOL = 0.05
 
@@ -67,6 +78,10 @@ class Summary:
     memory_bytes: int = 0
     ref_lru_hit_rate: float | None = None
     ref_opt_hit_rate: float | None = None
+    # the store's share against the same references: what an LRU / Belady store of
+    # that memory would have served beyond each request's own-cache tokens
+    ref_lru_store_rate: float | None = None
+    ref_opt_store_rate: float | None = None
     min_bytes: int = 0
     # --repeat N: every run's figures (ran, token_hit_rate, ttft_p50_ms,
     # input_tokens_per_s, wall_s) and the median hit rate; this summary is the run
@@ -81,6 +96,62 @@ class Summary:
     # loads that failed and were recomputed (vLLM's "Recovered from KV load failure")
     load_failed_requests: int = 0
     load_failed_tokens: int = 0
+    # why this run failed ("" if it did not): it did not run (a peer or its engines
+    # did not start, or it refused the memory) or some of its requests failed. A failed
+    # run is reported as such, never as a row of numbers, and the bench exits non-zero.
+    failure: str = ""
+    # the KV cache each engine allocated (as vLLM reported it when ready)
+    engine_kv_blocks: list[int] = field(default_factory=list)
+    engine_kv_tokens: list[int] = field(default_factory=list)
+    # where the cached tokens came from (vLLM's prefill stats): the engines' own prefix
+    # caches and the connector (the store); each over prompt tokens; None where vLLM
+    # did not say for every request
+    own_cache_tokens: int | None = None
+    store_tokens: int | None = None
+    own_cache_hit_rate: float | None = None
+    store_hit_rate: float | None = None
+    # the engines' busy share: wall time each engine had a request in flight, over
+    # the run's wall time (mean over engines); 1.0 = never idle
+    engine_busy_share: float | None = None
+
+
+def failure_of(s: Summary) -> str:
+    """Why the run of ``s`` counts as failed ("" if it does not)."""
+    if not s.ran:
+        return f"did not run: {s.why_not}"
+    if s.failed:
+        return f"{s.failed} of {s.requests + s.failed} requests failed"
+    if not s.requests:
+        return "no request completed"
+    return ""
+
+
+def failed(s: Summary) -> str:
+    """Why ``s`` failed: its ``failure``, or that it did not run ("" if it ran well)."""
+    return s.failure or ("" if s.ran else f"did not run: {s.why_not}")
+
+
+def busy_share(spans: Sequence[tuple[int, float, float]], wall_s: float) -> float | None:
+    """Mean over engines of the share of ``[0, wall_s]`` covered by that engine's
+    ``(engine, start, end)`` request spans (their union); None without spans."""
+    if wall_s <= 0 or not spans:
+        return None
+    by: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for e, a, b in spans:
+        by[e].append((max(0.0, a), min(wall_s, b)))
+    shares: list[float] = []
+    for iv in by.values():
+        iv.sort()
+        covered, cur_a, cur_b = 0.0, iv[0][0], iv[0][1]
+        for a, b in iv[1:]:
+            if a > cur_b:
+                covered += max(0.0, cur_b - cur_a)
+                cur_a, cur_b = a, b
+            else:
+                cur_b = max(cur_b, b)
+        covered += max(0.0, cur_b - cur_a)
+        shares.append(covered / wall_s)
+    return sum(shares) / len(shares)
 
 
 def percentiles(xs: Sequence[float]) -> dict[str, float]:
@@ -107,6 +178,9 @@ def summarize(
 ) -> Summary:
     """Numbers of one configuration; ``reference`` is the ``prefix`` run (if it ran)."""
     s = Summary(run.name, run.ran, run.why_not, run.note, min_bytes=run.min_bytes)
+    s.engine_kv_blocks = list(run.engine_kv_blocks)
+    s.engine_kv_tokens = list(run.engine_kv_tokens)
+    s.failure = failure_of(s)
     if not run.ran:
         return s
     prompts = {(sc.id, t.index): t.prompt for sc in scripts for t in sc.turns}
@@ -116,6 +190,7 @@ def summarize(
     s.wall_s = run.wall_s
     s.load_failed_requests = run.load_failed_requests
     s.load_failed_tokens = run.load_failed_tokens
+    s.failure = failure_of(s)
     if not ok:
         return s
     timed = [Timed(prompts[_key(r)], r.engine, r.start, r.end) for r in ok]
@@ -126,6 +201,12 @@ def summarize(
     s.ideal_hit_rate = sum(shared) / s.prompt_tokens
     s.own_cache_ideal_hit_rate = sum(own) / s.prompt_tokens
     s.prefill_tokens_computed = s.prompt_tokens - s.cached_tokens
+    if all(r.local_cached_tokens >= 0 and r.external_cached_tokens >= 0 for r in ok):
+        s.own_cache_tokens = sum(r.local_cached_tokens for r in ok)
+        s.store_tokens = sum(r.external_cached_tokens for r in ok)
+        s.own_cache_hit_rate = s.own_cache_tokens / s.prompt_tokens
+        s.store_hit_rate = s.store_tokens / s.prompt_tokens
+    s.engine_busy_share = busy_share([(r.engine, r.start, r.end) for r in ok], run.wall_s)
     s.ttfts_ms = [r.ttft_s * 1e3 for r in ok]
     s.ttft_ms = percentiles(s.ttfts_ms)
     s.ttft_breakdown = {
@@ -209,6 +290,8 @@ def _request(r: Result, ideal: int) -> dict[str, Any]:
         "wait_ms": round(r.wait_s * 1e3, 3),
         "step_ms": round(r.step_s * 1e3, 3),
         "steps": r.steps,
+        "own_cache_tokens": r.local_cached_tokens,
+        "store_tokens": r.external_cached_tokens,
     }
 
 
@@ -256,6 +339,8 @@ def to_json(summaries: Sequence[Summary], meta: dict[str, Any]) -> dict[str, Any
         }
         d["hit_rate_by_turn"] = {str(k): v for k, v in s.hit_rate_by_turn.items()}
         d["ideal_by_turn"] = {str(k): v for k, v in s.ideal_by_turn.items()}
+        d["status"] = "failed" if failed(s) else "ok"
+        d["failure"] = failed(s)
         configs[s.name] = d
     return {"meta": meta, "configs": configs}
 
@@ -284,6 +369,7 @@ TABLE_COLUMNS = (
     "e2e p50 ms",
     "req/s",
     "input tok/s",
+    "own / store",
     "slow loads",
     "logprob ok",
     "equal out",
@@ -294,9 +380,9 @@ def table_rows(summaries: Sequence[Summary]) -> list[list[str]]:
     """One row of text cells per configuration (columns: :data:`TABLE_COLUMNS`)."""
     rows: list[list[str]] = []
     for s in summaries:
-        if not s.ran:
-            why = s.why_not if len(s.why_not) <= 90 else s.why_not[:87] + "..."
-            rows.append([s.name, f"not run: {why}"] + [""] * (len(TABLE_COLUMNS) - 2))
+        if failed(s):
+            why = failed(s) if len(failed(s)) <= 90 else failed(s)[:87] + "..."
+            rows.append([s.name, f"FAILED: {why}"] + [""] * (len(TABLE_COLUMNS) - 2))
             continue
         rows.append(
             [
@@ -311,6 +397,7 @@ def table_rows(summaries: Sequence[Summary]) -> list[list[str]]:
                 _ms(s.e2e_ms, "p50"),
                 f"{s.requests_per_s:.2f}",
                 f"{s.input_tokens_per_s:,.0f}",
+                sources_cell(s),
                 "-"
                 if s.loads_slower_than_recompute is None
                 else str(s.loads_slower_than_recompute),
@@ -319,6 +406,13 @@ def table_rows(summaries: Sequence[Summary]) -> list[list[str]]:
             ]
         )
     return rows
+
+
+def sources_cell(s: Summary) -> str:
+    """``own% / store%`` of prompt tokens ("-" where vLLM did not say)."""
+    if s.own_cache_hit_rate is None or s.store_hit_rate is None:
+        return "-"
+    return f"{_pct(s.own_cache_hit_rate)} / {_pct(s.store_hit_rate)}"
 
 
 def markdown_table(summaries: Sequence[Summary]) -> str:

@@ -16,7 +16,9 @@ import json
 import os
 import re
 import selectors
+import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +28,7 @@ from typing import Any
 
 from ..peers import stop_process
 from .peers import Backing, Context, NotRunnable, engine_env, make_backing
+from .saturate import Admission, PauseClock, goes_idle
 from .workload import Script, Turn
 
 __all__ = ["ConfigRun", "EngineError", "EngineProc", "EngineSpec", "Result", "run_config"]
@@ -47,6 +50,7 @@ class EngineSpec:
     expect_block_size: int = 32  # what the engine must report resolved (the ideal's unit)
     max_len: int = 4096
     kv_cache_bytes: int = 256 << 20
+    block_bytes: int = 0  # bytes of one KV block (0: the allocation is not checked)
     dtype: str = "float32"
     start_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
@@ -71,6 +75,10 @@ class Result:
     steps: int = 0  # engine steps from arrival to the first token (inclusive)
     wait_s: float = 0.0  # TTFT before the step that produced the first token
     step_s: float = 0.0  # that step's duration
+    # of cached_tokens: from the engine's own prefix cache and from the connector
+    # (vLLM's prefill stats; -1: not known)
+    local_cached_tokens: int = -1
+    external_cached_tokens: int = -1
 
 
 @dataclass(slots=True)
@@ -88,6 +96,29 @@ class ConfigRun:
     # requests rescheduled and tokens recomputed (:func:`load_failures`)
     load_failed_requests: int = 0
     load_failed_tokens: int = 0
+    # the KV cache each engine allocated, as it said when ready: blocks, and tokens
+    engine_kv_blocks: list[int] = field(default_factory=list)
+    engine_kv_tokens: list[int] = field(default_factory=list)
+
+
+def expected_kv_blocks(spec: EngineSpec) -> int:
+    """The blocks an engine of ``spec`` should allocate: its KV bytes over a block's
+    (0 when the block's bytes are unknown)."""
+    return spec.kv_cache_bytes // spec.block_bytes if spec.block_bytes > 0 else 0
+
+
+def check_kv_blocks(name: str, spec: EngineSpec, got: int | None) -> None:
+    """EngineError unless the engine allocated the KV cache the bench asked for (within
+    1% or one block: vLLM rounds to whole blocks)."""
+    want = expected_kv_blocks(spec)
+    if not want or got is None:
+        return
+    if abs(int(got) - want) > max(1, want // 100):
+        raise EngineError(
+            f"engine {name} allocated {int(got):,} KV blocks, the bench asked for {want:,} "
+            f"({spec.kv_cache_bytes:,} B): something else sized its cache "
+            "(VLLM_CPU_KVCACHE_SPACE?)"
+        )
 
 
 # vLLM's scheduler, when a connector reports blocks it could not load
@@ -123,7 +154,14 @@ class EngineProc:
             "kv_transfer_config": backing.kv_transfer_config,
             "warmup_seed": 1000 + sum(name.encode()),
         }
-        env = engine_env(backing, [str(ROOT / "client"), str(ROOT / "bench"), str(ROOT)])
+        # its own temp dir (IPC sockets, TMPDIR) and port: nothing shared with another
+        # engine on this host; short, as a unix socket's path is (108 bytes at most)
+        self.scratch = Path(tempfile.mkdtemp(prefix=f"kvb{name}-"))
+        self.kv_blocks: int | None = None
+        self.kv_block_tokens = 0
+        env = engine_env(
+            backing, [str(ROOT / "client"), str(ROOT / "bench"), str(ROOT)], self.scratch
+        )
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [str(spec.python), "-m", "kvstore_bench.engine.proc", json.dumps(cfg)],
@@ -174,6 +212,10 @@ class EngineProc:
                 f"engine {self.name} resolved {got}-token blocks, the bench counts hits in "
                 f"{self.spec.expect_block_size}-token blocks (engine.models.BLOCK_SIZES)"
             )
+        blocks = ready.get("kv_blocks")
+        self.kv_blocks = None if blocks is None else int(blocks)
+        self.kv_block_tokens = int(got) if got is not None else self.spec.expect_block_size
+        check_kv_blocks(self.name, self.spec, self.kv_blocks)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -244,6 +286,7 @@ class EngineProc:
             except (OSError, subprocess.TimeoutExpired):
                 pass
         stop_process(self.proc)
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def _play(
@@ -252,11 +295,17 @@ def _play(
     t0: float,
     on_done: Callable[[Result], None],
     hints: bool = False,
+    saturate: int = 0,
 ) -> list[Result]:
+    """Play every script: on the traces' clock, or (``saturate`` > 0) with that many
+    sessions busy at once (:class:`~kvstore_bench.engine.saturate.Admission`)."""
     results: list[Result] = []
-    lock = threading.Lock()
+    cond = threading.Condition()
     fork_events = {(s.id, t.index): threading.Event() for s in scripts for t in s.turns}
     errors: list[BaseException] = []
+    adm = Admission(scripts, saturate) if saturate > 0 else None
+    # saturated: pauses on a clock that skips the time no engine would have work
+    clock = PauseClock(len(engines)) if saturate > 0 else None
 
     def run_turn(t: Turn) -> Result:
         start = time.perf_counter() - t0
@@ -283,20 +332,39 @@ def _play(
             steps=int(ans.get("steps", 0)) if ok else 0,
             wait_s=float(ans.get("wait_s", 0.0)) if ok else 0.0,
             step_s=float(ans.get("step_s", 0.0)) if ok else 0.0,
+            local_cached_tokens=int(ans.get("local_cached_tokens", -1)) if ok else -1,
+            external_cached_tokens=int(ans.get("external_cached_tokens", -1)) if ok else -1,
         )
 
-    def play(s: Script) -> None:
+    def play(s: Script, admitted: bool = False) -> None:
         try:
             if s.parent is not None and s.after_turn >= 0:
                 fork_events[(s.parent, s.after_turn)].wait()
             delay = s.start_s - (time.perf_counter() - t0)
-            if delay > 0:
+            if adm is None and delay > 0:
                 time.sleep(delay)
-            for t in s.turns:
-                if t.pause_s > 0:
+            for k, t in enumerate(s.turns):
+                if t.pause_s > 0 and k and clock is None:
                     time.sleep(t.pause_s)
-                r = run_turn(t)
-                with lock:
+                elif t.pause_s > 0 and k and clock is not None:
+                    with cond:  # the controller skips idle time and wakes us
+                        clock.pause(s.id, time.perf_counter(), t.pause_s)
+                        cond.notify_all()
+                        while not clock.due(s.id, time.perf_counter()):
+                            cond.wait(0.05)
+                        clock.resume(s.id)
+                # a sub-agent's first turn, or a turn after a pause, takes a place again
+                if adm is not None and ((k == 0 and not admitted) or (k and t.pause_s > 0)):
+                    with cond:
+                        adm.turn_ready()
+                try:
+                    r = run_turn(t)
+                finally:
+                    if adm is not None:
+                        with cond:
+                            adm.turn_done(goes_idle(s, k))
+                            cond.notify_all()
+                with cond:
                     results.append(r)
                 on_done(r)
                 fork_events[(s.id, t.index)].set()
@@ -306,9 +374,22 @@ def _play(
             for t in s.turns:  # children of a failed script still run
                 fork_events[(s.id, t.index)].set()
 
-    threads = [threading.Thread(target=play, args=(s,), daemon=True) for s in scripts]
-    for th in threads:
+    def spawn(s: Script, admitted: bool = False) -> threading.Thread:
+        th = threading.Thread(target=play, args=(s, admitted), daemon=True)
         th.start()
+        return th
+
+    if adm is None:
+        threads = [spawn(s) for s in scripts]
+    else:  # sub-agents wait for their fork; top-level scripts start when admitted
+        assert clock is not None
+        threads = [spawn(s) for s in scripts if s.parent is not None]
+        with cond:
+            while adm.waiting or any(th.is_alive() for th in threads):
+                threads += [spawn(s, True) for s in adm.admit()]
+                if not adm.waiting and clock.skip(time.perf_counter(), adm.busy) > 0:
+                    cond.notify_all()
+                cond.wait(0.05)
     for th in threads:
         th.join()
     if errors:
@@ -325,7 +406,8 @@ def run_config(
     on_event: Callable[[str], None] = lambda _: None,
     on_done: Callable[[Result], None] = lambda _: None,
 ) -> ConfigRun:
-    """Play ``scripts`` on ``engines`` fresh engines of configuration ``name``.
+    """Play ``scripts`` on ``engines`` fresh engines of configuration ``name``
+    (``ctx.saturate``: sessions kept busy at once, 0 = on the traces' clock).
 
     Returns ``ConfigRun(ran=False, why_not=...)`` when the configuration's backing or its
     engines cannot start; requests that fail are kept as results with ``error`` set.
@@ -354,7 +436,7 @@ def run_config(
         t0 = time.perf_counter()
         try:
             hints = ctx.session_hints and name.startswith("kvstore")
-            results = _play(scripts, procs, t0, on_done, hints)
+            results = _play(scripts, procs, t0, on_done, hints, ctx.saturate)
         except Exception as e:  # a bench bug or a lost engine: report, run the others
             return ConfigRun(name, False, why_not=f"run failed: {type(e).__name__}: {e}")
         wall = time.perf_counter() - t0
@@ -369,6 +451,8 @@ def run_config(
             results=results,
             load_failed_requests=failed[0],
             load_failed_tokens=failed[1],
+            engine_kv_blocks=[p.kv_blocks or 0 for p in procs],
+            engine_kv_tokens=[(p.kv_blocks or 0) * p.kv_block_tokens for p in procs],
         )
     finally:
         for p in procs:

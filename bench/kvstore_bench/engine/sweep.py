@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .report import Summary, to_json
+from .report import Summary, failed, sources_cell, to_json
 
 __all__ = ["Point", "parse_fractions", "sweep_json", "sweep_markdown", "sweep_plots", "sweep_rows"]
 
@@ -55,6 +55,8 @@ SWEEP_COLUMNS = (
     "p99",
     "input tok/s",
     "prefill tok",
+    "own / store",
+    "store LRU / OPT ref",
     "hit TTFT p50 (wait+step, steps)",
 )
 
@@ -82,10 +84,12 @@ def sweep_rows(points: Sequence[Point]) -> list[list[str]]:
     for p in points:
         mem = f"{p.fraction:g} ({_mib(p.memory_bytes)})"
         for s in p.summaries:
-            if not s.ran:
+            if failed(s):
                 least = f"; least it accepts: {_mib(s.min_bytes)}" if s.min_bytes else ""
-                why = s.why_not if len(s.why_not) <= 100 else s.why_not[:97] + "..."
-                rows.append([mem, s.name, f"not run: {why}{least}"] + [""] * 9)
+                why = failed(s) if len(failed(s)) <= 100 else failed(s)[:97] + "..."
+                rows.append(
+                    [mem, s.name, f"FAILED: {why}{least}"] + [""] * (len(SWEEP_COLUMNS) - 3)
+                )
                 continue
             rows.append(
                 [
@@ -100,6 +104,10 @@ def sweep_rows(points: Sequence[Point]) -> list[list[str]]:
                     ms(s.ttft_ms, "p99"),
                     f"{s.input_tokens_per_s:,.0f}",
                     f"{s.prefill_tokens_computed:,}",
+                    sources_cell(s),
+                    "-"
+                    if s.ref_lru_store_rate is None
+                    else f"{pct(s.ref_lru_store_rate)} / {pct(s.ref_opt_store_rate)}",
                     _hit_cell(s),
                 ]
             )
