@@ -470,11 +470,14 @@ def test_put_inbox_publishes_only_what_the_worker_verified(store: BlockStore) ->
     far = inbox_entries(keys(1, "far"), [b"q" * 10], [(1 << 20) - 5], [0])
     with pytest.raises(Refused, match="outside the inbox"):
         shm.put_inbox(st, me, wire.Header(wire.OP_PUT_INBOX, 0, 3, 1, 10), "m/x", far)
+    near = inbox_entries(keys(1, "far"), [b"q" * 10], [0], [0])
     with pytest.raises(Refused, match="without an inbox"):
-        shm.put_inbox(st, b"\x02" * 16, wire.Header(wire.OP_PUT_INBOX, 0, 3, 1, 11), "m/x", far)
+        shm.put_inbox(st, b"\x02" * 16, wire.Header(wire.OP_PUT_INBOX, 0, 3, 1, 11), "m/x", near)
+    with pytest.raises(Refused, match="outside the inbox"):  # whoever sends it
+        shm.put_inbox(st, b"", wire.Header(wire.OP_PUT_INBOX, 0, 3, 1, 12), "m/x", far)
     inboxes.drop(me)
     with pytest.raises(Refused, match="without an inbox"):
-        shm.put_inbox(st, me, wire.Header(wire.OP_PUT_INBOX, 0, 3, 1, 12), "m/x", far)
+        shm.put_inbox(st, me, wire.Header(wire.OP_PUT_INBOX, 0, 3, 1, 13), "m/x", near)
 
 
 def test_packed_put_is_bounded_and_has_no_part_tables(store: BlockStore) -> None:

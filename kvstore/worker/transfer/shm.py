@@ -524,7 +524,7 @@ class ShmServer:
             self.core.check_sizes(sizes)
             for i, (_, size, _, off) in enumerate(entries):
                 if off + size > most:
-                    raise InvalidArgument(f"block {i} lies outside any inbox ({most} bytes)")
+                    raise InvalidArgument(f"block {i} lies outside the inbox ({most} bytes)")
         inbox = self.inboxes.get(identity) if self.inboxes is not None and identity else None
         if inbox is None:  # never handed over, or its client closed the hand-over since
             raise Refused(
@@ -534,10 +534,6 @@ class ShmServer:
                     " the client's hand-over closed?): put over tcp://"
                 ),
             )
-        with refusing(h):
-            for i, (_, size, _, off) in enumerate(entries):
-                if off + size > len(inbox):
-                    raise InvalidArgument(f"block {i} lies outside the inbox")
         status = bytearray(h.count)
         nbytes = sum(sizes)
         if not st.holder.take(nbytes, h.count, wait=0.5, whole=True):
