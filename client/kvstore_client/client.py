@@ -31,13 +31,12 @@ from .errors import (
     InvalidArgument,
     KVStoreError,
     PeerError,
-    QuotaExceeded,
-    ResourceExhausted,
     Unavailable,
     from_rpc_error,
 )
 from .keys import HASH_LEN, check_hashes, check_namespace, leading_run
 from .mapwatch import MapWatch
+from .outcomes import PutOutcome, room_error
 from .parts import check_disjoint, part_views
 from .proto import master_pb2, store_pb2, store_pb2_grpc
 from .replicas import (
@@ -181,22 +180,16 @@ class Client:
         """Store blocks that are absent. True = stored now (by the primary owner);
         False = already present (skipped) or its primary was unreachable. Raises
         InvalidArgument on bad input and ResourceExhausted when a primary has no room.
+        :meth:`put_outcomes` tells those cases apart.
 
         ``replicas``: copies on distinct workers (1..8; default: the namespace's count
         from the map, see :mod:`kvstore_client.replicas`). Copies beyond the primary
         are best effort: their failures are counted in ``replica_stats``, not raised.
         """
-        nsb = self._check(ns, hashes)
-        if len(values) != len(hashes):
-            raise InvalidArgument(f"{len(hashes)} hashes but {len(values)} values")
-        views = _byte_views(values, "value")
-        sizes = [v.nbytes for v in views]
-        view = self._view
-        for i, n in enumerate(sizes):
-            if view is not None and view.max_value and n > view.max_value:
-                raise InvalidArgument(f"value {i} is {n} bytes; the limit is {view.max_value}")
-        blocks: list[wire.Block] = list(views)
-        return self._put_blocks(ns, nsb, hashes, blocks, sizes, replicas)
+        outcomes, fails, rooms = self._put(ns, hashes, values, False, replicas)
+        if fails or rooms:
+            raise (fails + rooms)[0]
+        return [o is PutOutcome.STORED for o in outcomes]
 
     def batch_put_parts(
         self,
@@ -215,12 +208,51 @@ class Client:
         when the part lists do not match the hashes, a block has no parts or zero
         bytes, or a block is above the workers' max value size.
         """
+        outcomes, fails, rooms = self._put(ns, hashes, parts, True, replicas)
+        if fails or rooms:
+            raise (fails + rooms)[0]
+        return [o is PutOutcome.STORED for o in outcomes]
+
+    def put_outcomes(
+        self,
+        ns: str,
+        hashes: list[bytes],
+        values: Sequence[Any],
+        *,
+        parts: bool = False,
+        replicas: int | None = None,
+    ) -> list[PutOutcome]:
+        """:meth:`batch_put` (``parts``: :meth:`batch_put_parts`) with what happened to
+        each block (:class:`~kvstore_client.outcomes.PutOutcome`): stored now,
+        already present, refused and why (no room, over quota, corrupt, declined), or
+        its owner unreachable. A full store is an outcome here, not an error; bad input
+        and a worker's refusal of the caller (auth) still raise."""
+        outcomes, fails, _ = self._put(ns, hashes, values, parts, replicas)
+        if fails:
+            raise fails[0]
+        return outcomes
+
+    def _put(
+        self, ns: str, hashes: list[bytes], values: Sequence[Any], parts: bool,
+        replicas: int | None,
+    ) -> tuple[list[PutOutcome], list[KVStoreError], list[KVStoreError]]:  # fmt: skip
         nsb = self._check(ns, hashes)
         view = self._view
-        blocks, sizes = part_views(
-            parts, len(hashes), writable=False, max_value=view.max_value if view else 0
-        )
-        return self._put_blocks(ns, nsb, hashes, list(blocks), sizes, replicas)
+        if parts:
+            pv, sizes = part_views(
+                values, len(hashes), writable=False, max_value=view.max_value if view else 0
+            )
+            blocks: list[wire.Block] = list(pv)
+        else:
+            if len(values) != len(hashes):
+                raise InvalidArgument(f"{len(hashes)} hashes but {len(values)} values")
+            views = _byte_views(values, "value")
+            sizes = [v.nbytes for v in views]
+            for i, n in enumerate(sizes):
+                if view is not None and view.max_value and n > view.max_value:
+                    raise InvalidArgument(f"value {i} is {n} bytes; the limit is {view.max_value}")
+            blocks = list(views)
+        return self._put_blocks(ns, nsb, hashes, blocks, sizes, replicas)
 
     def _put_blocks(
         self,
@@ -230,7 +262,10 @@ class Client:
         views: list[wire.Block],
         sizes: list[int],
         replicas: int | None,
-    ) -> list[bool]:
+    ) -> tuple[list[PutOutcome], list[KVStoreError], list[KVStoreError]]:
+        """Per block its outcome; the failures of primaries other than unreachable (and
+        the caller's errors of any owner); per primary that lacked room, its error.
+        :meth:`batch_put` raises the first of both."""
         view, groups = self._d.groups(hashes)
         r = self._d.copies(view, ns, replicas)
         self._d.wrote(ns, r)
@@ -247,9 +282,9 @@ class Client:
         for i, n in enumerate(sizes):
             if view.max_value and n > view.max_value:
                 raise InvalidArgument(f"value {i} is {n} bytes; the limit is {view.max_value}")
-        result = [False] * len(hashes)
+        result = [PutOutcome.UNREACHABLE] * len(hashes)
         if not groups:
-            return result
+            return result, [], []
         sums: list[int] = []  # computed once, only if a transfer needs them
         # A client that sends session hints marks its puts: its sessions' shares apply
         # to them. Puts of clients without hints are always admitted.
@@ -272,6 +307,7 @@ class Client:
             if k == len(groups) - 1:
                 primaries = len(tasks)
         full: list[KVStoreError] = []
+        rooms: list[KVStoreError] = []
 
         def on_error(t: int, e: KVStoreError) -> None:
             if t >= primaries:
@@ -291,14 +327,10 @@ class Client:
             if status is None:
                 continue
             for j, i in enumerate(chunk):
-                result[int(i)] = status[j] == 0
-            if wire.PUT_QUOTA in status:
-                full.append(QuotaExceeded("some blocks are over their namespace's quota"))
-            elif wire.PUT_FULL in status:
-                full.append(ResourceExhausted("a worker had no room for some blocks"))
-        if full:
-            raise full[0]
-        return result
+                result[int(i)] = PutOutcome.of_status(status[j])
+            if (err := room_error(status)) is not None:
+                rooms.append(err)
+        return result, full, rooms
 
     def batch_exists(self, ns: str, hashes: list[bytes]) -> list[bool]:
         """Which hashes are present on any of their owners (False also for unreachable

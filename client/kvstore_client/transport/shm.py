@@ -339,9 +339,8 @@ def get(
     reqs: list[int] = []
     out: list[bytes | bytearray | memoryview] = []
     for a, b in cuts:
-        conn._req += 1
-        reqs.append(conn._req)
-        out += [wire.encode_request_header(wire.OP_GET_LOC, ns, b - a, conn._req)]
+        reqs.append(conn.next_req())
+        out += [wire.encode_request_header(wire.OP_GET_LOC, ns, b - a, reqs[-1])]
         out += [b"".join(hashes[a:b])]
     wire.send_buffers(sock, out)
     found = [False] * n
@@ -369,7 +368,7 @@ def _get_piece(
     payload bytes found. The RELEASE (one-way) goes out at once: pins never outlive
     the call that took them, whatever the caller's process does next."""
     sock = conn.sock
-    h = conn._answer(wire.OP_GET_LOC, req)
+    h = conn.answer(wire.OP_GET_LOC, req)
     try:
         arena.check(h.ns_len)
         if h.count != count:
@@ -395,7 +394,7 @@ def _get_piece(
                 continue
             dest = buffers[i]
             if sizes[i] != size:
-                wire.discard(sock, size, conn._scratch)
+                wire.discard(sock, size, conn.scratch)
             elif isinstance(dest, list):
                 wire.recv_into_parts(sock, dest)
                 found[i] = wire.block_checksum(dest) == checksum
@@ -465,11 +464,10 @@ def _locate(
     conn: TcpConnection, arena: ShmArena, ns: bytes, hashes: Sequence[bytes]
 ) -> tuple[list[memoryview | None], int]:
     sock = conn.sock
-    conn._req += 1
-    req = conn._req
+    req = conn.next_req()
     head = wire.encode_request_header(wire.OP_GET_LOC, ns, len(hashes), req)
     wire.send_buffers(sock, [head, b"".join(hashes)])
-    h = conn._answer(wire.OP_GET_LOC, req)
+    h = conn.answer(wire.OP_GET_LOC, req)
     arena.check(h.ns_len)
     if h.count != len(hashes):
         raise Unavailable(f"{h.count} locations for {len(hashes)} hashes")
@@ -544,7 +542,7 @@ def reserve(
         return out
 
     out = pins.ArenaSlots(views, present, [inbox])
-    out._commits.append((list(range(n)), commit))
+    out.on_commit(list(range(n)), commit)
     return out
 
 
@@ -710,9 +708,8 @@ class ShmTransfer(TcpTransfer):
                 rest.release()
                 return out
             self.arena.pinned(held)
-            for j, i in enumerate(left):
-                out.views[i] = rest.views[j]
-            out._releases += [*rest._releases, lambda: self.arena.pinned(-held)]
+            out.adopt(rest, left)
+            out.on_release(lambda: self.arena.pinned(-held))
         return out
 
     def reserve(

@@ -74,7 +74,8 @@ class TcpConnection:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
         self._req = 0
-        self._scratch = memoryview(bytearray(1 << 16))
+        # a scratch buffer to read and drop unwanted payload bytes into
+        self.scratch = memoryview(bytearray(1 << 16))
         try:
             self.sock = wrap_client_socket(sock, tls, host)
             if token or identity:
@@ -90,12 +91,25 @@ class TcpConnection:
         self._req += 1
         head = wire.encode_request_header(wire.OP_AUTH, b"", len(raw), self._req, flags)
         wire.send_buffers(self.sock, [head, raw])
-        self._answer(wire.OP_AUTH, self._req)
+        self.answer(wire.OP_AUTH, self._req)
 
     def close(self) -> None:
         self.sock.close()
 
-    def _answer(self, op: int, req_id: int) -> wire.Header:
+    def next_req(self) -> int:
+        """A new request id on this connection (frames built elsewhere, e.g. the shm://
+        and inbox codecs, number their requests here)."""
+        self._req += 1
+        return self._req
+
+    @property
+    def req(self) -> int:
+        """The id of the last request sent."""
+        return self._req
+
+    def answer(self, op: int, req_id: int) -> wire.Header:
+        """Read the header of the answer to request ``req_id`` (``op``); a worker's
+        error code is raised as its :class:`~kvstore_client.errors.KVStoreError`."""
         head = wire.recv_exact(self.sock, wire.HEADER_LEN)
         h = wire.decode_header(head, wire.ANS_MAGIC)
         if h.req_id != req_id or h.op != op:
@@ -104,6 +118,8 @@ class TcpConnection:
             msg = wire.recv_exact(self.sock, min(h.count, 1 << 16)).decode(errors="replace")
             raise from_code(h.flags_or_code, msg)
         return h
+
+    _answer = answer  # the name tests reading raw frames use
 
     def put(
         self,
@@ -122,7 +138,7 @@ class TcpConnection:
             wire.PUT_ENTRY.pack_into(entries, i * wire.PUT_ENTRY.size, key, wire.block_size(v), c)
         head = wire.encode_request_header(wire.OP_PUT, ns, len(hashes), self._req, flags)
         wire.send_buffers(self.sock, [head, entries, *wire.flat_buffers(values)])
-        h = self._answer(wire.OP_PUT, self._req)
+        h = self.answer(wire.OP_PUT, self._req)
         return bytes(wire.recv_exact(self.sock, h.count))
 
     def get(
@@ -137,7 +153,7 @@ class TcpConnection:
         self._req += 1
         head = wire.encode_request_header(wire.OP_GET, ns, len(hashes), self._req)
         wire.send_buffers(self.sock, [head, b"".join(hashes)])
-        h = self._answer(wire.OP_GET, self._req)
+        h = self.answer(wire.OP_GET, self._req)
         meta = wire.recv_exact(self.sock, h.count * wire.GET_ENTRY.size)
         found: list[bool] = []
         values: list[bytearray | None] = []
@@ -162,7 +178,7 @@ class TcpConnection:
             dest = buffers[i]
             values.append(None)
             if wire.block_size(dest) != size:
-                wire.discard(self.sock, size, self._scratch)
+                wire.discard(self.sock, size, self.scratch)
                 found.append(False)
                 continue
             if isinstance(dest, list):
@@ -194,7 +210,7 @@ class TcpConnection:
         """Second half of an EXISTS sent with FLAG_PREFIX for ``count`` hashes: how
         many leading ones the worker holds. A worker that predates the flag answers
         with the whole bitmap; its leading run is taken here."""
-        h = self._answer(wire.OP_EXISTS, self._req)
+        h = self.answer(wire.OP_EXISTS, self._req)
         if h.ns_len == wire.TAG_RUN:
             if h.count > count:
                 raise ProtocolError(f"prefix answer {h.count} for {count} hashes")
@@ -207,7 +223,7 @@ class TcpConnection:
 
     def recv_exists(self) -> np.ndarray:
         """Second half of EXISTS: a bool array, one flag per hash sent."""
-        h = self._answer(wire.OP_EXISTS, self._req)
+        h = self.answer(wire.OP_EXISTS, self._req)
         bitmap = wire.recv_exact(self.sock, (h.count + 7) // 8)
         return np.unpackbits(
             np.frombuffer(bitmap, dtype=np.uint8), count=h.count, bitorder="little"
@@ -217,7 +233,7 @@ class TcpConnection:
         self._req += 1
         head = wire.encode_request_header(wire.OP_REMOVE, ns, len(hashes), self._req)
         wire.send_buffers(self.sock, [head, b"".join(hashes)])
-        return self._answer(wire.OP_REMOVE, self._req).count
+        return self.answer(wire.OP_REMOVE, self._req).count
 
 
 class TcpPool:

@@ -159,13 +159,13 @@ class UcxConnection:
         conn = cls(ep, rt.staging)
         if token or identity:
             try:
-                await asyncio.wait_for(conn._auth(token, identity), timeout)
+                await asyncio.wait_for(conn.auth(token, identity), timeout)
             except BaseException:
                 conn.abort()
                 raise
         return conn
 
-    async def _auth(self, token: str, identity: bytes) -> None:
+    async def auth(self, token: str, identity: bytes) -> None:
         """AUTH: the token, and with FLAG_IDENTITY the client's identity before it."""
         raw = identity + token.encode()
         flags = wire.FLAG_IDENTITY if identity else 0
@@ -525,7 +525,7 @@ class UcxPool(Remote):
         if self._closed:
             return
         self._closed = True
-        rt = UcxRuntime._instance
+        rt = UcxRuntime.started()
         if rt is None:
             return
 
