@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -162,6 +162,17 @@ class Remote:
     def local(self) -> bool:
         """False: calls wait on the network (run them on the client's pool)."""
         return False
+
+    @property
+    def same_host(self) -> bool:
+        """False: the worker's arena is not mapped in this process."""
+        return False
+
+    @property
+    def control(self) -> Any:
+        """None: this transfer's own calls carry its lookups (see
+        :attr:`kvstore_client.transport.Transfer.control`)."""
+        return None
 
     def present(
         self, ns: bytes, packed: bytes, anyway: bool = False

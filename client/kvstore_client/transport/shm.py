@@ -48,9 +48,11 @@ import xxhash
 
 from .. import wire
 from ..errors import KVStoreError, Unavailable, from_transport_error
+from ..verified import GetResult, Landing
 from . import pins, shminbox, shmindex, shmlocal
+from .registry import Credentials, Scheme, register
 from .shminbox import Inbox
-from .tcp import GetResult, TcpConnection, TcpPool, TcpTransfer
+from .tcp import TcpConnection, TcpPool, TcpTransfer, recv_block
 
 SOCKET_PREFIX = "kvstore-"
 
@@ -378,29 +380,20 @@ def _get_piece(
         raise
     meta = wire.recv_exact(sock, h.count * wire.LOC_ENTRY.size)
     entries = list(wire.LOC_ENTRY.iter_unpack(meta))
-    total = 0
     try:
-        # Inline payloads come first on the wire, in order.
+        # Inline payloads come first on the wire, in order: landed and verified as
+        # any transport's (verified.Landing).
+        land = Landing(buffers, count, found, values, first)
         for j, (status, size, checksum, _) in enumerate(entries):
             if status != wire.LOC_INLINE:
                 continue
-            i = first + j
-            total += size
-            if buffers is None:
-                buf = bytearray(size)
-                wire.recv_into_exact(sock, memoryview(buf))
-                if xxhash.xxh3_64_intdigest(buf) == checksum:
-                    values[i], found[i] = buf, True
-                continue
-            dest = buffers[i]
-            if sizes[i] != size:
+            dest = land.dest(j, size)
+            if dest is None:
                 wire.discard(sock, size, conn.scratch)
-            elif isinstance(dest, list):
-                wire.recv_into_parts(sock, dest)
-                found[i] = wire.block_checksum(dest) == checksum
-            else:
-                wire.recv_into_exact(sock, dest)
-                found[i] = xxhash.xxh3_64_intdigest(dest) == checksum
+                continue
+            recv_block(sock, dest)
+            land.check(j, dest, checksum)
+        total = land.total
         src, mv = maps
         limit = len(src)
         for j, (status, size, checksum, off) in enumerate(entries):
@@ -561,6 +554,11 @@ class ShmTransfer(TcpTransfer):
         """True while the arena is mapped: a read is copies on the calling thread
         (the client runs it there, with no hop through its pool)."""
         return not self.arena.stale
+
+    @property
+    def same_host(self) -> bool:
+        """True: the worker's arena is (or was, until it went stale) mapped here."""
+        return True
 
     def put(
         self,
@@ -725,3 +723,19 @@ class ShmTransfer(TcpTransfer):
         if self.arena.inbox is None or not self.arena.alive():
             return None
         return reserve(self.pool, self.arena, timeout, ns, hashes, sizes, flags)
+
+
+def _open(url: str, endpoints: Sequence[str], creds: Credentials) -> ShmArena | None:
+    return try_map(endpoints, creds.identity, creds.token)
+
+
+# Same host: the worker's arena mapped, when it hands it over (else tcp://).
+register(
+    Scheme(
+        "shm",
+        1,
+        lambda choice: choice in ("auto", "shm"),
+        _open,
+        lambda arena, base, info: ShmTransfer(base, arena, info.max_value_bytes),
+    )
+)

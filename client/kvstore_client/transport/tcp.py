@@ -15,15 +15,11 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass
-from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
-import xxhash
 
-from .. import verified, wire
+from .. import wire
 from ..errors import (
     KVStoreError,
     ProtocolError,
@@ -34,26 +30,20 @@ from ..errors import (
 )
 from ..keys import HASH_LEN
 from ..security import Tls, wrap_client_socket
+from ..verified import GetResult, Landing
 from .pins import Remote
+from .registry import Credentials, Scheme, register
 
 SOCK_BUF = 4 << 20
-# A received block at least this big is verified on the copy pool, overlapping the
-# next block's receive; smaller ones here (a hand-off costs more than their hash).
-VERIFY_LATER = 256 << 10
 R = TypeVar("R")
 
 
-@dataclass(slots=True)
-class GetResult:
-    """Per hash: found, and (when the caller gave no buffer) the bytes."""
-
-    found: list[bool]
-    values: list[bytearray | None]
-    bytes_received: int
-
-
-def _matches(block: wire.Block, checksum: int) -> bool:
-    return wire.block_checksum(block) == checksum
+def recv_block(sock: socket.socket, dest: wire.Block) -> None:
+    """Fill a block's buffer (or its parts, scattered) from the socket."""
+    if isinstance(dest, list):
+        wire.recv_into_parts(sock, dest)
+    else:
+        wire.recv_into_exact(sock, dest if isinstance(dest, memoryview) else memoryview(dest))
 
 
 class TcpConnection:
@@ -155,44 +145,19 @@ class TcpConnection:
         wire.send_buffers(self.sock, [head, b"".join(hashes)])
         h = self.answer(wire.OP_GET, self._req)
         meta = wire.recv_exact(self.sock, h.count * wire.GET_ENTRY.size)
-        found: list[bool] = []
-        values: list[bytearray | None] = []
-        total = 0
         # Big blocks are verified on the copy pool while the next one is received
         # (kvstore_client.verified); the answer is complete when every check is in.
-        later: list[tuple[int, Future[bool]]] = []
+        land = Landing(buffers, h.count)
         for i, (status, size, checksum) in enumerate(wire.GET_ENTRY.iter_unpack(meta)):
             if status != wire.GET_HIT:
-                found.append(False)
-                values.append(None)
                 continue
-            total += size
-            if buffers is None:
-                buf = bytearray(size)
-                view = memoryview(buf)
-                wire.recv_into_exact(self.sock, view)
-                ok = xxhash.xxh3_64_intdigest(view) == checksum
-                values.append(buf if ok else None)
-                found.append(ok)
-                continue
-            dest = buffers[i]
-            values.append(None)
-            if wire.block_size(dest) != size:
+            dest = land.dest(i, size)
+            if dest is None:
                 wire.discard(self.sock, size, self.scratch)
-                found.append(False)
                 continue
-            if isinstance(dest, list):
-                wire.recv_into_parts(self.sock, dest)
-            else:
-                wire.recv_into_exact(self.sock, dest)
-            found.append(False)
-            if size >= VERIFY_LATER:
-                later.append((i, verified.later(partial(_matches, dest, checksum))))
-            else:
-                found[i] = _matches(dest, checksum)
-        for i, fut in later:
-            found[i] = fut.result()
-        return GetResult(found, values, total)
+            recv_block(self.sock, dest)
+            land.check_soon(i, dest, checksum)
+        return land.result()
 
     def exists(self, ns: bytes, hashes: Sequence[bytes]) -> list[bool]:
         self.send_exists(ns, b"".join(hashes), len(hashes))
@@ -370,6 +335,12 @@ class TcpTransfer(Remote):
     def __init__(self, pool: TcpPool) -> None:
         self.pool = pool
 
+    @property
+    def control(self) -> TcpPool:
+        """The worker's tcp:// pool: a fan-out sends lookups over it, every worker's
+        request out before any answer is read."""
+        return self.pool
+
     def put(
         self,
         timeout: float,
@@ -396,5 +367,13 @@ class TcpTransfer(Remote):
     def remove(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> int:
         return self.pool.call(timeout, TcpConnection.remove, ns, hashes)
 
+
+def _open(url: str, endpoints: Sequence[str], creds: Credentials) -> TcpPool:
+    host, port = parse_tcp_url(url) if url else ("", 0)
+    return TcpPool(host, port, tls=creds.tls, token=creds.token, identity=creds.identity)
+
+
+# The base of every link: always opened; its transfer when no other scheme applies.
+register(Scheme("tcp", 0, lambda choice: True, _open, lambda pool, base, info: TcpTransfer(pool)))
 
 __all__ = ["HASH_LEN", "GetResult", "TcpConnection", "TcpPool", "TcpTransfer", "parse_tcp_url"]
