@@ -184,10 +184,7 @@ class Client:
         from the map, see :mod:`kvstore_client.replicas`). Copies beyond the primary
         are best effort: their failures are counted in ``replica_stats``, not raised.
         """
-        outcomes, fails, rooms = self._put(ns, hashes, values, False, replicas)
-        if fails or rooms:
-            raise (fails + rooms)[0]
-        return [o is PutOutcome.STORED for o in outcomes]
+        return self._stored(ns, hashes, values, False, replicas)
 
     def batch_put_parts(
         self,
@@ -206,10 +203,7 @@ class Client:
         when the part lists do not match the hashes, a block has no parts or zero
         bytes, or a block is above the workers' max value size.
         """
-        outcomes, fails, rooms = self._put(ns, hashes, parts, True, replicas)
-        if fails or rooms:
-            raise (fails + rooms)[0]
-        return [o is PutOutcome.STORED for o in outcomes]
+        return self._stored(ns, hashes, parts, True, replicas)
 
     def put_outcomes(
         self,
@@ -229,6 +223,16 @@ class Client:
         if fails:
             raise fails[0]
         return outcomes
+
+    def _stored(
+        self, ns: str, hashes: list[bytes], values: Sequence[Any], parts: bool,
+        replicas: int | None,
+    ) -> list[bool]:  # fmt: skip
+        """batch_put's answer: True per block stored now; the first error raised."""
+        outcomes, fails, rooms = self._put(ns, hashes, values, parts, replicas)
+        if fails or rooms:
+            raise (fails + rooms)[0]
+        return [o is PutOutcome.STORED for o in outcomes]
 
     def _put(
         self, ns: str, hashes: list[bytes], values: Sequence[Any], parts: bool,
