@@ -46,7 +46,8 @@ SMALL = 2 * CHUNK
 Bytes = bytes | bytearray | memoryview
 T = TypeVar("T")
 
-# A received block at least this big is verified on the copy pool (Landing.check_soon),
+# A received block at least this big is verified on the copy pool (Landing.check with
+# its size),
 # overlapping the next block's receive; smaller ones on the receiving thread (a
 # hand-off costs more than their hash).
 VERIFY_LATER = 256 << 10
@@ -196,8 +197,8 @@ class Landing:
     :meth:`dest` says where it lands: a new buffer when the caller gave none (kept in
     ``values``), the caller's buffer ``buffers[j]`` when its size is the hit's, or
     None when it is not (the transport receives and drops the bytes: a miss). Once the
-    bytes are in, :meth:`check` (or :meth:`check_soon`, on the copy pool for big
-    blocks) verifies them there against the block's xxh3-64: a mismatch is a miss, and
+    bytes are in, :meth:`check` (on the copy pool for big blocks, given their size)
+    verifies them there against the block's xxh3-64: a mismatch is a miss, and
     a buffer made for it is dropped. :meth:`result` waits for the checks still running.
 
     ``found`` and ``values`` may be the caller's lists, of which this answer fills
@@ -223,30 +224,30 @@ class Landing:
 
     def dest(self, j: int, size: int) -> wire.Block | None:
         """Where hit ``j`` of ``size`` bytes lands; None: receive and drop it."""
-        i = self._first + j
         self.total += size
         if self._buffers is None:
-            buf = self.values[i] = bytearray(size)
+            buf = self.values[self._first + j] = bytearray(size)
             return buf
-        d = self._buffers[i]
+        d = self._buffers[self._first + j]
+        if type(d) is memoryview:  # the common case, without a call
+            return d if d.nbytes == size else None
         return d if wire.block_size(d) == size else None
 
-    def check(self, j: int, block: wire.Block, checksum: int) -> bool:
-        """Hit ``j`` landed in ``block``: found when its bytes there match ``checksum``."""
-        i = self._first + j
-        ok = wire.block_checksum(block) == checksum
-        self.found[i] = ok
-        if not ok:
-            self.values[i] = None
-        return ok
-
-    def check_soon(self, j: int, block: wire.Block, checksum: int) -> None:
-        """:meth:`check`, on the copy pool when the block is big (the receiving thread
-        goes on with the next one meanwhile)."""
-        if wire.block_size(block) >= VERIFY_LATER:
+    def check(self, j: int, block: wire.Block, checksum: int, size: int = 0) -> bool:
+        """Hit ``j`` landed in ``block``: found when its bytes there match ``checksum``.
+        ``size`` (the hit's, when known): a big block is checked on the copy pool, the
+        caller's thread going on with the next one meanwhile (:meth:`result` waits)."""
+        if size >= VERIFY_LATER:
             self._later.append(later(lambda: self.check(j, block, checksum)))
+            return False
+        if isinstance(block, list):
+            ok = wire.block_checksum(block) == checksum
         else:
-            self.check(j, block, checksum)
+            ok = xxhash.xxh3_64_intdigest(block) == checksum
+        self.found[self._first + j] = ok
+        if not ok:
+            self.values[self._first + j] = None
+        return ok
 
     def result(self) -> GetResult:
         for f in self._later:

@@ -156,7 +156,7 @@ class TcpConnection:
                 wire.discard(self.sock, size, self.scratch)
                 continue
             recv_block(self.sock, dest)
-            land.check_soon(i, dest, checksum)
+            land.check(i, dest, checksum, size)
         return land.result()
 
     def exists(self, ns: bytes, hashes: Sequence[bytes]) -> list[bool]:
