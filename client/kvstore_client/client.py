@@ -15,7 +15,6 @@ import concurrent.futures as cf
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
@@ -23,7 +22,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from . import leases, verified, wire
+from . import leases, lookups, verified, wire
 from .copyreads import read_copies
 from .dispatch import Dispatch
 from .errors import (
@@ -31,13 +30,12 @@ from .errors import (
     InvalidArgument,
     KVStoreError,
     PeerError,
-    QuotaExceeded,
-    ResourceExhausted,
     Unavailable,
     from_rpc_error,
 )
-from .keys import HASH_LEN, check_hashes, check_namespace, leading_run
+from .keys import check_hashes, check_namespace
 from .mapwatch import MapWatch
+from .outcomes import PutOutcome, room_error
 from .parts import check_disjoint, part_views
 from .proto import master_pb2, store_pb2, store_pb2_grpc
 from .replicas import (
@@ -49,14 +47,13 @@ from .routing import misses_only as _misses_only
 from .security import Tls, metadata, new_identity, open_channel
 from .sessions import SessionHints
 from .sharding import DEFAULT_VNODES_PER_GIB, build_ring
-from .transport import BlockView, Transfer
+from .transport import BlockView
 from .transport.pins import ArenaPins, ArenaSlots
-from .transport.tcp import GetResult, TcpConnection, TcpPool
 from .transport.ucx import available as ucx_available
+from .verified import GetResult
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_KEY = np.dtype((np.void, HASH_LEN))  # one packed hash, to gather whole rows
 
 TRANSPORTS = ("auto", "tcp", "shm", "ucx")
 
@@ -134,7 +131,7 @@ class Client:
             )
             workers = self._links.update(ring.worker_ids, m.workers)
             max_value = min((w.max_value_bytes for w in m.workers), default=0)
-            local = np.array([w.arena is not None for w in workers], dtype=bool)
+            local = np.array([w.via.same_host for w in workers], dtype=bool)
             ns_r = dict(m.namespace_replicas)
             self._d.view = View(
                 m.version, ring, workers, max_value, max(1, m.replicas), ns_r, local
@@ -181,22 +178,13 @@ class Client:
         """Store blocks that are absent. True = stored now (by the primary owner);
         False = already present (skipped) or its primary was unreachable. Raises
         InvalidArgument on bad input and ResourceExhausted when a primary has no room.
+        :meth:`put_outcomes` tells those cases apart.
 
         ``replicas``: copies on distinct workers (1..8; default: the namespace's count
         from the map, see :mod:`kvstore_client.replicas`). Copies beyond the primary
         are best effort: their failures are counted in ``replica_stats``, not raised.
         """
-        nsb = self._check(ns, hashes)
-        if len(values) != len(hashes):
-            raise InvalidArgument(f"{len(hashes)} hashes but {len(values)} values")
-        views = _byte_views(values, "value")
-        sizes = [v.nbytes for v in views]
-        view = self._view
-        for i, n in enumerate(sizes):
-            if view is not None and view.max_value and n > view.max_value:
-                raise InvalidArgument(f"value {i} is {n} bytes; the limit is {view.max_value}")
-        blocks: list[wire.Block] = list(views)
-        return self._put_blocks(ns, nsb, hashes, blocks, sizes, replicas)
+        return self._stored(ns, hashes, values, False, replicas)
 
     def batch_put_parts(
         self,
@@ -215,12 +203,58 @@ class Client:
         when the part lists do not match the hashes, a block has no parts or zero
         bytes, or a block is above the workers' max value size.
         """
+        return self._stored(ns, hashes, parts, True, replicas)
+
+    def put_outcomes(
+        self,
+        ns: str,
+        hashes: list[bytes],
+        values: Sequence[Any],
+        *,
+        parts: bool = False,
+        replicas: int | None = None,
+    ) -> list[PutOutcome]:
+        """:meth:`batch_put` (``parts``: :meth:`batch_put_parts`) with what happened to
+        each block (:class:`~kvstore_client.outcomes.PutOutcome`): stored now,
+        already present, refused and why (no room, over quota, corrupt, declined), or
+        its owner unreachable. A full store is an outcome here, not an error; bad input
+        and a worker's refusal of the caller (auth) still raise."""
+        outcomes, fails, _ = self._put(ns, hashes, values, parts, replicas)
+        if fails:
+            raise fails[0]
+        return outcomes
+
+    def _stored(
+        self, ns: str, hashes: list[bytes], values: Sequence[Any], parts: bool,
+        replicas: int | None,
+    ) -> list[bool]:  # fmt: skip
+        """batch_put's answer: True per block stored now; the first error raised."""
+        outcomes, fails, rooms = self._put(ns, hashes, values, parts, replicas)
+        if fails or rooms:
+            raise (fails + rooms)[0]
+        return [o is PutOutcome.STORED for o in outcomes]
+
+    def _put(
+        self, ns: str, hashes: list[bytes], values: Sequence[Any], parts: bool,
+        replicas: int | None,
+    ) -> tuple[list[PutOutcome], list[KVStoreError], list[KVStoreError]]:  # fmt: skip
         nsb = self._check(ns, hashes)
         view = self._view
-        blocks, sizes = part_views(
-            parts, len(hashes), writable=False, max_value=view.max_value if view else 0
-        )
-        return self._put_blocks(ns, nsb, hashes, list(blocks), sizes, replicas)
+        if parts:
+            pv, sizes = part_views(
+                values, len(hashes), writable=False, max_value=view.max_value if view else 0
+            )
+            blocks: list[wire.Block] = list(pv)
+        else:
+            if len(values) != len(hashes):
+                raise InvalidArgument(f"{len(hashes)} hashes but {len(values)} values")
+            views = _byte_views(values, "value")
+            sizes = [v.nbytes for v in views]
+            for i, n in enumerate(sizes):
+                if view is not None and view.max_value and n > view.max_value:
+                    raise InvalidArgument(f"value {i} is {n} bytes; the limit is {view.max_value}")
+            blocks = list(views)
+        return self._put_blocks(ns, nsb, hashes, blocks, sizes, replicas)
 
     def _put_blocks(
         self,
@@ -230,7 +264,10 @@ class Client:
         views: list[wire.Block],
         sizes: list[int],
         replicas: int | None,
-    ) -> list[bool]:
+    ) -> tuple[list[PutOutcome], list[KVStoreError], list[KVStoreError]]:
+        """Per block its outcome; the failures of primaries other than unreachable (and
+        the caller's errors of any owner); per primary that lacked room, its error.
+        :meth:`batch_put` raises the first of both."""
         view, groups = self._d.groups(hashes)
         r = self._d.copies(view, ns, replicas)
         self._d.wrote(ns, r)
@@ -247,9 +284,9 @@ class Client:
         for i, n in enumerate(sizes):
             if view.max_value and n > view.max_value:
                 raise InvalidArgument(f"value {i} is {n} bytes; the limit is {view.max_value}")
-        result = [False] * len(hashes)
+        result = [PutOutcome.UNREACHABLE] * len(hashes)
         if not groups:
-            return result
+            return result, [], []
         sums: list[int] = []  # computed once, only if a transfer needs them
         # A client that sends session hints marks its puts: its sessions' shares apply
         # to them. Puts of clients without hints are always admitted.
@@ -272,6 +309,7 @@ class Client:
             if k == len(groups) - 1:
                 primaries = len(tasks)
         full: list[KVStoreError] = []
+        rooms: list[KVStoreError] = []
 
         def on_error(t: int, e: KVStoreError) -> None:
             if t >= primaries:
@@ -291,26 +329,15 @@ class Client:
             if status is None:
                 continue
             for j, i in enumerate(chunk):
-                result[int(i)] = status[j] == 0
-            if wire.PUT_QUOTA in status:
-                full.append(QuotaExceeded("some blocks are over their namespace's quota"))
-            elif wire.PUT_FULL in status:
-                full.append(ResourceExhausted("a worker had no room for some blocks"))
-        if full:
-            raise full[0]
-        return result
+                result[int(i)] = PutOutcome.of_status(status[j])
+            if (err := room_error(status)) is not None:
+                rooms.append(err)
+        return result, full, rooms
 
     def batch_exists(self, ns: str, hashes: list[bytes]) -> list[bool]:
         """Which hashes are present on any of their owners (False also for unreachable
-        workers); one batched request per worker."""
-        nsb = self._check(ns, hashes)
-        view, groups = self._d.copy_groups(ns, hashes)
-        if not groups:
-            return [False] * len(hashes)
-        if any(view.workers[w].ucx is not None for w, _ in groups):
-            return self._exists_threads(nsb, hashes, view, groups)
-        flags: list[bool] = self._exists_scatter(nsb, hashes, view, groups).tolist()
-        return flags
+        workers); one batched request per worker (see :mod:`kvstore_client.lookups`)."""
+        return lookups.exists(self._d, ns, self._check(ns, hashes), hashes)
 
     def exists_local(self, ns: str, hashes: list[bytes]) -> tuple[list[bool], bool] | None:
         """:meth:`batch_exists` from same-host workers' shared indexes, never waiting
@@ -319,94 +346,6 @@ class Client:
         if not hashes:
             return [], False
         return self._d.exists_local(ns, self._check(ns, hashes), hashes)
-
-    def _exists_threads(
-        self, nsb: bytes, hashes: list[bytes], view: View, groups: list[tuple[int, np.ndarray]]
-    ) -> list[bool]:
-        result = [False] * len(hashes)
-        tasks: list[Callable[[], Any]] = [
-            _bind(view.workers[w].via.exists, self.timeout, nsb, [hashes[i] for i in idx])
-            for w, idx in groups
-        ]
-        for (_, idx), flags in zip(groups, self._d.fan_out(tasks, _misses_only), strict=True):
-            if flags is not None:
-                for j, i in enumerate(idx):
-                    result[int(i)] = result[int(i)] or flags[j]
-        return result
-
-    def _exists_scatter(
-        self, nsb: bytes, hashes: list[bytes], view: View, groups: list[tuple[int, np.ndarray]]
-    ) -> np.ndarray:
-        """EXISTS without threads: send one request to every owner, then read every
-        answer. A prefix lookup is one round trip to the slowest worker."""
-        out = np.zeros(len(hashes), dtype=bool)
-        answers = self._scatter(
-            nsb,
-            b"".join(hashes),
-            view,
-            groups,
-            0,
-            lambda c, idx: c.recv_exists(),
-            lambda via, keys: via.present(nsb, keys),  # same-host: the shared index
-        )
-        for (_, idx), flags in zip(groups, answers, strict=True):
-            if flags is not None:
-                out[idx] |= flags  # any copy counts (replicas)
-        return out
-
-    def _scatter(
-        self,
-        nsb: bytes,
-        packed: bytes,
-        view: View,
-        groups: list[tuple[int, np.ndarray]],
-        flags: int,
-        recv: Callable[[TcpConnection, np.ndarray], Any],
-        local: Callable[[Transfer, bytes], Any] | None = None,
-    ) -> list[Any]:
-        """Send every owner its keys in one EXISTS (``flags``), all before any answer is
-        read, then ``recv`` each answer: one round trip to the slowest worker, no
-        threads. Per group its answer, or None where the worker failed (a miss); a
-        caller's error (bad namespace, auth) is raised once every answer is in.
-        ``local(via, keys)`` answers a group without the socket when it can (not None):
-        same-host groups go last, while the others' answers are on their way."""
-        rows = np.frombuffer(packed, dtype=_KEY)
-        answers: list[Any] = [None] * len(groups)
-        sent: list[tuple[int, TcpPool, TcpConnection, np.ndarray]] = []
-        deadline = time.monotonic() + self.timeout
-        order = sorted(range(len(groups)), key=lambda g: view.workers[groups[g][0]].via.local)
-        for g in order:
-            w, idx = groups[g]
-            pool = view.workers[w].pool
-            body = packed if len(groups) == 1 else rows[idx].tobytes()
-            if local is not None and (got := local(view.workers[w].via, body)) is not None:
-                answers[g] = got
-                continue
-            try:
-                conn = pool.take(self.timeout)
-                conn.sock.settimeout(self.timeout)
-                conn.send_exists(nsb, body, len(idx), flags)
-            except KVStoreError as e:
-                _misses_only(w, e)
-                continue
-            except OSError:
-                conn.close()
-                continue
-            sent.append((g, pool, conn, idx))
-        error: KVStoreError | None = None
-        for g, pool, conn, idx in sent:
-            try:
-                conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
-                answers[g] = recv(conn, idx)
-            except (OSError, KVStoreError) as e:
-                conn.close()
-                if isinstance(e, CallerError):
-                    error = error or e
-                continue
-            pool.give(conn)
-        if error is not None:
-            raise error
-        return answers
 
     def match_prefix(self, ns: str, hashes: list[bytes], *, state_ns: str | None = None) -> int:
         """Number of leading hashes present (one batched EXISTS per owner, in parallel).
@@ -421,54 +360,7 @@ class Client:
             while k and not states[k - 1]:
                 k -= 1
             return k
-        nsb = self._check(ns, hashes)
-        view = self._view
-        if (
-            view is not None
-            and view.workers
-            and self._d.copies(view, ns, None, reading=True) == 1
-            and all(w.ucx is None for w in view.workers)
-        ):
-            return self._prefix_scatter(nsb, hashes, view)
-        view, groups = self._d.copy_groups(ns, hashes)
-        if not groups:
-            return 0
-        if any(view.workers[w].ucx is not None for w, _ in groups):
-            return leading_run(self._exists_threads(nsb, hashes, view, groups))
-        flags = self._exists_scatter(nsb, hashes, view, groups)
-        return len(flags) if flags.all() else int(np.argmin(flags))
-
-    def _prefix_scatter(self, nsb: bytes, hashes: list[bytes], view: View) -> int:
-        """match_prefix with one owner per key: every owner gets its keys (in chain
-        order) in one EXISTS with FLAG_PREFIX and answers how many of them lead its
-        list; the chain's run ends at the first key some owner stopped at. An owner
-        that cannot answer ends it at its first key."""
-        n = len(hashes)
-        if not n:
-            return 0
-        packed = b"".join(hashes)
-        if len(view.workers) == 1:
-            groups = [(0, np.arange(n))]
-        else:
-            owner = view.ring.primary_packed(packed)
-            held = np.flatnonzero(np.bincount(owner)).tolist()
-            groups = [(w, np.flatnonzero(owner == w)) for w in held]
-        answers = self._scatter(
-            nsb,
-            packed,
-            view,
-            groups,
-            wire.FLAG_PREFIX,
-            lambda c, idx: c.recv_prefix(len(idx)),
-            lambda via, keys: via.prefix(nsb, keys),  # same-host: the shared index
-        )
-        run = n
-        for (_, idx), k in zip(groups, answers, strict=True):
-            if k is None:
-                run = min(run, int(idx[0]))
-            elif k < len(idx):
-                run = min(run, int(idx[k]))
-        return run
+        return lookups.prefix(self._d, ns, self._check(ns, hashes), hashes)
 
     def batch_get(self, ns: str, hashes: list[bytes]) -> list[bytes | None]:
         """The values, None for misses (absent, corrupt, or worker unreachable).

@@ -29,10 +29,7 @@ def pin(
             continue
         if got is None:
             continue
-        for j, i in enumerate(idx):
-            out.views[int(i)] = got.views[j]
-        out.arenas += got.arenas
-        out._releases += got._releases
+        out.adopt(got, idx.tolist())
     return out
 
 
@@ -53,9 +50,5 @@ def reserve(
             continue
         if got is None:
             continue
-        for j, i in enumerate(ids):
-            out.views[i] = got.views[j]
-            out.present[i] = got.present[j]
-        out.arenas += got.arenas
-        out._commits += [([ids[j] for j in sub], fn) for sub, fn in got._commits]
+        out.adopt(got, ids)
     return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -22,10 +22,10 @@ from .errors import CallerError, InvalidArgument, KVStoreError
 from .proto import master_pb2
 from .security import Tls
 from .sharding import Ring
-from .transport import Transfer, shm
-from .transport.shm import ShmArena, ShmTransfer
-from .transport.tcp import TcpPool, TcpTransfer, parse_tcp_url
-from .transport.ucx import UcxPool, find_ucx_url, parse_ucx_url
+from .transport import Credentials, Opened, Scheme, Transfer, scheme, schemes
+from .transport import shm as _shm  # noqa: F401  (registers shm://)
+from .transport import ucx as _ucx  # noqa: F401  (registers ucx://)
+from .transport.tcp import TcpPool
 
 # A batch for one worker is cut into frames of at most this many payload bytes (one
 # value at least), so big batches stream over several connections at once.
@@ -93,37 +93,49 @@ def frames(idx: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
 
 
 def pick_transfer(
-    info: master_pb2.WorkerInfo, pool: TcpPool, arena: ShmArena | None, ucx: UcxPool | None
+    info: master_pb2.WorkerInfo, pool: TcpPool, opened: dict[str, Opened]
 ) -> Transfer:
-    """The one place a worker's transport is chosen: ucx:// when the client asked for
-    it and the worker advertises it, shm:// when its arena is mapped (same host), else
-    tcp://."""
-    if ucx is not None:
-        return ucx
-    if arena is not None:
-        return ShmTransfer(pool, arena, info.max_value_bytes)
-    return TcpTransfer(pool)
+    """The one place a worker's transport is chosen: of the schemes that opened for it
+    (``opened``: scheme name -> what it keeps), the registered one of highest rank
+    (ucx:// when the client asked for it, then shm:// when the worker's arena is
+    mapped), else tcp:// over ``pool``."""
+    for s in schemes():
+        if s.name in opened:
+            t: Transfer = s.transfer(opened[s.name], pool, info)
+            return t
+    base: Transfer = scheme("tcp").transfer(pool, pool, info)
+    return base
 
 
 @dataclass(slots=True)
 class WorkerLink:
     """One worker of the map and how to reach it (``transfer``, see :func:`pick_transfer`).
-    ``pool`` is its tcp:// pool (also used for EXISTS fan-outs without threads)."""
+    ``pool`` is its tcp:// pool (control frames); ``opened``, what the other schemes
+    keep for it (see :mod:`kvstore_client.transport.registry`)."""
 
     info: master_pb2.WorkerInfo
     pool: TcpPool
-    arena: ShmArena | None = None
-    ucx: UcxPool | None = None
+    opened: dict[str, Opened] = field(default_factory=dict)
     transfer: Transfer | None = None
 
     def __post_init__(self) -> None:
         if self.transfer is None:
-            self.transfer = pick_transfer(self.info, self.pool, self.arena, self.ucx)
+            self.transfer = pick_transfer(self.info, self.pool, self.opened)
 
     @property
     def via(self) -> Transfer:
         assert self.transfer is not None
         return self.transfer
+
+    @property
+    def arena(self) -> Any:
+        """The worker's arena mapping (shm://), or None."""
+        return self.opened.get("shm")
+
+    @property
+    def ucx(self) -> Any:
+        """The worker's ucx:// pool, or None."""
+        return self.opened.get("ucx")
 
 
 @dataclass(slots=True)
@@ -140,16 +152,15 @@ class View:
 
 
 class Links:
-    """Connections to the workers, kept across map versions."""
+    """Connections to the workers, kept across map versions: per worker, what each
+    registered scheme that the ``transport`` choice wants opened for it."""
 
     def __init__(self, transport: str, tls: Tls | None, token: str, identity: bytes = b"") -> None:
         self.transport = transport
-        self.tls = tls
-        self.token = token
-        self.identity = identity
-        self._pools: dict[str, TcpPool] = {}
-        self._arenas: dict[str, ShmArena | None] = {}
-        self._ucx: dict[str, UcxPool] = {}
+        self.creds = Credentials(tls, token, identity)
+        # "worker id|tcp url" -> its tcp:// pool; "...|scheme url" -> what that scheme
+        # opened (None: it cannot reach that worker; not tried again)
+        self._held: dict[str, Opened | None] = {}
 
     def update(
         self, order: Iterable[str], infos: Iterable[master_pb2.WorkerInfo]
@@ -159,51 +170,38 @@ class Links:
         by_id = {w.id: w for w in infos}
         links: list[WorkerLink] = []
         live: set[str] = set()
+        tcp = scheme("tcp")
+        others = [s for s in schemes() if s is not tcp and s.wanted(self.transport)]
         for wid in order:
             info = by_id[wid]
-            url = next((e for e in info.endpoints if e.startswith("tcp://")), "")
+            url = tcp.find(info.endpoints)
             key = f"{wid}|{url}"
-            live.add(key)
-            pool = self._pools.get(key)
-            if pool is None:
-                host, port = parse_tcp_url(url) if url else ("", 0)
-                pool = self._pools[key] = TcpPool(
-                    host, port, tls=self.tls, token=self.token, identity=self.identity
-                )
-            arena = None
-            if self.transport in ("auto", "shm"):
-                # Keyed by the arena's identity too: a worker restarted behind the
+            pool = self._open(key, tcp, url, info, live)
+            assert isinstance(pool, TcpPool)
+            opened: dict[str, Opened] = {}
+            for s in others:
+                # Keyed by the scheme's endpoint too: a worker restarted behind the
                 # same id and ports has a new arena, which must be mapped anew.
-                surl = next((e for e in info.endpoints if e.startswith("shm://")), "")
-                akey = f"{key}|{surl}"
-                live.add(akey)
-                if akey not in self._arenas:
-                    self._arenas[akey] = shm.try_map(info.endpoints, self.identity, self.token)
-                arena = self._arenas[akey]
-            ucx = None
-            ucx_url = find_ucx_url(info.endpoints) if self.transport == "ucx" else ""
-            if ucx_url:
-                ukey = f"{wid}|{ucx_url}"
-                live.add(ukey)
-                ucx = self._ucx.get(ukey)
-                if ucx is None:
-                    uhost, uport = parse_ucx_url(ucx_url)
-                    ucx = self._ucx[ukey] = UcxPool(
-                        uhost, uport, token=self.token, identity=self.identity
-                    )
-            links.append(WorkerLink(info, pool, arena, ucx))
+                surl = s.find(info.endpoints)
+                if surl and (got := self._open(f"{key}|{surl}", s, surl, info, live)) is not None:
+                    opened[s.name] = got
+            links.append(WorkerLink(info, pool, opened))
         self._close(lambda k: k not in live)
         return links
+
+    def _open(
+        self, key: str, s: Scheme, url: str, info: master_pb2.WorkerInfo, live: set[str]
+    ) -> Opened | None:
+        live.add(key)
+        if key not in self._held:
+            self._held[key] = s.open(url, info.endpoints, self.creds)
+        return self._held[key]
 
     def close(self) -> None:
         self._close(lambda k: True)
 
     def _close(self, gone: Callable[[str], bool]) -> None:
-        for k in [k for k in self._pools if gone(k)]:
-            self._pools.pop(k).close()
-        for k in [k for k in self._arenas if gone(k)]:
-            a = self._arenas.pop(k)
-            if a is not None:
-                a.close()
-        for k in [k for k in self._ucx if gone(k)]:
-            self._ucx.pop(k).close()
+        for k in [k for k in self._held if gone(k)]:
+            held = self._held.pop(k)
+            if held is not None:
+                held.close()

@@ -12,6 +12,10 @@ as one pass over the whole block). Which side of the copy is hashed is the point
   parts): the checksum says what the writer meant, and whoever copies the bytes on
   (the worker, from a client's inbox into its arena) checks its own copy against it.
 
+Every transport's get lands and verifies its hits through one :class:`Landing`: where
+each hit goes (a new buffer, the caller's own, or nowhere when the sizes differ), and
+the check of what landed against the block's xxh3-64 (a mismatch is a miss).
+
 numpy's copies and xxhash release the GIL for large buffers, so several threads can
 run these at once: :func:`run` spreads a batch's copies over a small process-wide pool
 (``KVSTORE_COPY_THREADS``, default the cores, at most 4) when the batch is big enough to
@@ -25,10 +29,13 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 import numpy as np
 import xxhash
+
+from . import wire
 
 # Big enough that per-chunk Python costs vanish, small enough that a chunk copied is
 # still in L2 when it is hashed.
@@ -38,6 +45,12 @@ SMALL = 2 * CHUNK
 
 Bytes = bytes | bytearray | memoryview
 T = TypeVar("T")
+
+# A received block at least this big is verified on the copy pool (Landing.check with
+# its size),
+# overlapping the next block's receive; smaller ones on the receiving thread (a
+# hand-off costs more than their hash).
+VERIFY_LATER = 256 << 10
 
 # A batch of fewer bytes runs on the caller's thread: handing a job to another thread
 # costs ~20-50 us, a 1 MiB copy and hash ~100 us.
@@ -167,4 +180,89 @@ def scatter_sum(parts: Sequence[memoryview], src: np.ndarray) -> int:
     return h.intdigest()
 
 
-__all__ = ["CHUNK", "as_array", "checksum", "copy_sum", "gather_sum", "scatter_sum"]
+@dataclass(slots=True)
+class GetResult:
+    """Per hash: found, and (when the caller gave no buffer) the bytes."""
+
+    found: list[bool]
+    values: list[bytearray | None]
+    bytes_received: int
+
+
+class Landing:
+    """One get answer's hits, landed and verified: the receive-and-verify routine every
+    transport's get shares (tcp://, ucx://, and shm:// for blocks sent inline).
+
+    The transport walks the answer's entries; for hit ``j`` of ``size`` bytes,
+    :meth:`dest` says where it lands: a new buffer when the caller gave none (kept in
+    ``values``), the caller's buffer ``buffers[j]`` when its size is the hit's, or
+    None when it is not (the transport receives and drops the bytes: a miss). Once the
+    bytes are in, :meth:`check` (on the copy pool for big blocks, given their size)
+    verifies them there against the block's xxh3-64: a mismatch is a miss, and
+    a buffer made for it is dropped. :meth:`result` waits for the checks still running.
+
+    ``found`` and ``values`` may be the caller's lists, of which this answer fills
+    positions ``first`` onwards (a get cut into pieces).
+    """
+
+    __slots__ = ("_buffers", "_first", "_later", "found", "total", "values")
+
+    def __init__(
+        self,
+        buffers: Sequence[wire.Block] | None,
+        n: int,
+        found: list[bool] | None = None,
+        values: list[bytearray | None] | None = None,
+        first: int = 0,
+    ) -> None:
+        self._buffers = buffers
+        self._first = first
+        self._later: list[Future[bool]] = []
+        self.found = found if found is not None else [False] * n
+        self.values: list[bytearray | None] = values if values is not None else [None] * n
+        self.total = 0  # payload bytes of the hits
+
+    def dest(self, j: int, size: int) -> wire.Block | None:
+        """Where hit ``j`` of ``size`` bytes lands; None: receive and drop it."""
+        self.total += size
+        if self._buffers is None:
+            buf = self.values[self._first + j] = bytearray(size)
+            return buf
+        d = self._buffers[self._first + j]
+        if type(d) is memoryview:  # the common case, without a call
+            return d if d.nbytes == size else None
+        return d if wire.block_size(d) == size else None
+
+    def check(self, j: int, block: wire.Block, checksum: int, size: int = 0) -> bool:
+        """Hit ``j`` landed in ``block``: found when its bytes there match ``checksum``.
+        ``size`` (the hit's, when known): a big block is checked on the copy pool, the
+        caller's thread going on with the next one meanwhile (:meth:`result` waits)."""
+        if size >= VERIFY_LATER:
+            self._later.append(later(lambda: self.check(j, block, checksum)))
+            return False
+        if isinstance(block, list):
+            ok = wire.block_checksum(block) == checksum
+        else:
+            ok = xxhash.xxh3_64_intdigest(block) == checksum
+        self.found[self._first + j] = ok
+        if not ok:
+            self.values[self._first + j] = None
+        return ok
+
+    def result(self) -> GetResult:
+        for f in self._later:
+            f.result()
+        self._later = []
+        return GetResult(self.found, self.values, self.total)
+
+
+__all__ = [
+    "CHUNK",
+    "GetResult",
+    "Landing",
+    "as_array",
+    "checksum",
+    "copy_sum",
+    "gather_sum",
+    "scatter_sum",
+]

@@ -60,8 +60,8 @@ def test_transport_picked_by_scheme() -> None:
     info = master_pb2.WorkerInfo(id="w", endpoints=["tcp://127.0.0.1:1", "ucx://127.0.0.1:2"])
     pool = TcpPool("127.0.0.1", 1)
     try:
-        assert isinstance(pick_transfer(info, pool, None, None), TcpTransfer)
+        assert isinstance(pick_transfer(info, pool, {}), TcpTransfer)
         ucx = UcxPool("127.0.0.1", 2)
-        assert pick_transfer(info, pool, None, ucx) is ucx
+        assert pick_transfer(info, pool, {"ucx": ucx}) is ucx
     finally:
         pool.close()

@@ -91,7 +91,7 @@ def worker_side(master: str, layers: int, nb: int, dev: str, staging_mb: int) ->
     ws = WorkerSide(setup, kcc, counts, (0, 1, 0, 1))
     caches = {n: torch.randn((2, nb, 16, 8, 64), device=dev).to(torch.bfloat16) for n in names}
     ws.register_kv_caches(caches)
-    if ws._holder.get(wait=30) is None:
+    if ws.store_client(30) is None:
         raise RuntimeError("the connector could not reach the master")
     block_bytes = sum(blockcopy.describe(t, nb).nbytes for t in caches.values())
     return ws, caches, counts, block_bytes

@@ -47,6 +47,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
 )
 
 from ..keys import leading_run
+from .base import StoreConnector
 from .config import SGLANG_OWN_KEYS, ConnectorConfig
 from .holder import ClientHolder
 from .naming import namespace, sglang_shard
@@ -107,7 +108,7 @@ def _land(temps: list[tuple[int, Any, Any]], hits: list[bool]) -> None:
             target.copy_(tmp)
 
 
-class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
+class KVStoreHiCacheStorage(StoreConnector, HiCacheStorage):  # type: ignore[misc]
     """See the module docstring. Built by SGLang's StorageBackendFactory as
     ``KVStoreHiCacheStorage(storage_config, kwargs)``; thread-safe."""
 
@@ -122,8 +123,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 "connector only; SGLang's storage backend does not have them"
             )
         self._sc = storage_config
-        self._holder = ClientHolder(self._cfg.master, self._cfg.timeout_s)
-        self._holder.start()
+        self.attach(ClientHolder(self._cfg.master, self._cfg.timeout_s))
         self._interval = Counters()
         self.mem_pool_host: Any = None
         self.registered_pools: dict[str, Any] = {}
@@ -178,14 +178,14 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     # ---- generic calls (tensors) ---------------------------------------------------
 
     def exists(self, key: str) -> bool:
-        client = self._holder.get(wait=self._cfg.timeout_s)
+        client = self.store_client(self._cfg.timeout_s)
         return bool(client and client.batch_exists(self._ns, [key_hash(key)])[0])
 
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
         """How many leading keys are present (one batched call)."""
-        client = self._holder.get(wait=self._cfg.timeout_s)
+        client = self.store_client(self._cfg.timeout_s)
         if client is None or not keys:
             return 0
         t0 = time.perf_counter()
@@ -212,7 +212,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> list[Any | None]:
         """Fill ``target_locations`` (flat page tensors) and return them, None for
         misses; without targets, return new uint8 tensors."""
-        client = self._holder.get(wait=self._cfg.timeout_s)
+        client = self.store_client(self._cfg.timeout_s)
         if client is None or not keys:
             return [None] * len(keys)
         hashes = [key_hash(k) for k in keys]
@@ -272,7 +272,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Read pages straight into the host pool at ``host_indices``; per key, hit."""
-        client = self._holder.get(wait=self._cfg.timeout_s)
+        client = self.store_client(self._cfg.timeout_s)
         if client is None or not keys:
             return [False] * len(keys)
         pages = self._page_views(host_indices, len(keys))
@@ -323,7 +323,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """The usable prefix: KV pages present, and per extra pool its pages as its
         hit policy asks (all pages, or the trailing ones: a state at the prefix's
         end). One batched query per pool; an unreachable store is no hit."""
-        client = self._holder.get(wait=self._cfg.timeout_s)
+        client = self.store_client(self._cfg.timeout_s)
         if client is None or not keys:
             return PoolTransferResult(0, {}, [])
         hashes = [key_hash(k) for k in keys]
@@ -369,7 +369,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> dict[str, list[bool]]:
         """Per pool, read its pages into the host pool; per key, hit. KV pages go
         through the v1 page path, so v1 and v2 engines share one KV page format."""
-        client = self._holder.get(wait=self._cfg.timeout_s)
+        client = self.store_client(self._cfg.timeout_s)
         out: dict[str, list[bool]] = {}
         for t in transfers:
             keys = t.keys or []
@@ -425,18 +425,16 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """One batched write of ``values`` (``parts``: each a list of buffers, sent
         without joining them); True per key in the store afterwards."""
         ns = ns or self._ns
-        client = self._holder.get(wait=self._cfg.timeout_s)
+        client = self.store_client(self._cfg.timeout_s)
         if client is None:
             return [False] * len(hashes)
         t0 = time.perf_counter()
         try:
-            if parts:
-                stored = client.batch_put_parts(ns, hashes, values)
-            else:
-                stored = client.batch_put(ns, hashes, values)
+            w = self.write(client, ns, hashes, values, parts)
         except Exception as e:  # full store: the pages are simply not cached
             log.warning("kvstore put of %d pages failed: %s", len(hashes), e)
             return [False] * len(hashes)
+        stored = w.stored
         n = sum(stored)
         record(NAME, self._interval, "stored_blocks", n)
         sizes = [sum(memoryview(p).nbytes for p in v) if parts else memoryview(v).nbytes
@@ -444,16 +442,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         record(NAME, self._interval, "stored_bytes",
                sum(n for n, s in zip(sizes, stored, strict=True) if s))  # fmt: skip
         record(NAME, self._interval, "store_seconds", time.perf_counter() - t0)
-        if n == len(stored):
-            return stored
-        # False means "already there" or "worker down": a key in the store counts.
-        rest = [i for i, s in enumerate(stored) if not s]
-        there = client.batch_exists(ns, [hashes[i] for i in rest])
-        record(NAME, self._interval, "skipped_present_blocks", sum(there))
-        out = list(stored)
-        for i, t in zip(rest, there, strict=True):
-            out[i] = t
-        return out
+        if n < len(stored):  # a key already in the store counts
+            record(NAME, self._interval, "skipped_present_blocks", w.present)
+        return w.held
 
     def _count_load(self, blocks: int, nbytes: int, t0: float) -> None:
         record(NAME, self._interval, "loaded_blocks", blocks)
@@ -469,4 +460,4 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return None
 
     def close(self) -> None:
-        self._holder.close()
+        self.close_store()

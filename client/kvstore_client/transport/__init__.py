@@ -1,8 +1,12 @@
 """Client halves of the transfer plane, behind one :class:`Transfer` protocol.
 
-Each worker link holds one Transfer, picked by the URL scheme of the worker's
-endpoints in one place (:mod:`kvstore_client.routing`): tcp:// (:class:`~.tcp.TcpTransfer`),
-shm:// (:class:`~.shm.ShmTransfer`, same host) or ucx:// (:class:`~.ucx.UcxPool`).
+Each worker link holds one Transfer. The implementations are registered by URL scheme
+(:mod:`.registry`): tcp:// (:class:`~.tcp.TcpTransfer`), shm:// (:class:`~.shm.ShmTransfer`,
+same host) and ucx:// (:class:`~.ucx.UcxPool`); :class:`kvstore_client.routing.Links`
+asks the registry which to open for a worker and which carries its calls, and the
+client asks the Transfer (:attr:`~Transfer.local`, :attr:`~Transfer.control`, ...),
+never which class it is. Every get lands and verifies its hits through
+:class:`kvstore_client.verified.Landing`.
 Every method takes a deadline (``timeout`` seconds) and is thread-safe; worker
 trouble raises a :class:`~kvstore_client.errors.PeerError` (the client turns it into
 misses), the caller's own mistakes a :class:`~kvstore_client.errors.CallerError`.
@@ -19,8 +23,10 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import wire
+from ..verified import GetResult
 from .pins import ArenaPins, ArenaSlots
-from .tcp import GetResult
+from .registry import Credentials, Opened, Scheme, register, scheme, schemes
+from .tcp import TcpPool
 
 BlockView = memoryview | list[memoryview]  # a destination: one view, or its parts
 
@@ -33,6 +39,20 @@ class Transfer(Protocol):
         """True when a read is copies on the calling thread with no wait on the
         network (a same-host worker's mapped arena): callers need not hand it to a
         pool."""
+        ...
+
+    @property
+    def same_host(self) -> bool:
+        """True when the worker shares this host and its arena is mapped here (even
+        once stale): reads of replicated blocks prefer it."""
+        ...
+
+    @property
+    def control(self) -> TcpPool | None:
+        """The worker's tcp:// pool when lookups (EXISTS, prefix runs) may go over it,
+        so one thread sends every worker its request before reading any answer; None
+        when this transfer's own calls must carry them (ucx://: the client asked that
+        the worker's traffic go over UCX)."""
         ...
 
     def put(
@@ -110,4 +130,16 @@ class Transfer(Protocol):
         ...
 
 
-__all__ = ["ArenaPins", "ArenaSlots", "BlockView", "GetResult", "Transfer"]
+__all__ = [
+    "ArenaPins",
+    "ArenaSlots",
+    "BlockView",
+    "Credentials",
+    "GetResult",
+    "Opened",
+    "Scheme",
+    "Transfer",
+    "register",
+    "scheme",
+    "schemes",
+]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -58,6 +58,29 @@ class ArenaPins:
             todo, self._releases = self._releases, []
         for r in todo:
             r()
+
+    def on_release(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` at :meth:`release` too (with the lease's own releases)."""
+        with self._lock:
+            self._releases.append(fn)
+
+    def adopt(self, other: ArenaPins, at: Sequence[int]) -> None:
+        """Take over ``other``'s lease: its block ``j`` becomes this one's block
+        ``at[j]``, its mappings join :attr:`arenas` (once each) and its release is
+        this one's (``other`` then holds nothing)."""
+        for j, i in enumerate(at):
+            self.views[int(i)] = other.views[j]
+        self.arenas += [a for a in other.arenas if all(a is not b for b in self.arenas)]
+        todo = other.hand_over()
+        with self._lock:
+            self._releases += todo
+
+    def hand_over(self) -> list[Callable[[], None]]:
+        """Give up this lease's releases to the caller, who then owns them (the
+        views stay valid until they run); a later :meth:`release` does nothing."""
+        with self._lock:
+            todo, self._releases = self._releases, []
+        return todo
 
     def __enter__(self) -> ArenaPins:
         return self
@@ -103,6 +126,32 @@ class ArenaSlots:
         """Drop every reservation (nothing is published)."""
         self.commit([False] * len(self.views))
 
+    def on_commit(self, idx: list[int], fn: Callable[[list[bool]], list[bool]]) -> None:
+        """At :meth:`commit`, call ``fn`` with the written flags of blocks ``idx``; it
+        returns per block of ``idx`` whether it is stored now."""
+        with self._lock:
+            self._commits.append((idx, fn))
+
+    def adopt(self, other: ArenaSlots, at: Sequence[int]) -> None:
+        """Take over ``other``'s reservations: its block ``j`` becomes this one's
+        block ``at[j]``, its mappings join :attr:`arenas` and its commit is this
+        one's (``other`` then holds nothing)."""
+        ids = [int(i) for i in at]
+        for j, i in enumerate(ids):
+            self.views[i] = other.views[j]
+            self.present[i] = other.present[j]
+        self.arenas += other.arenas
+        todo = other.hand_over()
+        with self._lock:
+            self._commits += [([ids[j] for j in sub], fn) for sub, fn in todo]
+
+    def hand_over(self) -> list[tuple[list[int], Callable[[list[bool]], list[bool]]]]:
+        """Give up this lease's commits to the caller, who then owns them; a later
+        :meth:`commit` publishes nothing."""
+        with self._lock:
+            todo, self._commits = self._commits, []
+        return todo
+
 
 class Remote:
     """What a transport to a worker on another host says about the local path: its
@@ -113,6 +162,17 @@ class Remote:
     def local(self) -> bool:
         """False: calls wait on the network (run them on the client's pool)."""
         return False
+
+    @property
+    def same_host(self) -> bool:
+        """False: the worker's arena is not mapped in this process."""
+        return False
+
+    @property
+    def control(self) -> Any:
+        """None: this transfer's own calls carry its lookups (see
+        :attr:`kvstore_client.transport.Transfer.control`)."""
+        return None
 
     def present(
         self, ns: bytes, packed: bytes, anyway: bool = False

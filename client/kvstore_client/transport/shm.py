@@ -48,9 +48,11 @@ import xxhash
 
 from .. import wire
 from ..errors import KVStoreError, Unavailable, from_transport_error
+from ..verified import GetResult, Landing
 from . import pins, shminbox, shmindex, shmlocal
+from .registry import Credentials, Scheme, register
 from .shminbox import Inbox
-from .tcp import GetResult, TcpConnection, TcpPool, TcpTransfer
+from .tcp import TcpConnection, TcpPool, TcpTransfer, recv_block
 
 SOCKET_PREFIX = "kvstore-"
 
@@ -339,9 +341,8 @@ def get(
     reqs: list[int] = []
     out: list[bytes | bytearray | memoryview] = []
     for a, b in cuts:
-        conn._req += 1
-        reqs.append(conn._req)
-        out += [wire.encode_request_header(wire.OP_GET_LOC, ns, b - a, conn._req)]
+        reqs.append(conn.next_req())
+        out += [wire.encode_request_header(wire.OP_GET_LOC, ns, b - a, reqs[-1])]
         out += [b"".join(hashes[a:b])]
     wire.send_buffers(sock, out)
     found = [False] * n
@@ -369,7 +370,7 @@ def _get_piece(
     payload bytes found. The RELEASE (one-way) goes out at once: pins never outlive
     the call that took them, whatever the caller's process does next."""
     sock = conn.sock
-    h = conn._answer(wire.OP_GET_LOC, req)
+    h = conn.answer(wire.OP_GET_LOC, req)
     try:
         arena.check(h.ns_len)
         if h.count != count:
@@ -379,29 +380,20 @@ def _get_piece(
         raise
     meta = wire.recv_exact(sock, h.count * wire.LOC_ENTRY.size)
     entries = list(wire.LOC_ENTRY.iter_unpack(meta))
-    total = 0
     try:
-        # Inline payloads come first on the wire, in order.
+        # Inline payloads come first on the wire, in order: landed and verified as
+        # any transport's (verified.Landing).
+        land = Landing(buffers, count, found, values, first)
         for j, (status, size, checksum, _) in enumerate(entries):
             if status != wire.LOC_INLINE:
                 continue
-            i = first + j
-            total += size
-            if buffers is None:
-                buf = bytearray(size)
-                wire.recv_into_exact(sock, memoryview(buf))
-                if xxhash.xxh3_64_intdigest(buf) == checksum:
-                    values[i], found[i] = buf, True
+            dest = land.dest(j, size)
+            if dest is None:
+                wire.discard(sock, size, conn.scratch)
                 continue
-            dest = buffers[i]
-            if sizes[i] != size:
-                wire.discard(sock, size, conn._scratch)
-            elif isinstance(dest, list):
-                wire.recv_into_parts(sock, dest)
-                found[i] = wire.block_checksum(dest) == checksum
-            else:
-                wire.recv_into_exact(sock, dest)
-                found[i] = xxhash.xxh3_64_intdigest(dest) == checksum
+            recv_block(sock, dest)
+            land.check(j, dest, checksum)
+        total = land.total
         src, mv = maps
         limit = len(src)
         for j, (status, size, checksum, off) in enumerate(entries):
@@ -465,11 +457,10 @@ def _locate(
     conn: TcpConnection, arena: ShmArena, ns: bytes, hashes: Sequence[bytes]
 ) -> tuple[list[memoryview | None], int]:
     sock = conn.sock
-    conn._req += 1
-    req = conn._req
+    req = conn.next_req()
     head = wire.encode_request_header(wire.OP_GET_LOC, ns, len(hashes), req)
     wire.send_buffers(sock, [head, b"".join(hashes)])
-    h = conn._answer(wire.OP_GET_LOC, req)
+    h = conn.answer(wire.OP_GET_LOC, req)
     arena.check(h.ns_len)
     if h.count != len(hashes):
         raise Unavailable(f"{h.count} locations for {len(hashes)} hashes")
@@ -544,7 +535,7 @@ def reserve(
         return out
 
     out = pins.ArenaSlots(views, present, [inbox])
-    out._commits.append((list(range(n)), commit))
+    out.on_commit(list(range(n)), commit)
     return out
 
 
@@ -563,6 +554,11 @@ class ShmTransfer(TcpTransfer):
         """True while the arena is mapped: a read is copies on the calling thread
         (the client runs it there, with no hop through its pool)."""
         return not self.arena.stale
+
+    @property
+    def same_host(self) -> bool:
+        """True: the worker's arena is (or was, until it went stale) mapped here."""
+        return True
 
     def put(
         self,
@@ -710,9 +706,8 @@ class ShmTransfer(TcpTransfer):
                 rest.release()
                 return out
             self.arena.pinned(held)
-            for j, i in enumerate(left):
-                out.views[i] = rest.views[j]
-            out._releases += [*rest._releases, lambda: self.arena.pinned(-held)]
+            out.adopt(rest, left)
+            out.on_release(lambda: self.arena.pinned(-held))
         return out
 
     def reserve(
@@ -728,3 +723,19 @@ class ShmTransfer(TcpTransfer):
         if self.arena.inbox is None or not self.arena.alive():
             return None
         return reserve(self.pool, self.arena, timeout, ns, hashes, sizes, flags)
+
+
+def _open(url: str, endpoints: Sequence[str], creds: Credentials) -> ShmArena | None:
+    return try_map(endpoints, creds.identity, creds.token)
+
+
+# Same host: the worker's arena mapped, when it hands it over (else tcp://).
+register(
+    Scheme(
+        "shm",
+        1,
+        lambda choice: choice in ("auto", "shm"),
+        _open,
+        lambda arena, base, info: ShmTransfer(base, arena, info.max_value_bytes),
+    )
+)

@@ -140,14 +140,14 @@ def _frame(
         wire.INBOX_ENTRY.pack_into(
             entries, j * wire.INBOX_ENTRY.size, hashes[j], sizes[j], sums[j], offs[j]
         )
-    conn._req += 1
-    head = wire.encode_request_header(wire.OP_PUT_INBOX, ns, n, conn._req, flags)
+    req = conn.next_req()
+    head = wire.encode_request_header(wire.OP_PUT_INBOX, ns, n, req, flags)
     wire.send_buffers(conn.sock, [head, entries])
-    return conn._req
+    return req
 
 
 def _answer(conn: TcpConnection, req: int, n: int, tag: int) -> bytes:
-    h = conn._answer(wire.OP_PUT_INBOX, req)
+    h = conn.answer(wire.OP_PUT_INBOX, req)
     if h.ns_len != tag or h.count != n:
         conn.close()  # the body is unread: this connection is done
         raise Unavailable("the worker's arena changed (restarted?) under a put")

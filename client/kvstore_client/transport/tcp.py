@@ -15,15 +15,11 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass
-from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
-import xxhash
 
-from .. import verified, wire
+from .. import wire
 from ..errors import (
     KVStoreError,
     ProtocolError,
@@ -34,26 +30,20 @@ from ..errors import (
 )
 from ..keys import HASH_LEN
 from ..security import Tls, wrap_client_socket
+from ..verified import GetResult, Landing
 from .pins import Remote
+from .registry import Credentials, Scheme, register
 
 SOCK_BUF = 4 << 20
-# A received block at least this big is verified on the copy pool, overlapping the
-# next block's receive; smaller ones here (a hand-off costs more than their hash).
-VERIFY_LATER = 256 << 10
 R = TypeVar("R")
 
 
-@dataclass(slots=True)
-class GetResult:
-    """Per hash: found, and (when the caller gave no buffer) the bytes."""
-
-    found: list[bool]
-    values: list[bytearray | None]
-    bytes_received: int
-
-
-def _matches(block: wire.Block, checksum: int) -> bool:
-    return wire.block_checksum(block) == checksum
+def recv_block(sock: socket.socket, dest: wire.Block) -> None:
+    """Fill a block's buffer (or its parts, scattered) from the socket."""
+    if isinstance(dest, list):
+        wire.recv_into_parts(sock, dest)
+    else:
+        wire.recv_into_exact(sock, dest if isinstance(dest, memoryview) else memoryview(dest))
 
 
 class TcpConnection:
@@ -74,7 +64,8 @@ class TcpConnection:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
         self._req = 0
-        self._scratch = memoryview(bytearray(1 << 16))
+        # a scratch buffer to read and drop unwanted payload bytes into
+        self.scratch = memoryview(bytearray(1 << 16))
         try:
             self.sock = wrap_client_socket(sock, tls, host)
             if token or identity:
@@ -90,12 +81,25 @@ class TcpConnection:
         self._req += 1
         head = wire.encode_request_header(wire.OP_AUTH, b"", len(raw), self._req, flags)
         wire.send_buffers(self.sock, [head, raw])
-        self._answer(wire.OP_AUTH, self._req)
+        self.answer(wire.OP_AUTH, self._req)
 
     def close(self) -> None:
         self.sock.close()
 
-    def _answer(self, op: int, req_id: int) -> wire.Header:
+    def next_req(self) -> int:
+        """A new request id on this connection (frames built elsewhere, e.g. the shm://
+        and inbox codecs, number their requests here)."""
+        self._req += 1
+        return self._req
+
+    @property
+    def req(self) -> int:
+        """The id of the last request sent."""
+        return self._req
+
+    def answer(self, op: int, req_id: int) -> wire.Header:
+        """Read the header of the answer to request ``req_id`` (``op``); a worker's
+        error code is raised as its :class:`~kvstore_client.errors.KVStoreError`."""
         head = wire.recv_exact(self.sock, wire.HEADER_LEN)
         h = wire.decode_header(head, wire.ANS_MAGIC)
         if h.req_id != req_id or h.op != op:
@@ -104,6 +108,8 @@ class TcpConnection:
             msg = wire.recv_exact(self.sock, min(h.count, 1 << 16)).decode(errors="replace")
             raise from_code(h.flags_or_code, msg)
         return h
+
+    _answer = answer  # the name tests reading raw frames use
 
     def put(
         self,
@@ -122,7 +128,7 @@ class TcpConnection:
             wire.PUT_ENTRY.pack_into(entries, i * wire.PUT_ENTRY.size, key, wire.block_size(v), c)
         head = wire.encode_request_header(wire.OP_PUT, ns, len(hashes), self._req, flags)
         wire.send_buffers(self.sock, [head, entries, *wire.flat_buffers(values)])
-        h = self._answer(wire.OP_PUT, self._req)
+        h = self.answer(wire.OP_PUT, self._req)
         return bytes(wire.recv_exact(self.sock, h.count))
 
     def get(
@@ -137,46 +143,21 @@ class TcpConnection:
         self._req += 1
         head = wire.encode_request_header(wire.OP_GET, ns, len(hashes), self._req)
         wire.send_buffers(self.sock, [head, b"".join(hashes)])
-        h = self._answer(wire.OP_GET, self._req)
+        h = self.answer(wire.OP_GET, self._req)
         meta = wire.recv_exact(self.sock, h.count * wire.GET_ENTRY.size)
-        found: list[bool] = []
-        values: list[bytearray | None] = []
-        total = 0
         # Big blocks are verified on the copy pool while the next one is received
         # (kvstore_client.verified); the answer is complete when every check is in.
-        later: list[tuple[int, Future[bool]]] = []
+        land = Landing(buffers, h.count)
         for i, (status, size, checksum) in enumerate(wire.GET_ENTRY.iter_unpack(meta)):
             if status != wire.GET_HIT:
-                found.append(False)
-                values.append(None)
                 continue
-            total += size
-            if buffers is None:
-                buf = bytearray(size)
-                view = memoryview(buf)
-                wire.recv_into_exact(self.sock, view)
-                ok = xxhash.xxh3_64_intdigest(view) == checksum
-                values.append(buf if ok else None)
-                found.append(ok)
+            dest = land.dest(i, size)
+            if dest is None:
+                wire.discard(self.sock, size, self.scratch)
                 continue
-            dest = buffers[i]
-            values.append(None)
-            if wire.block_size(dest) != size:
-                wire.discard(self.sock, size, self._scratch)
-                found.append(False)
-                continue
-            if isinstance(dest, list):
-                wire.recv_into_parts(self.sock, dest)
-            else:
-                wire.recv_into_exact(self.sock, dest)
-            found.append(False)
-            if size >= VERIFY_LATER:
-                later.append((i, verified.later(partial(_matches, dest, checksum))))
-            else:
-                found[i] = _matches(dest, checksum)
-        for i, fut in later:
-            found[i] = fut.result()
-        return GetResult(found, values, total)
+            recv_block(self.sock, dest)
+            land.check(i, dest, checksum, size)
+        return land.result()
 
     def exists(self, ns: bytes, hashes: Sequence[bytes]) -> list[bool]:
         self.send_exists(ns, b"".join(hashes), len(hashes))
@@ -194,7 +175,7 @@ class TcpConnection:
         """Second half of an EXISTS sent with FLAG_PREFIX for ``count`` hashes: how
         many leading ones the worker holds. A worker that predates the flag answers
         with the whole bitmap; its leading run is taken here."""
-        h = self._answer(wire.OP_EXISTS, self._req)
+        h = self.answer(wire.OP_EXISTS, self._req)
         if h.ns_len == wire.TAG_RUN:
             if h.count > count:
                 raise ProtocolError(f"prefix answer {h.count} for {count} hashes")
@@ -207,7 +188,7 @@ class TcpConnection:
 
     def recv_exists(self) -> np.ndarray:
         """Second half of EXISTS: a bool array, one flag per hash sent."""
-        h = self._answer(wire.OP_EXISTS, self._req)
+        h = self.answer(wire.OP_EXISTS, self._req)
         bitmap = wire.recv_exact(self.sock, (h.count + 7) // 8)
         return np.unpackbits(
             np.frombuffer(bitmap, dtype=np.uint8), count=h.count, bitorder="little"
@@ -217,7 +198,7 @@ class TcpConnection:
         self._req += 1
         head = wire.encode_request_header(wire.OP_REMOVE, ns, len(hashes), self._req)
         wire.send_buffers(self.sock, [head, b"".join(hashes)])
-        return self._answer(wire.OP_REMOVE, self._req).count
+        return self.answer(wire.OP_REMOVE, self._req).count
 
 
 class TcpPool:
@@ -354,6 +335,12 @@ class TcpTransfer(Remote):
     def __init__(self, pool: TcpPool) -> None:
         self.pool = pool
 
+    @property
+    def control(self) -> TcpPool:
+        """The worker's tcp:// pool: a fan-out sends lookups over it, every worker's
+        request out before any answer is read."""
+        return self.pool
+
     def put(
         self,
         timeout: float,
@@ -380,5 +367,13 @@ class TcpTransfer(Remote):
     def remove(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> int:
         return self.pool.call(timeout, TcpConnection.remove, ns, hashes)
 
+
+def _open(url: str, endpoints: Sequence[str], creds: Credentials) -> TcpPool:
+    host, port = parse_tcp_url(url) if url else ("", 0)
+    return TcpPool(host, port, tls=creds.tls, token=creds.token, identity=creds.identity)
+
+
+# The base of every link: always opened; its transfer when no other scheme applies.
+register(Scheme("tcp", 0, lambda choice: True, _open, lambda pool, base, info: TcpTransfer(pool)))
 
 __all__ = ["HASH_LEN", "GetResult", "TcpConnection", "TcpPool", "TcpTransfer", "parse_tcp_url"]

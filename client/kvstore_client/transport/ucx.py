@@ -57,8 +57,8 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar, cast
 
 from .. import wire
 from ..errors import (
@@ -70,8 +70,9 @@ from ..errors import (
     from_transport_error,
 )
 from ..keys import from_bitmap
+from ..verified import GetResult, Landing
 from .pins import Remote
-from .tcp import GetResult
+from .registry import Credentials, Scheme, register
 from .ucxcodec import (
     ERROR_MAX,
     MAX_PART_ENTRIES,
@@ -88,6 +89,9 @@ from .ucxcodec import (
     split_sizes,
 )
 from .ucxruntime import (
+    CONNECT_TIMEOUT,
+    DOWN_FOR,
+    SCHEME,
     UcxRuntime,
     abort,
     available,
@@ -102,23 +106,6 @@ from .ucxruntime import (
 R = TypeVar("R")
 Buffer = bytes | bytearray | memoryview
 
-SCHEME = "ucx://"
-# In thread mode ucxx reports a refused first connection only when the handshake times
-# out, so bound the handshake, and fail fast for a while after a failure.
-CONNECT_TIMEOUT = 5.0  # ucxx's own default handshake timeout
-DOWN_FOR = 1.0
-CLIENT_PROGRESS_MODE = "thread"  # with Python futures: nothing polls
-SERVER_PROGRESS_MODE = "blocking"  # see progress_settings
-# Options of kvstore's own UCP context (not the process environment: an engine's own
-# UCX, e.g. NIXL's, keeps its defaults); a UCX_* variable of the same name wins.
-# Measured against tcp:// on one host over UCX's tcp transport (docs/UCX.md): with
-# UCX's default rendezvous (fragmented copy-in copy-out through bounce buffers) ucx://
-# moved 1 MiB blocks at 0.5-0.7x tcp:// for about twice its CPU per GiB; with
-# put_zcopy (the sender writes straight from its buffer into the receiver's) it moved
-# them at about tcp://'s speed for half that CPU. On RDMA it is a zero-copy RDMA write.
-UCX_OPTIONS: Mapping[str, str] = {"RNDV_SCHEME": "put_zcopy"}
-# Chunk buffers of packed frames for all of a process's client endpoints together.
-CLIENT_STAGING_BYTES = 64 << 20
 
 # ---- the client -----------------------------------------------------------------------
 
@@ -159,13 +146,13 @@ class UcxConnection:
         conn = cls(ep, rt.staging)
         if token or identity:
             try:
-                await asyncio.wait_for(conn._auth(token, identity), timeout)
+                await asyncio.wait_for(conn.auth(token, identity), timeout)
             except BaseException:
                 conn.abort()
                 raise
         return conn
 
-    async def _auth(self, token: str, identity: bytes) -> None:
+    async def auth(self, token: str, identity: bytes) -> None:
         """AUTH: the token, and with FLAG_IDENTITY the client's identity before it."""
         raw = identity + token.encode()
         flags = wire.FLAG_IDENTITY if identity else 0
@@ -301,11 +288,9 @@ class UcxConnection:
         meta = await self._body(h.count * wire.GET_ENTRY.size)
         if h.ns_len == wire.TAG_PACKED:
             return await self._unpack(list(wire.GET_ENTRY.iter_unpack(meta)), buffers)
-        found = [False] * h.count
-        values: list[bytearray | None] = [None] * h.count
+        land = Landing(buffers, h.count)
         landing: list[Sequence[memoryview | bytearray]] = []  # per hit, its messages
         checks: list[tuple[int, wire.Block, int] | None] = []  # (index, block, xxh3)
-        total = 0
         entries = list(wire.GET_ENTRY.iter_unpack(meta))
         biggest_drop = max(
             (
@@ -321,29 +306,21 @@ class UcxConnection:
         for i, (status, size, checksum) in enumerate(entries):
             if status != wire.GET_HIT:
                 continue
-            total += size
-            if buffers is None:
-                buf = values[i] = bytearray(size)
-                landing.append([buf])
-                checks.append((i, buf, checksum))
-            elif wire.block_size(buffers[i]) != size:
+            dest = land.dest(i, size)
+            if dest is None:
                 landing.append([drop[:size]])  # dropped: concurrent landings do not matter
                 checks.append(None)
             else:
-                dest = buffers[i]
-                landing.append(dest if isinstance(dest, list) else [dest])
+                landing.append(dest if isinstance(dest, list) else [cast(bytearray, dest)])
                 checks.append((i, dest, checksum))
 
         def landed(k: int) -> None:  # a hit is checked while the next ones arrive
             check = checks[k]
             if check is not None:
-                i, block, checksum = check
-                found[i] = wire.block_checksum(block) == checksum
-                if not found[i]:
-                    values[i] = None
+                land.check(*check)
 
         await recv_blocks(self.ep, landing, landed)
-        return GetResult(found, values, total)
+        return land.result()
 
     async def _unpack(
         self,
@@ -356,8 +333,7 @@ class UcxConnection:
         total = sum(size for status, size, _ in entries if status == wire.GET_HIT)
         if total > wire.MAX_PACKED:
             raise ProtocolError(f"a packed answer of {total} bytes")
-        found = [False] * len(entries)
-        values: list[bytearray | None] = [None] * len(entries)
+        land = Landing(buffers, len(entries))
         dests: list[list[memoryview] | None] = []
         sizes: list[int] = []
         checks: list[tuple[int, wire.Block, int] | None] = []  # per hit: (index, block, xxh3)
@@ -365,28 +341,21 @@ class UcxConnection:
             if status != wire.GET_HIT:
                 continue
             sizes.append(size)
-            if buffers is None:
-                buf = values[i] = bytearray(size)
-                dests.append([memoryview(buf)])
-                checks.append((i, buf, checksum))
-            elif wire.block_size(buffers[i]) != size:
+            dest = land.dest(i, size)
+            if dest is None:
                 dests.append(None)  # dropped
                 checks.append(None)
             else:
-                dest = buffers[i]
                 dests.append([memoryview(p).cast("B") for p in wire.block_parts(dest)])
                 checks.append((i, dest, checksum))
 
         def landed(k: int) -> None:  # a hit is checked while the next chunks arrive
             check = checks[k]
             if check is not None:
-                i, block, checksum = check
-                found[i] = wire.block_checksum(block) == checksum
-                if not found[i]:
-                    values[i] = None
+                land.check(*check)
 
         await recv_packed(self.ep, total, Unpacker(dests, sizes), self._staging, landed)
-        return GetResult(found, values, total)
+        return land.result()
 
     async def exists(self, ns: bytes, hashes: Sequence[bytes]) -> list[bool]:
         """One EXISTS frame: per hash, whether the worker holds it."""
@@ -525,7 +494,7 @@ class UcxPool(Remote):
         if self._closed:
             return
         self._closed = True
-        rt = UcxRuntime._instance
+        rt = UcxRuntime.started()
         if rt is None:
             return
 
@@ -560,6 +529,15 @@ def ucx_url(host: str, port: int) -> str:
 def find_ucx_url(endpoints: Sequence[str]) -> str:
     """The first ucx:// endpoint of a worker's advertised list, or ""."""
     return next((e for e in endpoints if e.startswith(SCHEME)), "")
+
+
+def _open(url: str, endpoints: Sequence[str], creds: Credentials) -> UcxPool:
+    host, port = parse_ucx_url(url)
+    return UcxPool(host, port, token=creds.token, identity=creds.identity)
+
+
+# Only when asked for (transport="ucx"); the pool is the worker's transfer.
+register(Scheme("ucx", 2, lambda choice: choice == "ucx", _open, lambda pool, base, info: pool))
 
 
 __all__ = [

@@ -147,6 +147,12 @@ class UcxRuntime:
                 cls._instance = UcxRuntime(server=server)
             return cls._instance
 
+    @classmethod
+    def started(cls) -> UcxRuntime | None:
+        """The process-wide runtime if some caller started it, else None (never starts
+        it: a pool closing without ever having used UCX has nothing to drain)."""
+        return cls._instance
+
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()

@@ -50,8 +50,8 @@ from kvstore_client.errors import (
     to_grpc_code,
 )
 from kvstore_client.keys import HASH_LEN, split_hashes, to_bitmap
-from kvstore_client.transport.tcp import VERIFY_LATER
 from kvstore_client.transport.ucxcodec import ERROR_MAX, read_part_counts, slices, split_sizes
+from kvstore_client.verified import VERIFY_LATER
 
 from ...auth import Tenant, Tenants
 from ..requests import Holder, Limits, RequestCore, account, put_status

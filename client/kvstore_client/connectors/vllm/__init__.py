@@ -127,11 +127,7 @@ def wait_for_saves(timeout: float = 30.0) -> bool:
     For tests and graceful shutdown; the engine itself never waits for writes.
     Returns False if some were still running at the deadline."""
     deadline = time.monotonic() + timeout
-    return all(
-        c._worker.drain_saves(max(0.0, deadline - time.monotonic()))
-        for c in list(_LIVE)
-        if c._worker is not None
-    )
+    return all(c.drain_saves(max(0.0, deadline - time.monotonic())) for c in list(_LIVE))
 
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
@@ -327,6 +323,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         settings are checked here too: a mistake fails the start at once."""
         check_settings(extra_config)
         return False
+
+    def drain_saves(self, timeout: float) -> bool:
+        """Worker side: wait up to ``timeout`` seconds for the writes handed off so far;
+        False if some were still running then. The scheduler side has none (True)."""
+        return self._worker is None or self._worker.drain_saves(timeout)
 
     def shutdown(self) -> None:
         """Either side: let queued writes finish (bounded), then close the client."""

@@ -16,6 +16,7 @@ from typing import Any
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 from ...keys import leading_run
+from ..base import StoreConnector
 from ..holder import ClientHolder
 from ..lookup import kv_lookup
 from ..naming import STATE_KIND, embeds_digest, extra_keys
@@ -74,7 +75,7 @@ def _local_all(
     return all_ranks([e[0] for e in each]), any(e[1] for e in each)
 
 
-class SchedulerSide:
+class SchedulerSide(StoreConnector):
     """One per engine, in the scheduler process."""
 
     def __init__(self, setup: Setup, kv_cache_config: Any, interval: Counters) -> None:
@@ -86,7 +87,7 @@ class SchedulerSide:
         self._bytes_per_token = total / num_blocks / setup.block
         min_hit = cfg.min_hit_tokens if cfg.min_hit_tokens is not None else setup.block
         self._policy = LoadPolicy(min_hit, cfg.prefill_tokens_per_s)
-        self._holder = ClientHolder(cfg.master, cfg.timeout_s)
+        holder = ClientHolder(cfg.master, cfg.timeout_s)
         self._lookups: Lookups[tuple[list[bool], list[bool]]] = Lookups(
             cfg.lookup_concurrency, cfg.lookup_timeout_s, cfg.lookup_wait_s
         )
@@ -113,11 +114,11 @@ class SchedulerSide:
         self._hint_after_saves: dict[str, tuple[Hint, list[bytes]]] = {}
         self._bad_hint_logged = False
         self._hints = HintQueue(self._send_hint, self._hint_result) if cfg.session_hints else None
-        self._holder.start()
+        self.attach(holder)
 
     def _send_hint(self, hint: Hint, hashes: list[bytes]) -> None:
         """Hint thread: the hint for every rank's namespace."""
-        client = self._holder.get(wait=self.s.cfg.timeout_s)
+        client = self.store_client(self.s.cfg.timeout_s)
         if client is None:
             raise ConnectionError("no kvstore client (master unreachable)")
         for ns in self._namespaces:
@@ -154,7 +155,7 @@ class SchedulerSide:
         """Lookup thread: which KV blocks every rank holds (as the ``lookup`` setting
         asks: see :func:`kv_lookup`) and, for hybrid models, which boundary states
         (one batched call per rank, in every mode)."""
-        client = self._holder.get(wait=self.s.cfg.lookup_timeout_s)
+        client = self.store_client(self.s.cfg.lookup_timeout_s)
         if client is None or not hashes:
             return [False] * len(hashes), [False] * len(hashes)
         t0 = time.perf_counter()
@@ -175,7 +176,7 @@ class SchedulerSide:
         is scheduled in this step. A hand-off to the lookup pool costs it a step
         whenever the pool thread gets the GIL later than ``lookup_wait_s``, which a
         busy engine process makes the common case. Anything else goes to the pool."""
-        client = self._holder.get(wait=0)
+        client = self.store_client(0)
         inline = self.s.cfg.lookup_inline and self.s.cfg.lookup == "batch"
         if inline and client is not None and hashes:
             t0 = time.perf_counter()
@@ -434,4 +435,4 @@ class SchedulerSide:
         if self._hints is not None:
             self._hints.close()
         self._lookups.shutdown()
-        self._holder.close()
+        self.close_store()

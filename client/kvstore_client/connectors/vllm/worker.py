@@ -56,6 +56,7 @@ from ...client import Client
 from ...keys import leading_run
 from ...transport.pins import ArenaPins, ArenaSlots
 from .. import blockcopy as bc
+from ..base import StoreConnector
 from ..holder import ClientHolder
 from ..naming import STATE_KIND
 from ..planning import StagingBudget
@@ -136,7 +137,7 @@ class _StepSave:
         return [r for r, _, _ in self.refs] + [r for r, _, _ in self.state_refs]
 
 
-class WorkerSide:
+class WorkerSide(StoreConnector):
     """One per worker process (TP / PP rank)."""
 
     def __init__(self, setup: Setup, kv_cache_config: Any, interval: Counters,
@@ -158,7 +159,7 @@ class WorkerSide:
         # With session hints on, the scheduler's client sends them and this one
         # writes the sessions' blocks: its puts are marked so session shares apply.
         writer = functools.partial(Client, session_writer=setup.cfg.session_hints)
-        self._holder = ClientHolder(setup.cfg.master, setup.cfg.timeout_s, factory=writer)
+        holder = ClientHolder(setup.cfg.master, setup.cfg.timeout_s, factory=writer)
         self._layers: dict[str, bc.LayerGeometry] = {}
         self._state_layers: dict[str, bc.LayerGeometry] = {}
         self._block_bytes = 0
@@ -186,7 +187,7 @@ class WorkerSide:
         self._rows: dict[str, _Rows] = {}  # "load", "save", "state_load", "state_save"
         self._last_load: bc.Ticket = bc.DONE  # the loader's last copy out of its rows
         self._registered: dict[str, bool] = {}  # arena id -> page-locked for DMA
-        self._holder.start()
+        self.attach(holder)
 
     # ---- set-up ------------------------------------------------------------------
 
@@ -244,7 +245,7 @@ class WorkerSide:
         """The one store read: blocks ``hashes`` into ``dest`` (a future): per block
         the list of its parts in the cache (zero copy: one multi-part read), or a
         byte view of a host row (mover path)."""
-        client = self._holder.get()
+        client = self.store_client()
         if client is None:
             fut: cf.Future[list[bool]] = cf.Future()
             fut.set_result([False] * len(hashes))
@@ -372,7 +373,7 @@ class WorkerSide:
         in the rows, the pins to release once copied). A failed read is a miss."""
         self._last_load.wait()
         k = len(hashes)
-        client = self._holder.get()
+        client = self.store_client()
         pins = None
         if client is not None:
             try:
@@ -610,16 +611,7 @@ class WorkerSide:
         """The one store write: one batched put of ``src`` (per block the list of
         its parts in the cache, or a host row's byte view); True per block that is
         in the store afterwards (written now, or already there by another writer)."""
-        if src and isinstance(src[0], list):
-            ok = list(client.batch_put_parts(ns, hashes, src))
-        else:
-            ok = list(client.batch_put(ns, hashes, src))
-        rest = [i for i, s in enumerate(ok) if not s]
-        if rest:  # already there (another writer), or its worker was down?
-            there = client.batch_exists(ns, [hashes[i] for i in rest])
-            for i, t in zip(rest, there, strict=True):
-                ok[i] = t
-        return ok
+        return self.write(client, ns, hashes, src, bool(src) and isinstance(src[0], list)).held
 
     def _put_moved(self, client: Any, ns: str, layers: list[bc.LayerGeometry],
                    hashes: list[bytes], ids: list[list[int]], rows: _Rows,
@@ -687,7 +679,7 @@ class WorkerSide:
         hashes = [h for _, _, h in step.refs]
         ok = [False] * len(hashes)
         try:
-            client = self._holder.get(wait=self.s.cfg.timeout_s)
+            client = self.store_client(self.s.cfg.timeout_s)
             if client is not None:
                 if hashes:
                     ok = self._write(client, False, hashes, step.ids, step.ready)
@@ -732,4 +724,4 @@ class WorkerSide:
         self.drain_saves(self.s.cfg.timeout_s)
         self._save_pool.shutdown(wait=False, cancel_futures=True)
         self._load_pool.shutdown(wait=False, cancel_futures=True)
-        self._holder.close()
+        self.close_store()
