@@ -240,18 +240,31 @@ class WorkerSide:
 
     # ---- loads --------------------------------------------------------------------
 
-    def _get(self, ns: str, hashes: list[bytes], dest: list[Any]) -> cf.Future[list[bool]]:
+    def _get(self, ns: str, hashes: list[bytes], dest: list[Any],
+             client: Client | None = None) -> cf.Future[list[bool]]:  # fmt: skip
         """The one store read: blocks ``hashes`` into ``dest`` (a future): per block
         the list of its parts in the cache (zero copy: one multi-part read), or a
-        byte view of a host row (mover path)."""
-        client = self._holder.get()
+        byte view of a host row (mover path). Without ``client`` (the step's thread:
+        never blocks) a client still connecting (the engine just started) is waited
+        for on the loader thread, bounded by ``timeout_s`` as saves wait: a hit is
+        never thrown away because the connection was not up yet."""
+        client = client or self._holder.get()
         if client is None:
-            fut: cf.Future[list[bool]] = cf.Future()
-            fut.set_result([False] * len(hashes))
-            return fut
+            return self._load_pool.submit(self._get_connected, ns, hashes, dest)
         if dest and isinstance(dest[0], list):
             return client.batch_get_into_parts(ns, hashes, dest)
         return client.batch_get_into(ns, hashes, dest)
+
+    def _connected(self) -> Client | None:
+        """The client, waiting for a connection still being made (``timeout_s`` at
+        most); None: the store is unreachable, loads are misses."""
+        return self._holder.get(wait=self.s.cfg.timeout_s)
+
+    def _get_connected(self, ns: str, hashes: list[bytes], dest: list[Any]) -> list[bool]:
+        client = self._connected()
+        if client is None:
+            return [False] * len(hashes)
+        return list(self._get(ns, hashes, dest, client).result())
 
     def start_load_kv(self, meta: Any) -> None:
         """Each step: queue this step's asynchronous loads and start those the staging
@@ -283,8 +296,8 @@ class WorkerSide:
                 cf.wait([pl.job])
                 if pl.job.exception() is None and isinstance(self.mover, bc.CudaMover):
                     self.mover.join(pl.job.result().ticket)
-            self._finish_load(pl)
-            record(NAME, self._interval, "sync_loaded_blocks", len(pl.transfer.hashes))
+            got, _ = self._finish_load(pl)
+            record(NAME, self._interval, "sync_loaded_blocks", got)
 
     def _nbytes(self, tr: Transfer) -> int:
         hybrid = tr.state_hash is not None
@@ -356,9 +369,12 @@ class WorkerSide:
                     spins.release()
         return _Loaded(flags, state, bc.AllTickets(tickets))
 
-    def _read(self, ns: str, hashes: list[bytes], views: list[memoryview]) -> list[bool]:
+    def _read(self, client: Client | None, ns: str, hashes: list[bytes], views: list[memoryview]
+              ) -> list[bool]:  # fmt: skip
+        if client is None:
+            return [False] * len(hashes)
         try:
-            return list(self._get(ns, hashes, views).result())
+            return list(self._get(ns, hashes, views, client).result())
         except Exception as e:
             log.warning("kvstore load of %d blocks failed: %s", len(hashes), e)
             return [False] * len(hashes)
@@ -372,7 +388,7 @@ class WorkerSide:
         in the rows, the pins to release once copied). A failed read is a miss."""
         self._last_load.wait()
         k = len(hashes)
-        client = self._holder.get()
+        client = self._connected()
         pins = None
         if client is not None:
             try:
@@ -382,12 +398,12 @@ class WorkerSide:
         if pins is None or not pins.count:
             if pins is not None:
                 pins.release()
-            return self._read(ns, hashes, rows.views[:k]), None, None
+            return self._read(client, ns, hashes, rows.views[:k]), None, None
         self._register(pins.arenas)
         flags = [v is not None for v in pins.views]
         rest = [i for i, v in enumerate(pins.views) if v is None]
         if rest:
-            got = self._read(ns, [hashes[i] for i in rest], [rows.views[i] for i in rest])
+            got = self._read(client, ns, [hashes[i] for i in rest], [rows.views[i] for i in rest])
             for i, g in zip(rest, got, strict=True):
                 flags[i] = g
         srcs = [rows.host[i] if v is None else bc.host_tensor(v)
@@ -450,10 +466,10 @@ class WorkerSide:
             log.warning("kvstore load for %s failed: %s", tr.req_id, e)
             return [False] * len(tr.hashes), None if tr.state_hash is None else [False]
 
-    def _finish_load(self, pl: _PendingLoad) -> bool:
-        """Account for a load whose bytes are in the cache; False when some did not
-        arrive. A hybrid load is all or nothing: KV blocks without their state are
-        never used."""
+    def _finish_load(self, pl: _PendingLoad) -> tuple[int, bool]:
+        """Account for a load whose bytes are in the cache: (blocks that arrived and
+        are used, False when some did not arrive). A hybrid load is all or nothing:
+        KV blocks without their state are never used."""
         tr = pl.transfer
         flags, state = self._outcome(pl)
         ok = leading_run(flags)
@@ -477,15 +493,14 @@ class WorkerSide:
             record(NAME, self._interval, "load_failed_blocks", len(flags) - ok)
             for ids in tr.block_ids:
                 self._invalid.update(ids[ok:])
-            return False
-        return True
+        return ok, not lost
 
     def done_loads(self) -> tuple[set[str], set[str]]:
         """Non-blocking: (requests whose loads are complete, their bytes in the
         cache, and those of them that lost blocks). Starts queued loads as staging
         frees up."""
         done = {rid for rid, pl in self._loads.items() if pl.done()}
-        failed = {rid for rid in done if not self._finish_load(self._loads.pop(rid))}
+        failed = {rid for rid in done if not self._finish_load(self._loads.pop(rid))[1]}
         if done:
             self._start_queued()
         return done, failed
