@@ -47,10 +47,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
-
-import torch  # type: ignore[import-not-found, unused-ignore]
 
 from ...client import Client
 from ...keys import leading_run
@@ -61,79 +58,9 @@ from ..naming import STATE_KIND
 from ..planning import StagingBudget
 from ..stats import Counters, record
 from .common import NAME, KVStoreConnectorMetadata, KVStoreWorkerMetadata, Setup, Transfer
+from .jobs import Loaded, PendingLoad, Rows, StepSave, make_rows
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Rows:
-    """Rows allocated once for the mover path: host rows (pinned where CUDA is
-    present) with a byte view per row, and on CUDA as many device rows."""
-
-    host: Any
-    views: list[memoryview]
-    dev: Any = None
-
-    @property
-    def cap(self) -> int:
-        return int(self.host.shape[0])
-
-
-def _make_rows(cap: int, width: int, device: Any, on_device: bool) -> _Rows:
-    host = bc.pinned_rows(cap, width)
-    views = [memoryview(host[i].numpy()) for i in range(cap)]
-    dev = torch.empty((cap, width), dtype=torch.uint8, device=device) if on_device else None
-    return _Rows(host, views, dev)
-
-
-@dataclass(slots=True)
-class _Loaded:
-    """What a mover-path load job got: KV flags, state flags (None: no state),
-    and the ticket of its last copy into the cache."""
-
-    flags: list[bool]
-    state: list[bool] | None
-    ticket: bc.Ticket
-
-
-@dataclass
-class _PendingLoad:
-    transfer: Transfer
-    nbytes: int
-    started: float
-    future: cf.Future[list[bool]] | None = None  # zero copy: the client's read
-    state_future: cf.Future[list[bool]] | None = None
-    job: cf.Future[_Loaded] | None = None  # mover path: the loader's job
-    landed: float = 0.0  # when its last read (or the loader's job) completed
-
-    def stamp(self, _: object) -> None:
-        """A done callback of its futures: the load's time is up to its last one, not
-        up to the step that notices (which made every asynchronous load look a step
-        long, and ``load_mode: auto`` then chose asynchronous loads only)."""
-        self.landed = max(self.landed, time.perf_counter())
-
-    def done(self) -> bool:
-        if self.job is not None:
-            return self.job.done() and (self.job.exception() is not None
-                                        or self.job.result().ticket.done())  # fmt: skip
-        assert self.future is not None
-        return self.future.done() and (self.state_future is None or self.state_future.done())
-
-
-@dataclass
-class _StepSave:
-    """One step's saves: the rows (request, index, hash), the block ids per group,
-    and (CUDA) the event marking the end of the step's forward on its stream."""
-
-    refs: list[tuple[str, int, bytes]]  # (req_id, index, hash), row order
-    ids: list[list[int]]  # per attention group, the block ids of the rows
-    state_refs: list[tuple[str, int, bytes]]
-    state_ids: list[list[int]]
-    nbytes: int
-    ready: Any = None
-
-    def requests(self) -> list[str]:
-        return [r for r, _, _ in self.refs] + [r for r, _, _ in self.state_refs]
 
 
 class WorkerSide:
@@ -165,14 +92,18 @@ class WorkerSide:
         self._state_bytes = 0
         self._budget = StagingBudget(setup.cfg.max_pending_load_mb << 20)
         self._queued: deque[Transfer] = deque()
-        self._loads: dict[str, _PendingLoad] = {}
+        self._loads: dict[str, PendingLoad] = {}
         self._invalid: set[int] = set()
         self._meta = KVStoreWorkerMetadata()
         self._meta_lock = threading.Lock()
-        self._step: _StepSave | None = None
+        self._step: StepSave | None = None
         self._step_seen = False
         self._save_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
         self._load_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
+        # Loads of this step (the forward waits for them) never queue behind the
+        # asynchronous jobs: their own thread, the rows taken in turn (``_rows_lock``).
+        self._sync_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvstore-load-now")
+        self._rows_lock = threading.Lock()
         self._save_futs: list[cf.Future[None]] = []
         self._pending_save_bytes = 0
         self._save_lock = threading.Lock()
@@ -183,9 +114,11 @@ class WorkerSide:
         self._finishing: set[str] = set()
         self._zero_copy = False
         self.mover: bc.HostMover | bc.CudaMover = bc.HostMover()
-        self._rows: dict[str, _Rows] = {}  # "load", "save", "state_load", "state_save"
+        self._rows: dict[str, Rows] = {}  # "load", "save", "state_load", "state_save"
         self._last_load: bc.Ticket = bc.DONE  # the loader's last copy out of its rows
-        self._registered: dict[str, bool] = {}  # arena id -> page-locked for DMA
+        # arena id -> (address, bytes, page-locked for DMA) of its registered mapping
+        self._registered: dict[str, tuple[int, int, bool]] = {}
+        self._reg_lock = threading.Lock()
         self._holder.start()
 
     # ---- set-up ------------------------------------------------------------------
@@ -228,11 +161,11 @@ class WorkerSide:
         if self._block_bytes:
             cap = max(1, budget // self._block_bytes)
             for d in ("load", "save"):
-                self._rows[d] = _make_rows(cap, self._block_bytes, device, on_dev)
+                self._rows[d] = make_rows(cap, self._block_bytes, device, on_dev)
         if self._state_bytes:
             cap = max(1, min(64, budget // self._state_bytes))
             for d in ("state_load", "state_save"):
-                self._rows[d] = _make_rows(cap, self._state_bytes, device, on_dev)
+                self._rows[d] = make_rows(cap, self._state_bytes, device, on_dev)
 
     def _parts(self, state: bool, ids: list[list[int]], n: int) -> list[list[memoryview]]:
         layers = list((self._state_layers if state else self._layers).values())
@@ -290,7 +223,7 @@ class WorkerSide:
         each wait bounded by the client's deadline (``timeout_s``); on CUDA the
         forward's stream then waits for their copies. These requests are running, so
         they are never reported as finished receiving, only their failed blocks."""
-        started = [self._begin(tr, 0) for tr in trs]  # outside the budget: nothing to give back
+        started = [self._begin(tr, 0, now=True) for tr in trs]  # outside the budget
         for pl in started:
             if pl.job is not None:
                 cf.wait([pl.job])
@@ -312,13 +245,15 @@ class WorkerSide:
             self._queued.popleft()
             self._loads[tr.req_id] = self._begin(tr, nbytes)
 
-    def _begin(self, tr: Transfer, nbytes: int) -> _PendingLoad:
-        """Start one load: a job of the loader thread (mover path), or the client's
-        reads straight into the cache (zero copy)."""
+    def _begin(self, tr: Transfer, nbytes: int, now: bool = False) -> PendingLoad:
+        """Start one load: a job of the loader thread (mover path; ``now``: of the
+        step's own loader, never behind asynchronous jobs), or the client's reads
+        straight into the cache (zero copy)."""
         state_hash = self._state_hash(tr)
-        pl = _PendingLoad(tr, nbytes, time.perf_counter())
+        pl = PendingLoad(tr, nbytes, time.perf_counter())
         if not self._zero_copy:
-            pl.job = self._load_pool.submit(self._load_job, tr, state_hash)
+            pool = self._sync_pool if now else self._load_pool
+            pl.job = pool.submit(self._load_job, tr, state_hash)
             pl.job.add_done_callback(pl.stamp)
             return pl
         n = len(tr.hashes)
@@ -330,9 +265,16 @@ class WorkerSide:
         pl.future.add_done_callback(pl.stamp)
         return pl
 
-    def _load_job(self, tr: Transfer, state_hash: bytes | None) -> _Loaded:
+    def _load_job(self, tr: Transfer, state_hash: bytes | None) -> Loaded:
         """Loader thread (mover path): fetch into the host rows chunk by chunk, copy
-        each chunk's leading run into the cache; stops at the first miss."""
+        each chunk's leading run into the cache; stops at the first miss. The rows
+        are this job's until it returns; a pin is released on every path, once the
+        copies reading it are done."""
+        self.mover.bind_thread()
+        with self._rows_lock:
+            return self._load_rows(tr, state_hash)
+
+    def _load_rows(self, tr: Transfer, state_hash: bytes | None) -> Loaded:
         flags: list[bool] = []
         tickets: list[bc.Ticket] = []
         n = len(tr.hashes)
@@ -342,14 +284,14 @@ class WorkerSide:
         while rows is not None and at < n:
             k = min(rows.cap, n - at)
             got, srcs, pins = self._fetch(self.ns, tr.hashes[at : at + k], rows)
-            flags += got
-            run = leading_run(got)
-            if run:
-                ids = [g[at : at + run] for g in tr.block_ids]
-                tickets.append(self._land(layers, ids, rows, run, srcs))
-            if pins is not None:  # the slots are copied from: keep them until done
-                self._last_load.wait()
-                pins.release()
+            try:
+                flags += got
+                run = leading_run(got)
+                if run:
+                    ids = [g[at : at + run] for g in tr.block_ids]
+                    tickets.append(self._land(layers, ids, rows, run, srcs))
+            finally:
+                self._release(pins)
             if run < k:
                 break
             at += k
@@ -360,14 +302,23 @@ class WorkerSide:
             state = [False]
             if all(flags):
                 state, ssrcs, spins = self._fetch(self.state_ns, [state_hash], srows)
-                if state[0]:
-                    slayers = list(self._state_layers.values())
-                    sids = [[b] for b in tr.state_ids]
-                    tickets.append(self._land(slayers, sids, srows, 1, ssrcs))
-                if spins is not None:
-                    self._last_load.wait()
-                    spins.release()
-        return _Loaded(flags, state, bc.AllTickets(tickets))
+                try:
+                    if state[0]:
+                        slayers = list(self._state_layers.values())
+                        sids = [[b] for b in tr.state_ids]
+                        tickets.append(self._land(slayers, sids, srows, 1, ssrcs))
+                finally:
+                    self._release(spins)
+        return Loaded(flags, state, bc.AllTickets(tickets))
+
+    def _release(self, pins: ArenaPins | None) -> None:
+        """Give back pinned slots once the copies reading them are done (a pin
+        released under a DMA still reading it would let the worker reuse the slot)."""
+        if pins is not None:
+            try:
+                self._last_load.wait()
+            finally:
+                pins.release()
 
     def _read(self, client: Client | None, ns: str, hashes: list[bytes], views: list[memoryview]
               ) -> list[bool]:  # fmt: skip
@@ -379,7 +330,7 @@ class WorkerSide:
             log.warning("kvstore load of %d blocks failed: %s", len(hashes), e)
             return [False] * len(hashes)
 
-    def _fetch(self, ns: str, hashes: list[bytes], rows: _Rows
+    def _fetch(self, ns: str, hashes: list[bytes], rows: Rows
                ) -> tuple[list[bool], list[Any] | None, ArenaPins | None]:  # fmt: skip
         """Blocks ``hashes``, once the last copy out of the rows is done: those a
         same-host worker holds are pinned in its arena and copied from their slots
@@ -399,30 +350,52 @@ class WorkerSide:
             if pins is not None:
                 pins.release()
             return self._read(client, ns, hashes, rows.views[:k]), None, None
-        self._register(pins.arenas)
-        flags = [v is not None for v in pins.views]
-        rest = [i for i, v in enumerate(pins.views) if v is None]
-        if rest:
-            got = self._read(client, ns, [hashes[i] for i in rest], [rows.views[i] for i in rest])
-            for i, g in zip(rest, got, strict=True):
-                flags[i] = g
-        srcs = [rows.host[i] if v is None else bc.host_tensor(v)
-                for i, v in enumerate(pins.views)]  # fmt: skip
+        try:
+            self._register(pins.arenas)
+            flags = [v is not None for v in pins.views]
+            rest = [i for i, v in enumerate(pins.views) if v is None]
+            if rest:
+                got = self._read(client, ns, [hashes[i] for i in rest],
+                                 [rows.views[i] for i in rest])  # fmt: skip
+                for i, g in zip(rest, got, strict=True):
+                    flags[i] = g
+            srcs = [rows.host[i] if v is None else bc.host_tensor(v)
+                    for i, v in enumerate(pins.views)]  # fmt: skip
+        except BaseException:
+            pins.release()  # nothing was queued from them yet
+            raise
         record(NAME, self._interval, "arena_loaded_blocks", pins.count)
         return flags, srcs, pins
 
     def _register(self, arenas: list[Any]) -> None:
-        """Page-lock each arena mapping once (CUDA): DMA then reads its slots."""
+        """Page-lock each arena mapping once (CUDA): DMA then reads its slots. A
+        mapping that moved (the arena was remapped) is unregistered first, so no
+        later DMA targets its stale pages; all are undone at shutdown."""
         if not self.mover.device_rows:
             return
-        for a in arenas:
-            if a.id not in self._registered:
-                self._registered[a.id] = bc.register_host(a.view)
-                if not self._registered[a.id]:
+        with self._reg_lock:
+            for a in arenas:
+                view = a.view
+                addr, size = bc.host_address(view), view.nbytes
+                old = self._registered.get(a.id)
+                if old is not None and old[:2] == (addr, size):
+                    continue
+                if old is not None and old[2]:
+                    bc.unregister_ptr(old[0])
+                ok = bc.register_host(view)
+                self._registered[a.id] = (addr, size, ok)
+                if not ok:
                     log.warning("kvstore connector: the arena could not be page-locked for "
                                 "DMA; copies from it run at pageable speed")  # fmt: skip
 
-    def _land(self, layers: list[bc.LayerGeometry], ids: list[list[int]], rows: _Rows,
+    def _unregister_all(self) -> None:
+        with self._reg_lock:
+            done, self._registered = self._registered, {}
+        for addr, _, ok in done.values():
+            if ok:
+                bc.unregister_ptr(addr)
+
+    def _land(self, layers: list[bc.LayerGeometry], ids: list[list[int]], rows: Rows,
               k: int, srcs: list[Any] | None = None) -> bc.Ticket:  # fmt: skip
         """The first ``k`` blocks -> the cache's blocks ``ids``: from the host rows, or
         from ``srcs`` (arena slots or rows), through device rows on CUDA."""
@@ -451,7 +424,7 @@ class WorkerSide:
             log.warning("kvstore load for %s failed: %s", rid, e)
             return [False] * n
 
-    def _outcome(self, pl: _PendingLoad) -> tuple[list[bool], list[bool] | None]:
+    def _outcome(self, pl: PendingLoad) -> tuple[list[bool], list[bool] | None]:
         tr = pl.transfer
         if pl.job is None:
             flags = self._result(pl.future, len(tr.hashes), tr.req_id)
@@ -466,7 +439,7 @@ class WorkerSide:
             log.warning("kvstore load for %s failed: %s", tr.req_id, e)
             return [False] * len(tr.hashes), None if tr.state_hash is None else [False]
 
-    def _finish_load(self, pl: _PendingLoad) -> tuple[int, bool]:
+    def _finish_load(self, pl: PendingLoad) -> tuple[int, bool]:
         """Account for a load whose bytes are in the cache: (blocks that arrived and
         are used, False when some did not arrive). A hybrid load is all or nothing:
         KV blocks without their state are never used."""
@@ -559,7 +532,7 @@ class WorkerSide:
         tps = self.s.tp_size
         return not (self.s.mla and tps > 1) or index % tps == self._tp
 
-    def _begin_save(self, meta: Any) -> _StepSave | None:
+    def _begin_save(self, meta: Any) -> StepSave | None:
         self._step_seen = True
         if not isinstance(meta, KVStoreConnectorMetadata):
             return None
@@ -588,7 +561,7 @@ class WorkerSide:
             record(NAME, self._interval, "dropped_save_blocks", len(refs) + len(srefs))
             self._report_saves(refs, [False] * len(refs))
             return None
-        self._step = _StepSave(refs, ids, srefs, sids, need)
+        self._step = StepSave(refs, ids, srefs, sids, need)
         return self._step
 
     def save_kv_layer(self, layer_name: str, meta: Any) -> None:
@@ -637,7 +610,7 @@ class WorkerSide:
         return ok
 
     def _put_moved(self, client: Any, ns: str, layers: list[bc.LayerGeometry],
-                   hashes: list[bytes], ids: list[list[int]], rows: _Rows,
+                   hashes: list[bytes], ids: list[list[int]], rows: Rows,
                    ready: Any) -> list[bool]:  # fmt: skip
         """Mover path, writer thread, chunk by chunk: reserve slots on same-host
         workers, gather the blocks (on CUDA into device rows after ``ready``) and
@@ -646,32 +619,21 @@ class WorkerSide:
         (checksummed over the slots) and put the rows. True per block in the store
         afterwards."""
         ok: list[bool] = []
-        m = self.mover
         for at in range(0, len(hashes), rows.cap):
             k = min(rows.cap, len(hashes) - at)
             chunk = [g[at : at + k] for g in ids]
             hs = hashes[at : at + k]
             slots = self._reserve(client, ns, hs, rows.host.shape[1])
-            dests = [rows.host[i] for i in range(k)]
-            if slots is not None:
-                self._register(slots.arenas)
-                dests = [d if v is None else bc.host_tensor(v)
-                         for d, v in zip(dests, slots.views, strict=True)]  # fmt: skip
-            if isinstance(m, bc.CudaMover):
-                got_in = m.gather(layers, chunk, rows.dev[:k], after=ready)
-                out = m.download(rows.dev[:k], dests if slots is not None else [rows.host])
-            else:
-                got_in = m.gather(layers, chunk, rows.host[:k])
-                out = m.download(rows.host[:k], dests) if slots is not None else bc.DONE
-            t = bc.AllTickets([got_in, out])
-            if not t.wait(self.s.cfg.timeout_s):
-                if slots is not None:
-                    slots.abort()
-                raise TimeoutError("the device copy of a save did not complete")
             if slots is None:
+                self._copy_out(layers, chunk, rows, k, None, ready)
                 ok += self._put_rows(client, ns, hs, rows.views[:k])
                 continue
-            got = slots.commit([v is not None for v in slots.views])
+            try:
+                self._copy_out(layers, chunk, rows, k, slots, ready)
+                got = slots.commit([v is not None for v in slots.views])
+            except BaseException:
+                slots.abort()  # every copy into them is done or was never queued
+                raise
             got = [g or p for g, p in zip(got, slots.present, strict=True)]
             rest = [i for i, v in enumerate(slots.views) if v is None and not slots.present[i]]
             if rest:
@@ -682,6 +644,36 @@ class WorkerSide:
             record(NAME, self._interval, "arena_stored_blocks", slots.count)
             ok += got
         return ok
+
+    def _copy_out(self, layers: list[bc.LayerGeometry], chunk: list[list[int]], rows: Rows,
+                  k: int, slots: ArenaSlots | None, ready: Any) -> None:  # fmt: skip
+        """Gather ``k`` blocks (on CUDA into device rows after ``ready``) and copy
+        each into its reserved arena slot or its pinned row; returns once every copy
+        queued here is done. On a timeout (or an error after a copy was queued) it
+        still waits for the copies before raising: a slot aborted or a row reused
+        under a DMA still writing it would take wrong bytes."""
+        m = self.mover
+        dests = [rows.host[i] for i in range(k)]
+        if slots is not None:
+            self._register(slots.arenas)
+            dests = [d if v is None else bc.host_tensor(v)
+                     for d, v in zip(dests, slots.views, strict=True)]  # fmt: skip
+        queued: list[bc.Ticket] = []
+        try:
+            if isinstance(m, bc.CudaMover):
+                queued.append(m.gather(layers, chunk, rows.dev[:k], after=ready))
+                queued.append(m.download(rows.dev[:k], dests if slots is not None else [rows.host]))
+            else:
+                queued.append(m.gather(layers, chunk, rows.host[:k]))
+                if slots is not None:
+                    queued.append(m.download(rows.host[:k], dests))
+            if not bc.AllTickets(queued).wait(self.s.cfg.timeout_s):
+                raise TimeoutError("the device copy of a save did not complete")
+        except BaseException:
+            # A DMA always ends: never abort a slot or reuse a row under one, even
+            # one queued by a call that raised before returning its ticket.
+            bc.AllTickets([*queued, m.fence()]).wait()
+            raise
 
     def _reserve(self, client: Any, ns: str, hashes: list[bytes], width: int
                  ) -> ArenaSlots | None:  # fmt: skip
@@ -696,12 +688,13 @@ class WorkerSide:
             return None
         return slots
 
-    def _put(self, step: _StepSave) -> None:
+    def _put(self, step: StepSave) -> None:
         """Background writer: the store writes of a step (KV blocks, then states)."""
         t0 = time.perf_counter()
         hashes = [h for _, _, h in step.refs]
         ok = [False] * len(hashes)
         try:
+            self.mover.bind_thread()
             client = self._holder.get(wait=self.s.cfg.timeout_s)
             if client is not None:
                 if hashes:
@@ -747,4 +740,6 @@ class WorkerSide:
         self.drain_saves(self.s.cfg.timeout_s)
         self._save_pool.shutdown(wait=False, cancel_futures=True)
         self._load_pool.shutdown(wait=False, cancel_futures=True)
+        self._sync_pool.shutdown(wait=False, cancel_futures=True)
+        self._unregister_all()
         self._holder.close()
