@@ -458,6 +458,12 @@ class CudaMover:
             _scatter(layers, blocks, rows, self.device)
             return self._ticket(s)
 
+    def save_rows(self, n: int, width: int) -> Any:
+        """Device rows of a step's gather, allocated on the save stream (every use
+        of them is queued there, so the allocator never hands them out early)."""
+        with self.ops.use(self.save_stream):
+            return torch.empty((n, width), dtype=torch.uint8, device=self.device)
+
     def fence(self) -> Ticket:
         """A ticket done once everything queued so far on the save stream is, such
         as the copies of a gather that raised before returning its own ticket."""

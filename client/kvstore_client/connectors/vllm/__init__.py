@@ -312,6 +312,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         assert self._worker is not None
         self._worker.wait_for_save(self._connector_metadata)
 
+    def finish_forward(self) -> None:
+        """Worker, right after the forward (the model no longer reads this step's
+        KV): the step's saves are handed over here, as ``wait_for_save`` would (which
+        then has nothing left): on CUDA the gather is queued after the forward and
+        the forward's stream waits for it, before anything reuses the blocks."""
+        if self._worker is not None and self._connector_metadata is not None:
+            self._worker.wait_for_save(self._connector_metadata)
+
     def reset_capture_state(self) -> None:
         """Worker, after CUDA graph capture: the hooks do nothing while capturing;
         forget any step state from it."""

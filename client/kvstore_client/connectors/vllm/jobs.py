@@ -80,6 +80,8 @@ class StepSave:
     state_ids: list[list[int]]
     nbytes: int
     ready: Any = None
+    gathered: Any = None  # CUDA: the KV blocks, gathered into device rows at the step
+    state_gathered: Any = None
 
     def requests(self) -> list[str]:
         return [r for r, _, _ in self.refs] + [r for r, _, _ in self.state_refs]

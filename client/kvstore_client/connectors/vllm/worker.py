@@ -12,9 +12,11 @@ Two paths, one stored byte order (a block written by one reads with the other):
 - **Mover** (a CUDA cache, a CPU layout that is not one run per block, or
   ``zero_copy`` off): rows allocated once at ``register_kv_caches``
   (``staging_mb`` per direction: pinned host rows, and on CUDA as many device
-  rows). A save's step hook only records an event on the forward's stream; the
-  background writer gathers the blocks into device rows on a side stream that
-  waits for that event, downloads them to the pinned rows (DMA), waits for the
+  rows). A save's step hook (``finish_forward``, else ``wait_for_save``) queues the
+  gather of the step's blocks into device rows on a side stream after an event on
+  the forward's stream, and makes the forward's stream wait for that gather (so
+  nothing reuses a block before it is read); the background writer downloads
+  them to the pinned rows (DMA), waits for the
   ticket (in its own thread) and puts the rows. A load runs in the loader thread:
   the store's bytes land in the pinned rows, are uploaded and scattered into the
   cache on the load stream; the request is reported finished receiving only once
@@ -98,6 +100,7 @@ class WorkerSide:
         self._meta_lock = threading.Lock()
         self._step: StepSave | None = None
         self._step_seen = False
+        self._handed: Any = None  # the step metadata whose saves were handed over
         self._save_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
         self._load_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
         # Loads of this step (the forward waits for them) never queue behind the
@@ -574,14 +577,20 @@ class WorkerSide:
         """Once per step: hand this step's blocks and boundary states to the
         background writer; returns without waiting for the store or the device (on
         CUDA it only records an event on the forward's stream)."""
-        if bc.capturing():
+        if bc.capturing() or (meta is not None and meta is self._handed):
             return
+        self._handed = meta  # finish_forward and wait_for_save: one hand-off a step
         step = self._step if self._step_seen else self._begin_save(meta)
         self._step, self._step_seen = None, False
         if step is None:
             return
         if isinstance(self.mover, bc.CudaMover):
-            step.ready = self.mover.mark()
+            try:
+                self._gather_now(self.mover, step)
+            except Exception as e:  # never into the engine's step: the blocks go uncached
+                log.warning("kvstore save of %d blocks failed: %s", len(step.refs), e)
+                self._report_saves(step.refs, [False] * len(step.refs))
+                return
         with self._save_lock:
             self._pending_save_bytes += step.nbytes
             for r in step.requests():
@@ -589,6 +598,26 @@ class WorkerSide:
         fut = self._save_pool.submit(self._put, step)
         self._save_futs = [f for f in self._save_futs if not f.done()]
         self._save_futs.append(fut)
+
+    def _gather_now(self, m: bc.CudaMover, step: StepSave) -> None:
+        """CUDA, on the step's thread: queue the gather of the step's blocks on the
+        save stream after the forward's event, into device rows of this step (the
+        writer only downloads them), and make the forward's stream wait for that
+        gather: whatever the engine queues next (the next forward, zeroing a reused
+        block, preemption, hybrid state copies) runs after it, so the bytes
+        committed are the forward's (issue 47, finding 5). Launches only: no sync."""
+        step.ready = m.mark()
+        for state in (False, True):
+            refs, ids = (step.state_refs, step.state_ids) if state else (step.refs, step.ids)
+            if not refs:
+                continue
+            layers = list((self._state_layers if state else self._layers).values())
+            rows = m.save_rows(len(refs), self._state_bytes if state else self._block_bytes)
+            m.join(m.gather(layers, ids, rows, after=step.ready))
+            if state:
+                step.state_gathered = rows
+            else:
+                step.gathered = rows
 
     def reset_capture_state(self) -> None:
         """After CUDA graph capture: forget a step planned while capturing."""
@@ -611,9 +640,9 @@ class WorkerSide:
 
     def _put_moved(self, client: Any, ns: str, layers: list[bc.LayerGeometry],
                    hashes: list[bytes], ids: list[list[int]], rows: Rows,
-                   ready: Any) -> list[bool]:  # fmt: skip
+                   gathered: Any) -> list[bool]:  # fmt: skip
         """Mover path, writer thread, chunk by chunk: reserve slots on same-host
-        workers, gather the blocks (on CUDA into device rows after ``ready``) and
+        workers, gather the blocks (on CUDA: ``gathered`` at the step) and
         copy each into its reserved arena slot (one DMA, no host copy) or, without a
         slot, into its pinned row; wait for that copy here; then commit the slots
         (checksummed over the slots) and put the rows. True per block in the store
@@ -624,12 +653,13 @@ class WorkerSide:
             chunk = [g[at : at + k] for g in ids]
             hs = hashes[at : at + k]
             slots = self._reserve(client, ns, hs, rows.host.shape[1])
+            pre = None if gathered is None else gathered[at : at + k]
             if slots is None:
-                self._copy_out(layers, chunk, rows, k, None, ready)
+                self._copy_out(layers, chunk, rows, k, None, pre)
                 ok += self._put_rows(client, ns, hs, rows.views[:k])
                 continue
             try:
-                self._copy_out(layers, chunk, rows, k, slots, ready)
+                self._copy_out(layers, chunk, rows, k, slots, pre)
                 got = slots.commit([v is not None for v in slots.views])
             except BaseException:
                 slots.abort()  # every copy into them is done or was never queued
@@ -646,8 +676,8 @@ class WorkerSide:
         return ok
 
     def _copy_out(self, layers: list[bc.LayerGeometry], chunk: list[list[int]], rows: Rows,
-                  k: int, slots: ArenaSlots | None, ready: Any) -> None:  # fmt: skip
-        """Gather ``k`` blocks (on CUDA into device rows after ``ready``) and copy
+                  k: int, slots: ArenaSlots | None, pre: Any) -> None:  # fmt: skip
+        """Gather ``k`` blocks (on CUDA: ``pre``, gathered at the step) and copy
         each into its reserved arena slot or its pinned row; returns once every copy
         queued here is done. On a timeout (or an error after a copy was queued) it
         still waits for the copies before raising: a slot aborted or a row reused
@@ -661,8 +691,10 @@ class WorkerSide:
         queued: list[bc.Ticket] = []
         try:
             if isinstance(m, bc.CudaMover):
-                queued.append(m.gather(layers, chunk, rows.dev[:k], after=ready))
-                queued.append(m.download(rows.dev[:k], dests if slots is not None else [rows.host]))
+                if pre is None:
+                    pre = rows.dev[:k]
+                    queued.append(m.gather(layers, chunk, pre))
+                queued.append(m.download(pre, dests if slots is not None else [rows.host]))
             else:
                 queued.append(m.gather(layers, chunk, rows.host[:k]))
                 if slots is not None:
@@ -698,12 +730,12 @@ class WorkerSide:
             client = self._holder.get(wait=self.s.cfg.timeout_s)
             if client is not None:
                 if hashes:
-                    ok = self._write(client, False, hashes, step.ids, step.ready)
+                    ok = self._write(client, False, hashes, step.ids, step.gathered)
                     record(NAME, self._interval, "stored_blocks", sum(ok))
                     record(NAME, self._interval, "stored_bytes", sum(ok) * self._block_bytes)
                 if step.state_refs:
                     sh = [h for _, _, h in step.state_refs]
-                    st = self._write(client, True, sh, step.state_ids, step.ready)
+                    st = self._write(client, True, sh, step.state_ids, step.state_gathered)
                     record(NAME, self._interval, "stored_states", sum(st))
             record(NAME, self._interval, "store_seconds", time.perf_counter() - t0)
         except Exception as e:  # a full store or a bug: the blocks are simply not cached
@@ -721,13 +753,13 @@ class WorkerSide:
                         self._saving.pop(r, None)
 
     def _write(self, client: Any, state: bool, hashes: list[bytes], ids: list[list[int]],
-               ready: Any) -> list[bool]:  # fmt: skip
+               gathered: Any) -> list[bool]:  # fmt: skip
         ns = self.state_ns if state else self.ns
         if self._zero_copy:
             return self._put_rows(client, ns, hashes, self._parts(state, ids, len(hashes)))
         layers = list((self._state_layers if state else self._layers).values())
         rows = self._rows["state_save" if state else "save"]
-        return self._put_moved(client, ns, layers, hashes, ids, rows, ready)
+        return self._put_moved(client, ns, layers, hashes, ids, rows, gathered)
 
     def drain_saves(self, timeout: float) -> bool:
         futs = list(self._save_futs)
