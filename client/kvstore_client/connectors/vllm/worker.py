@@ -12,9 +12,11 @@ Two paths, one stored byte order (a block written by one reads with the other):
 - **Mover** (a CUDA cache, a CPU layout that is not one run per block, or
   ``zero_copy`` off): rows allocated once at ``register_kv_caches``
   (``staging_mb`` per direction: pinned host rows, and on CUDA as many device
-  rows). A save's step hook only records an event on the forward's stream; the
-  background writer gathers the blocks into device rows on a side stream that
-  waits for that event, downloads them to the pinned rows (DMA), waits for the
+  rows). A save's step hook (``finish_forward``, else ``wait_for_save``) queues the
+  gather of the step's blocks into device rows on a side stream after an event on
+  the forward's stream, and makes the forward's stream wait for that gather (so
+  nothing reuses a block before it is read); the background writer downloads
+  them to the pinned rows (DMA), waits for the
   ticket (in its own thread) and puts the rows. A load runs in the loader thread:
   the store's bytes land in the pinned rows, are uploaded and scattered into the
   cache on the load stream; the request is reported finished receiving only once
@@ -47,10 +49,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
-
-import torch  # type: ignore[import-not-found, unused-ignore]
 
 from ...client import Client
 from ...keys import leading_run
@@ -62,79 +61,9 @@ from ..naming import STATE_KIND
 from ..planning import StagingBudget
 from ..stats import Counters, record
 from .common import NAME, KVStoreConnectorMetadata, KVStoreWorkerMetadata, Setup, Transfer
+from .jobs import Loaded, PendingLoad, Rows, StepSave, make_rows
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Rows:
-    """Rows allocated once for the mover path: host rows (pinned where CUDA is
-    present) with a byte view per row, and on CUDA as many device rows."""
-
-    host: Any
-    views: list[memoryview]
-    dev: Any = None
-
-    @property
-    def cap(self) -> int:
-        return int(self.host.shape[0])
-
-
-def _make_rows(cap: int, width: int, device: Any, on_device: bool) -> _Rows:
-    host = bc.pinned_rows(cap, width)
-    views = [memoryview(host[i].numpy()) for i in range(cap)]
-    dev = torch.empty((cap, width), dtype=torch.uint8, device=device) if on_device else None
-    return _Rows(host, views, dev)
-
-
-@dataclass(slots=True)
-class _Loaded:
-    """What a mover-path load job got: KV flags, state flags (None: no state),
-    and the ticket of its last copy into the cache."""
-
-    flags: list[bool]
-    state: list[bool] | None
-    ticket: bc.Ticket
-
-
-@dataclass
-class _PendingLoad:
-    transfer: Transfer
-    nbytes: int
-    started: float
-    future: cf.Future[list[bool]] | None = None  # zero copy: the client's read
-    state_future: cf.Future[list[bool]] | None = None
-    job: cf.Future[_Loaded] | None = None  # mover path: the loader's job
-    landed: float = 0.0  # when its last read (or the loader's job) completed
-
-    def stamp(self, _: object) -> None:
-        """A done callback of its futures: the load's time is up to its last one, not
-        up to the step that notices (which made every asynchronous load look a step
-        long, and ``load_mode: auto`` then chose asynchronous loads only)."""
-        self.landed = max(self.landed, time.perf_counter())
-
-    def done(self) -> bool:
-        if self.job is not None:
-            return self.job.done() and (self.job.exception() is not None
-                                        or self.job.result().ticket.done())  # fmt: skip
-        assert self.future is not None
-        return self.future.done() and (self.state_future is None or self.state_future.done())
-
-
-@dataclass
-class _StepSave:
-    """One step's saves: the rows (request, index, hash), the block ids per group,
-    and (CUDA) the event marking the end of the step's forward on its stream."""
-
-    refs: list[tuple[str, int, bytes]]  # (req_id, index, hash), row order
-    ids: list[list[int]]  # per attention group, the block ids of the rows
-    state_refs: list[tuple[str, int, bytes]]
-    state_ids: list[list[int]]
-    nbytes: int
-    ready: Any = None
-
-    def requests(self) -> list[str]:
-        return [r for r, _, _ in self.refs] + [r for r, _, _ in self.state_refs]
 
 
 class WorkerSide(StoreConnector):
@@ -166,14 +95,19 @@ class WorkerSide(StoreConnector):
         self._state_bytes = 0
         self._budget = StagingBudget(setup.cfg.max_pending_load_mb << 20)
         self._queued: deque[Transfer] = deque()
-        self._loads: dict[str, _PendingLoad] = {}
+        self._loads: dict[str, PendingLoad] = {}
         self._invalid: set[int] = set()
         self._meta = KVStoreWorkerMetadata()
         self._meta_lock = threading.Lock()
-        self._step: _StepSave | None = None
+        self._step: StepSave | None = None
         self._step_seen = False
+        self._handed: Any = None  # the step metadata whose saves were handed over
         self._save_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
         self._load_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
+        # Loads of this step (the forward waits for them) never queue behind the
+        # asynchronous jobs: their own thread, the rows taken in turn (``_rows_lock``).
+        self._sync_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvstore-load-now")
+        self._rows_lock = threading.Lock()
         self._save_futs: list[cf.Future[None]] = []
         self._pending_save_bytes = 0
         self._save_lock = threading.Lock()
@@ -184,9 +118,11 @@ class WorkerSide(StoreConnector):
         self._finishing: set[str] = set()
         self._zero_copy = False
         self.mover: bc.HostMover | bc.CudaMover = bc.HostMover()
-        self._rows: dict[str, _Rows] = {}  # "load", "save", "state_load", "state_save"
+        self._rows: dict[str, Rows] = {}  # "load", "save", "state_load", "state_save"
         self._last_load: bc.Ticket = bc.DONE  # the loader's last copy out of its rows
-        self._registered: dict[str, bool] = {}  # arena id -> page-locked for DMA
+        # arena id -> (address, bytes, page-locked for DMA) of its registered mapping
+        self._registered: dict[str, tuple[int, int, bool]] = {}
+        self._reg_lock = threading.Lock()
         self.attach(holder)
 
     # ---- set-up ------------------------------------------------------------------
@@ -229,11 +165,11 @@ class WorkerSide(StoreConnector):
         if self._block_bytes:
             cap = max(1, budget // self._block_bytes)
             for d in ("load", "save"):
-                self._rows[d] = _make_rows(cap, self._block_bytes, device, on_dev)
+                self._rows[d] = make_rows(cap, self._block_bytes, device, on_dev)
         if self._state_bytes:
             cap = max(1, min(64, budget // self._state_bytes))
             for d in ("state_load", "state_save"):
-                self._rows[d] = _make_rows(cap, self._state_bytes, device, on_dev)
+                self._rows[d] = make_rows(cap, self._state_bytes, device, on_dev)
 
     def _parts(self, state: bool, ids: list[list[int]], n: int) -> list[list[memoryview]]:
         layers = list((self._state_layers if state else self._layers).values())
@@ -241,18 +177,31 @@ class WorkerSide(StoreConnector):
 
     # ---- loads --------------------------------------------------------------------
 
-    def _get(self, ns: str, hashes: list[bytes], dest: list[Any]) -> cf.Future[list[bool]]:
+    def _get(self, ns: str, hashes: list[bytes], dest: list[Any],
+             client: Client | None = None) -> cf.Future[list[bool]]:  # fmt: skip
         """The one store read: blocks ``hashes`` into ``dest`` (a future): per block
         the list of its parts in the cache (zero copy: one multi-part read), or a
-        byte view of a host row (mover path)."""
-        client = self.store_client()
+        byte view of a host row (mover path). Without ``client`` (the step's thread:
+        never blocks) a client still connecting (the engine just started) is waited
+        for on the loader thread, bounded by ``timeout_s`` as saves wait: a hit is
+        never thrown away because the connection was not up yet."""
+        client = client or self.store_client()
         if client is None:
-            fut: cf.Future[list[bool]] = cf.Future()
-            fut.set_result([False] * len(hashes))
-            return fut
+            return self._load_pool.submit(self._get_connected, ns, hashes, dest)
         if dest and isinstance(dest[0], list):
             return client.batch_get_into_parts(ns, hashes, dest)
         return client.batch_get_into(ns, hashes, dest)
+
+    def _connected(self) -> Client | None:
+        """The client, waiting for a connection still being made (``timeout_s`` at
+        most); None: the store is unreachable, loads are misses."""
+        return self.store_client(self.s.cfg.timeout_s)
+
+    def _get_connected(self, ns: str, hashes: list[bytes], dest: list[Any]) -> list[bool]:
+        client = self._connected()
+        if client is None:
+            return [False] * len(hashes)
+        return list(self._get(ns, hashes, dest, client).result())
 
     def start_load_kv(self, meta: Any) -> None:
         """Each step: queue this step's asynchronous loads and start those the staging
@@ -278,14 +227,14 @@ class WorkerSide(StoreConnector):
         each wait bounded by the client's deadline (``timeout_s``); on CUDA the
         forward's stream then waits for their copies. These requests are running, so
         they are never reported as finished receiving, only their failed blocks."""
-        started = [self._begin(tr, 0) for tr in trs]  # outside the budget: nothing to give back
+        started = [self._begin(tr, 0, now=True) for tr in trs]  # outside the budget
         for pl in started:
             if pl.job is not None:
                 cf.wait([pl.job])
                 if pl.job.exception() is None and isinstance(self.mover, bc.CudaMover):
                     self.mover.join(pl.job.result().ticket)
-            self._finish_load(pl)
-            record(NAME, self._interval, "sync_loaded_blocks", len(pl.transfer.hashes))
+            got, _ = self._finish_load(pl)
+            record(NAME, self._interval, "sync_loaded_blocks", got)
 
     def _nbytes(self, tr: Transfer) -> int:
         hybrid = tr.state_hash is not None
@@ -300,13 +249,15 @@ class WorkerSide(StoreConnector):
             self._queued.popleft()
             self._loads[tr.req_id] = self._begin(tr, nbytes)
 
-    def _begin(self, tr: Transfer, nbytes: int) -> _PendingLoad:
-        """Start one load: a job of the loader thread (mover path), or the client's
-        reads straight into the cache (zero copy)."""
+    def _begin(self, tr: Transfer, nbytes: int, now: bool = False) -> PendingLoad:
+        """Start one load: a job of the loader thread (mover path; ``now``: of the
+        step's own loader, never behind asynchronous jobs), or the client's reads
+        straight into the cache (zero copy)."""
         state_hash = self._state_hash(tr)
-        pl = _PendingLoad(tr, nbytes, time.perf_counter())
+        pl = PendingLoad(tr, nbytes, time.perf_counter())
         if not self._zero_copy:
-            pl.job = self._load_pool.submit(self._load_job, tr, state_hash)
+            pool = self._sync_pool if now else self._load_pool
+            pl.job = pool.submit(self._load_job, tr, state_hash)
             pl.job.add_done_callback(pl.stamp)
             return pl
         n = len(tr.hashes)
@@ -318,9 +269,16 @@ class WorkerSide(StoreConnector):
         pl.future.add_done_callback(pl.stamp)
         return pl
 
-    def _load_job(self, tr: Transfer, state_hash: bytes | None) -> _Loaded:
+    def _load_job(self, tr: Transfer, state_hash: bytes | None) -> Loaded:
         """Loader thread (mover path): fetch into the host rows chunk by chunk, copy
-        each chunk's leading run into the cache; stops at the first miss."""
+        each chunk's leading run into the cache; stops at the first miss. The rows
+        are this job's until it returns; a pin is released on every path, once the
+        copies reading it are done."""
+        self.mover.bind_thread()
+        with self._rows_lock:
+            return self._load_rows(tr, state_hash)
+
+    def _load_rows(self, tr: Transfer, state_hash: bytes | None) -> Loaded:
         flags: list[bool] = []
         tickets: list[bc.Ticket] = []
         n = len(tr.hashes)
@@ -330,14 +288,14 @@ class WorkerSide(StoreConnector):
         while rows is not None and at < n:
             k = min(rows.cap, n - at)
             got, srcs, pins = self._fetch(self.ns, tr.hashes[at : at + k], rows)
-            flags += got
-            run = leading_run(got)
-            if run:
-                ids = [g[at : at + run] for g in tr.block_ids]
-                tickets.append(self._land(layers, ids, rows, run, srcs))
-            if pins is not None:  # the slots are copied from: keep them until done
-                self._last_load.wait()
-                pins.release()
+            try:
+                flags += got
+                run = leading_run(got)
+                if run:
+                    ids = [g[at : at + run] for g in tr.block_ids]
+                    tickets.append(self._land(layers, ids, rows, run, srcs))
+            finally:
+                self._release(pins)
             if run < k:
                 break
             at += k
@@ -348,23 +306,35 @@ class WorkerSide(StoreConnector):
             state = [False]
             if all(flags):
                 state, ssrcs, spins = self._fetch(self.state_ns, [state_hash], srows)
-                if state[0]:
-                    slayers = list(self._state_layers.values())
-                    sids = [[b] for b in tr.state_ids]
-                    tickets.append(self._land(slayers, sids, srows, 1, ssrcs))
-                if spins is not None:
-                    self._last_load.wait()
-                    spins.release()
-        return _Loaded(flags, state, bc.AllTickets(tickets))
+                try:
+                    if state[0]:
+                        slayers = list(self._state_layers.values())
+                        sids = [[b] for b in tr.state_ids]
+                        tickets.append(self._land(slayers, sids, srows, 1, ssrcs))
+                finally:
+                    self._release(spins)
+        return Loaded(flags, state, bc.AllTickets(tickets))
 
-    def _read(self, ns: str, hashes: list[bytes], views: list[memoryview]) -> list[bool]:
+    def _release(self, pins: ArenaPins | None) -> None:
+        """Give back pinned slots once the copies reading them are done (a pin
+        released under a DMA still reading it would let the worker reuse the slot)."""
+        if pins is not None:
+            try:
+                self._last_load.wait()
+            finally:
+                pins.release()
+
+    def _read(self, client: Client | None, ns: str, hashes: list[bytes], views: list[memoryview]
+              ) -> list[bool]:  # fmt: skip
+        if client is None:
+            return [False] * len(hashes)
         try:
-            return list(self._get(ns, hashes, views).result())
+            return list(self._get(ns, hashes, views, client).result())
         except Exception as e:
             log.warning("kvstore load of %d blocks failed: %s", len(hashes), e)
             return [False] * len(hashes)
 
-    def _fetch(self, ns: str, hashes: list[bytes], rows: _Rows
+    def _fetch(self, ns: str, hashes: list[bytes], rows: Rows
                ) -> tuple[list[bool], list[Any] | None, ArenaPins | None]:  # fmt: skip
         """Blocks ``hashes``, once the last copy out of the rows is done: those a
         same-host worker holds are pinned in its arena and copied from their slots
@@ -373,7 +343,7 @@ class WorkerSide(StoreConnector):
         in the rows, the pins to release once copied). A failed read is a miss."""
         self._last_load.wait()
         k = len(hashes)
-        client = self.store_client()
+        client = self._connected()
         pins = None
         if client is not None:
             try:
@@ -383,31 +353,53 @@ class WorkerSide(StoreConnector):
         if pins is None or not pins.count:
             if pins is not None:
                 pins.release()
-            return self._read(ns, hashes, rows.views[:k]), None, None
-        self._register(pins.arenas)
-        flags = [v is not None for v in pins.views]
-        rest = [i for i, v in enumerate(pins.views) if v is None]
-        if rest:
-            got = self._read(ns, [hashes[i] for i in rest], [rows.views[i] for i in rest])
-            for i, g in zip(rest, got, strict=True):
-                flags[i] = g
-        srcs = [rows.host[i] if v is None else bc.host_tensor(v)
-                for i, v in enumerate(pins.views)]  # fmt: skip
+            return self._read(client, ns, hashes, rows.views[:k]), None, None
+        try:
+            self._register(pins.arenas)
+            flags = [v is not None for v in pins.views]
+            rest = [i for i, v in enumerate(pins.views) if v is None]
+            if rest:
+                got = self._read(client, ns, [hashes[i] for i in rest],
+                                 [rows.views[i] for i in rest])  # fmt: skip
+                for i, g in zip(rest, got, strict=True):
+                    flags[i] = g
+            srcs = [rows.host[i] if v is None else bc.host_tensor(v)
+                    for i, v in enumerate(pins.views)]  # fmt: skip
+        except BaseException:
+            pins.release()  # nothing was queued from them yet
+            raise
         record(NAME, self._interval, "arena_loaded_blocks", pins.count)
         return flags, srcs, pins
 
     def _register(self, arenas: list[Any]) -> None:
-        """Page-lock each arena mapping once (CUDA): DMA then reads its slots."""
+        """Page-lock each arena mapping once (CUDA): DMA then reads its slots. A
+        mapping that moved (the arena was remapped) is unregistered first, so no
+        later DMA targets its stale pages; all are undone at shutdown."""
         if not self.mover.device_rows:
             return
-        for a in arenas:
-            if a.id not in self._registered:
-                self._registered[a.id] = bc.register_host(a.view)
-                if not self._registered[a.id]:
+        with self._reg_lock:
+            for a in arenas:
+                view = a.view
+                addr, size = bc.host_address(view), view.nbytes
+                old = self._registered.get(a.id)
+                if old is not None and old[:2] == (addr, size):
+                    continue
+                if old is not None and old[2]:
+                    bc.unregister_ptr(old[0])
+                ok = bc.register_host(view)
+                self._registered[a.id] = (addr, size, ok)
+                if not ok:
                     log.warning("kvstore connector: the arena could not be page-locked for "
                                 "DMA; copies from it run at pageable speed")  # fmt: skip
 
-    def _land(self, layers: list[bc.LayerGeometry], ids: list[list[int]], rows: _Rows,
+    def _unregister_all(self) -> None:
+        with self._reg_lock:
+            done, self._registered = self._registered, {}
+        for addr, _, ok in done.values():
+            if ok:
+                bc.unregister_ptr(addr)
+
+    def _land(self, layers: list[bc.LayerGeometry], ids: list[list[int]], rows: Rows,
               k: int, srcs: list[Any] | None = None) -> bc.Ticket:  # fmt: skip
         """The first ``k`` blocks -> the cache's blocks ``ids``: from the host rows, or
         from ``srcs`` (arena slots or rows), through device rows on CUDA."""
@@ -436,7 +428,7 @@ class WorkerSide(StoreConnector):
             log.warning("kvstore load for %s failed: %s", rid, e)
             return [False] * n
 
-    def _outcome(self, pl: _PendingLoad) -> tuple[list[bool], list[bool] | None]:
+    def _outcome(self, pl: PendingLoad) -> tuple[list[bool], list[bool] | None]:
         tr = pl.transfer
         if pl.job is None:
             flags = self._result(pl.future, len(tr.hashes), tr.req_id)
@@ -451,10 +443,10 @@ class WorkerSide(StoreConnector):
             log.warning("kvstore load for %s failed: %s", tr.req_id, e)
             return [False] * len(tr.hashes), None if tr.state_hash is None else [False]
 
-    def _finish_load(self, pl: _PendingLoad) -> bool:
-        """Account for a load whose bytes are in the cache; False when some did not
-        arrive. A hybrid load is all or nothing: KV blocks without their state are
-        never used."""
+    def _finish_load(self, pl: PendingLoad) -> tuple[int, bool]:
+        """Account for a load whose bytes are in the cache: (blocks that arrived and
+        are used, False when some did not arrive). A hybrid load is all or nothing:
+        KV blocks without their state are never used."""
         tr = pl.transfer
         flags, state = self._outcome(pl)
         ok = leading_run(flags)
@@ -478,15 +470,14 @@ class WorkerSide(StoreConnector):
             record(NAME, self._interval, "load_failed_blocks", len(flags) - ok)
             for ids in tr.block_ids:
                 self._invalid.update(ids[ok:])
-            return False
-        return True
+        return ok, not lost
 
     def done_loads(self) -> tuple[set[str], set[str]]:
         """Non-blocking: (requests whose loads are complete, their bytes in the
         cache, and those of them that lost blocks). Starts queued loads as staging
         frees up."""
         done = {rid for rid, pl in self._loads.items() if pl.done()}
-        failed = {rid for rid in done if not self._finish_load(self._loads.pop(rid))}
+        failed = {rid for rid in done if not self._finish_load(self._loads.pop(rid))[1]}
         if done:
             self._start_queued()
         return done, failed
@@ -545,7 +536,7 @@ class WorkerSide(StoreConnector):
         tps = self.s.tp_size
         return not (self.s.mla and tps > 1) or index % tps == self._tp
 
-    def _begin_save(self, meta: Any) -> _StepSave | None:
+    def _begin_save(self, meta: Any) -> StepSave | None:
         self._step_seen = True
         if not isinstance(meta, KVStoreConnectorMetadata):
             return None
@@ -574,7 +565,7 @@ class WorkerSide(StoreConnector):
             record(NAME, self._interval, "dropped_save_blocks", len(refs) + len(srefs))
             self._report_saves(refs, [False] * len(refs))
             return None
-        self._step = _StepSave(refs, ids, srefs, sids, need)
+        self._step = StepSave(refs, ids, srefs, sids, need)
         return self._step
 
     def save_kv_layer(self, layer_name: str, meta: Any) -> None:
@@ -587,14 +578,20 @@ class WorkerSide(StoreConnector):
         """Once per step: hand this step's blocks and boundary states to the
         background writer; returns without waiting for the store or the device (on
         CUDA it only records an event on the forward's stream)."""
-        if bc.capturing():
+        if bc.capturing() or (meta is not None and meta is self._handed):
             return
+        self._handed = meta  # finish_forward and wait_for_save: one hand-off a step
         step = self._step if self._step_seen else self._begin_save(meta)
         self._step, self._step_seen = None, False
         if step is None:
             return
         if isinstance(self.mover, bc.CudaMover):
-            step.ready = self.mover.mark()
+            try:
+                self._gather_now(self.mover, step)
+            except Exception as e:  # never into the engine's step: the blocks go uncached
+                log.warning("kvstore save of %d blocks failed: %s", len(step.refs), e)
+                self._report_saves(step.refs, [False] * len(step.refs))
+                return
         with self._save_lock:
             self._pending_save_bytes += step.nbytes
             for r in step.requests():
@@ -602,6 +599,26 @@ class WorkerSide(StoreConnector):
         fut = self._save_pool.submit(self._put, step)
         self._save_futs = [f for f in self._save_futs if not f.done()]
         self._save_futs.append(fut)
+
+    def _gather_now(self, m: bc.CudaMover, step: StepSave) -> None:
+        """CUDA, on the step's thread: queue the gather of the step's blocks on the
+        save stream after the forward's event, into device rows of this step (the
+        writer only downloads them), and make the forward's stream wait for that
+        gather: whatever the engine queues next (the next forward, zeroing a reused
+        block, preemption, hybrid state copies) runs after it, so the bytes
+        committed are the forward's (issue 47, finding 5). Launches only: no sync."""
+        step.ready = m.mark()
+        for state in (False, True):
+            refs, ids = (step.state_refs, step.state_ids) if state else (step.refs, step.ids)
+            if not refs:
+                continue
+            layers = list((self._state_layers if state else self._layers).values())
+            rows = m.save_rows(len(refs), self._state_bytes if state else self._block_bytes)
+            m.join(m.gather(layers, ids, rows, after=step.ready))
+            if state:
+                step.state_gathered = rows
+            else:
+                step.gathered = rows
 
     def reset_capture_state(self) -> None:
         """After CUDA graph capture: forget a step planned while capturing."""
@@ -614,41 +631,31 @@ class WorkerSide(StoreConnector):
         return self.write(client, ns, hashes, src, bool(src) and isinstance(src[0], list)).held
 
     def _put_moved(self, client: Any, ns: str, layers: list[bc.LayerGeometry],
-                   hashes: list[bytes], ids: list[list[int]], rows: _Rows,
-                   ready: Any) -> list[bool]:  # fmt: skip
+                   hashes: list[bytes], ids: list[list[int]], rows: Rows,
+                   gathered: Any) -> list[bool]:  # fmt: skip
         """Mover path, writer thread, chunk by chunk: reserve slots on same-host
-        workers, gather the blocks (on CUDA into device rows after ``ready``) and
+        workers, gather the blocks (on CUDA: ``gathered`` at the step) and
         copy each into its reserved arena slot (one DMA, no host copy) or, without a
         slot, into its pinned row; wait for that copy here; then commit the slots
         (checksummed over the slots) and put the rows. True per block in the store
         afterwards."""
         ok: list[bool] = []
-        m = self.mover
         for at in range(0, len(hashes), rows.cap):
             k = min(rows.cap, len(hashes) - at)
             chunk = [g[at : at + k] for g in ids]
             hs = hashes[at : at + k]
             slots = self._reserve(client, ns, hs, rows.host.shape[1])
-            dests = [rows.host[i] for i in range(k)]
-            if slots is not None:
-                self._register(slots.arenas)
-                dests = [d if v is None else bc.host_tensor(v)
-                         for d, v in zip(dests, slots.views, strict=True)]  # fmt: skip
-            if isinstance(m, bc.CudaMover):
-                got_in = m.gather(layers, chunk, rows.dev[:k], after=ready)
-                out = m.download(rows.dev[:k], dests if slots is not None else [rows.host])
-            else:
-                got_in = m.gather(layers, chunk, rows.host[:k])
-                out = m.download(rows.host[:k], dests) if slots is not None else bc.DONE
-            t = bc.AllTickets([got_in, out])
-            if not t.wait(self.s.cfg.timeout_s):
-                if slots is not None:
-                    slots.abort()
-                raise TimeoutError("the device copy of a save did not complete")
+            pre = None if gathered is None else gathered[at : at + k]
             if slots is None:
+                self._copy_out(layers, chunk, rows, k, None, pre)
                 ok += self._put_rows(client, ns, hs, rows.views[:k])
                 continue
-            got = slots.commit([v is not None for v in slots.views])
+            try:
+                self._copy_out(layers, chunk, rows, k, slots, pre)
+                got = slots.commit([v is not None for v in slots.views])
+            except BaseException:
+                slots.abort()  # every copy into them is done or was never queued
+                raise
             got = [g or p for g, p in zip(got, slots.present, strict=True)]
             rest = [i for i, v in enumerate(slots.views) if v is None and not slots.present[i]]
             if rest:
@@ -659,6 +666,38 @@ class WorkerSide(StoreConnector):
             record(NAME, self._interval, "arena_stored_blocks", slots.count)
             ok += got
         return ok
+
+    def _copy_out(self, layers: list[bc.LayerGeometry], chunk: list[list[int]], rows: Rows,
+                  k: int, slots: ArenaSlots | None, pre: Any) -> None:  # fmt: skip
+        """Gather ``k`` blocks (on CUDA: ``pre``, gathered at the step) and copy
+        each into its reserved arena slot or its pinned row; returns once every copy
+        queued here is done. On a timeout (or an error after a copy was queued) it
+        still waits for the copies before raising: a slot aborted or a row reused
+        under a DMA still writing it would take wrong bytes."""
+        m = self.mover
+        dests = [rows.host[i] for i in range(k)]
+        if slots is not None:
+            self._register(slots.arenas)
+            dests = [d if v is None else bc.host_tensor(v)
+                     for d, v in zip(dests, slots.views, strict=True)]  # fmt: skip
+        queued: list[bc.Ticket] = []
+        try:
+            if isinstance(m, bc.CudaMover):
+                if pre is None:
+                    pre = rows.dev[:k]
+                    queued.append(m.gather(layers, chunk, pre))
+                queued.append(m.download(pre, dests if slots is not None else [rows.host]))
+            else:
+                queued.append(m.gather(layers, chunk, rows.host[:k]))
+                if slots is not None:
+                    queued.append(m.download(rows.host[:k], dests))
+            if not bc.AllTickets(queued).wait(self.s.cfg.timeout_s):
+                raise TimeoutError("the device copy of a save did not complete")
+        except BaseException:
+            # A DMA always ends: never abort a slot or reuse a row under one, even
+            # one queued by a call that raised before returning its ticket.
+            bc.AllTickets([*queued, m.fence()]).wait()
+            raise
 
     def _reserve(self, client: Any, ns: str, hashes: list[bytes], width: int
                  ) -> ArenaSlots | None:  # fmt: skip
@@ -673,21 +712,22 @@ class WorkerSide(StoreConnector):
             return None
         return slots
 
-    def _put(self, step: _StepSave) -> None:
+    def _put(self, step: StepSave) -> None:
         """Background writer: the store writes of a step (KV blocks, then states)."""
         t0 = time.perf_counter()
         hashes = [h for _, _, h in step.refs]
         ok = [False] * len(hashes)
         try:
+            self.mover.bind_thread()
             client = self.store_client(self.s.cfg.timeout_s)
             if client is not None:
                 if hashes:
-                    ok = self._write(client, False, hashes, step.ids, step.ready)
+                    ok = self._write(client, False, hashes, step.ids, step.gathered)
                     record(NAME, self._interval, "stored_blocks", sum(ok))
                     record(NAME, self._interval, "stored_bytes", sum(ok) * self._block_bytes)
                 if step.state_refs:
                     sh = [h for _, _, h in step.state_refs]
-                    st = self._write(client, True, sh, step.state_ids, step.ready)
+                    st = self._write(client, True, sh, step.state_ids, step.state_gathered)
                     record(NAME, self._interval, "stored_states", sum(st))
             record(NAME, self._interval, "store_seconds", time.perf_counter() - t0)
         except Exception as e:  # a full store or a bug: the blocks are simply not cached
@@ -705,13 +745,13 @@ class WorkerSide(StoreConnector):
                         self._saving.pop(r, None)
 
     def _write(self, client: Any, state: bool, hashes: list[bytes], ids: list[list[int]],
-               ready: Any) -> list[bool]:  # fmt: skip
+               gathered: Any) -> list[bool]:  # fmt: skip
         ns = self.state_ns if state else self.ns
         if self._zero_copy:
             return self._put_rows(client, ns, hashes, self._parts(state, ids, len(hashes)))
         layers = list((self._state_layers if state else self._layers).values())
         rows = self._rows["state_save" if state else "save"]
-        return self._put_moved(client, ns, layers, hashes, ids, rows, ready)
+        return self._put_moved(client, ns, layers, hashes, ids, rows, gathered)
 
     def drain_saves(self, timeout: float) -> bool:
         futs = list(self._save_futs)
@@ -724,4 +764,6 @@ class WorkerSide(StoreConnector):
         self.drain_saves(self.s.cfg.timeout_s)
         self._save_pool.shutdown(wait=False, cancel_futures=True)
         self._load_pool.shutdown(wait=False, cancel_futures=True)
+        self._sync_pool.shutdown(wait=False, cancel_futures=True)
+        self._unregister_all()
         self.close_store()
