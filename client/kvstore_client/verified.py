@@ -217,7 +217,7 @@ class Landing:
     ) -> None:
         self._buffers = buffers
         self._first = first
-        self._later: list[Future[bool]] = []
+        self._later: list[Future[None]] = []
         self.found = found if found is not None else [False] * n
         self.values: list[bytearray | None] = values if values is not None else [None] * n
         self.total = 0  # payload bytes of the hits
@@ -233,13 +233,14 @@ class Landing:
             return d if d.nbytes == size else None
         return d if wire.block_size(d) == size else None
 
-    def check(self, j: int, block: wire.Block, checksum: int, size: int = 0) -> bool:
-        """Hit ``j`` landed in ``block``: found when its bytes there match ``checksum``.
-        ``size`` (the hit's, when known): a big block is checked on the copy pool, the
-        caller's thread going on with the next one meanwhile (:meth:`result` waits)."""
+    def check(self, j: int, block: wire.Block, checksum: int, size: int = 0) -> None:
+        """Hit ``j`` landed in ``block``: found when its bytes there match ``checksum``
+        (read ``found`` after :meth:`result`). ``size`` (the hit's, when known): a big
+        block is checked on the copy pool, the caller's thread going on with the next one
+        meanwhile."""
         if size >= VERIFY_LATER:
             self._later.append(later(lambda: self.check(j, block, checksum)))
-            return False
+            return
         if isinstance(block, list):
             ok = wire.block_checksum(block) == checksum
         else:
@@ -247,7 +248,6 @@ class Landing:
         self.found[self._first + j] = ok
         if not ok:
             self.values[self._first + j] = None
-        return ok
 
     def result(self) -> GetResult:
         for f in self._later:
