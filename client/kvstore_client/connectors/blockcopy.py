@@ -520,7 +520,8 @@ def register_host(view: memoryview, read_only: bool = False) -> bool:
     t = host_tensor(view)
     rt = torch.cuda.cudart()
     # cudaHostRegisterReadOnly (8, CUDA 11.1+): a mapping the process may only read
-    # (a sealed arena); where the driver refuses it, False: copies use pinned rows.
+    # (a sealed arena); where the driver refuses it, False: copies from that arena then
+    # read pageable memory (no fallback to pinned rows yet).
     flags = 8 if read_only or view.readonly else 0
     rc = rt.cudaHostRegister(t.data_ptr(), view.nbytes, flags)
     if int(getattr(rc, "value", rc)) == 0:
