@@ -23,7 +23,8 @@ could have heard, not for beats it did not get to read:
   may be waiting unread. That time is not counted as anyone's silence: silence runs
   on a *listening clock*, wall time minus the deaf time.
 - *Mass silence.* When more than ``storm_fraction`` of the members (and at least
-  ``storm_min``) are silent past the TTL at once, the trouble is more likely the
+  ``storm_min``) are silent at once (past the TTL, or quiet for STORM_ONSET_TTLS of
+  it while the first is past it), the trouble is more likely the
   master's or the network's than theirs: they are held, not expired, for HOLD_TTLS
   more TTLs (the tick reports them, the servicer alerts).
 - *Backoff.* A master that is behind because of its own work (deaf for more than
@@ -90,6 +91,7 @@ MAX_CAPACITY = 1 << 50  # bytes of DRAM one worker may register (1 PiB: no host 
 LAG_TOLERANCE_TTLS = 0.02  # a tick later than this: the excess is deaf time
 STORM_FRACTION = 0.1  # more members than this silent at once: held, not expired
 STORM_MIN = 3
+STORM_ONSET_TTLS = 0.5  # quiet this long (beats come every TTL/4): counted in a storm
 HOLD_TTLS = 2.0  # held members expire after this many more TTLs of silence
 MAX_SILENCE_TTLS = 4.0  # ... and anyone after this many TTLs of wall-clock silence
 SHED_DEAF_TTLS = 0.25  # deaf for more than this within a TTL ...
@@ -425,9 +427,10 @@ class Membership:
             for wid, m in self.members.items()
             if listen - m.heard > ttl or wall - m.seen > hard
         ]
-        storm = len(silent) >= self.storm_min and len(silent) > self.storm_fraction * len(
-            self.members
-        )
+        # A storm is counted over the members quiet for half a TTL, not only those past
+        # it: members that fall silent a moment apart are one storm from its first.
+        quiet = sum(listen - m.heard > STORM_ONSET_TTLS * ttl for m in self.members.values())
+        storm = quiet >= self.storm_min and quiet > self.storm_fraction * len(self.members)
         hold = (1 + HOLD_TTLS) * ttl
         expired: list[str] = []
         for wid, m in silent:

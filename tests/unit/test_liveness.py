@@ -136,6 +136,17 @@ def test_a_storm_that_lasts_expires_after_the_hold() -> None:
     assert sorted(expired) == [w.info.id for w in ws[:50]]
 
 
+def test_a_storm_whose_members_fall_silent_a_moment_apart_is_held_from_its_first() -> None:
+    """Ten of twenty go silent within less than half a TTL (beats sent in turn by a
+    loaded host, a network that fails link by link): the first two past the TTL are
+    part of the storm, held with the others, not expired before the rest are counted."""
+    m, ws = cluster(20)
+    assert run(m, ws[:10] + ws[12:], 0.0, 1.5) == []  # w10, w11 silent from 0
+    assert run(m, ws[:10], 1.5, 8.0) == [], "held from the first"
+    expired = run(m, ws[:10], 8.0, 17.0)
+    assert sorted(expired) == [w.info.id for w in ws[10:]], "and expired after the hold"
+
+
 def test_a_few_silent_workers_are_not_a_storm() -> None:
     """1% (the bench's failure phase) expires after one TTL as usual."""
     m, ws = cluster(200)
