@@ -48,7 +48,7 @@ from .security import Tls, metadata, new_identity, open_channel
 from .sessions import SessionHints
 from .sharding import DEFAULT_VNODES_PER_GIB, build_ring
 from .transport import BlockView
-from .transport.pins import ArenaPins, ArenaSlots
+from .transport.pins import ArenaPins, ArenaSlots, Mapped
 from .transport.ucx import available as ucx_available
 from .verified import GetResult
 
@@ -504,6 +504,15 @@ class Client:
         if self._d.copies(view, ns, None) > 1:
             return ArenaPins([None] * len(hashes))
         return leases.pin(view, groups, self.timeout, ns.encode(), hashes)
+
+    def local_arenas(self) -> list[Mapped]:
+        """The live arena mappings of the same-host workers in the current map (an
+        engine registers them for DMA once, ahead of its first load; a mapping that
+        went stale is left out)."""
+        view = self._view
+        if view is None:
+            return []
+        return [w.arena for w in view.workers if w.arena is not None and not w.arena.stale]
 
     def reserve_local(self, ns: str, hashes: list[bytes], sizes: list[int]) -> ArenaSlots:
         """Reserve slots on same-host workers for blocks to be written straight into

@@ -37,12 +37,16 @@ ticket is done.
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch  # type: ignore[import-not-found, unused-ignore]
+
+log = logging.getLogger(__name__)
 
 BLOCK_MAJOR = "block-major"
 KV_SPLIT = "kv-split"
@@ -520,8 +524,8 @@ def register_host(view: memoryview, read_only: bool = False) -> bool:
     t = host_tensor(view)
     rt = torch.cuda.cudart()
     # cudaHostRegisterReadOnly (8, CUDA 11.1+): a mapping the process may only read
-    # (a sealed arena); where the driver refuses it, False: copies from that arena then
-    # read pageable memory (no fallback to pinned rows yet).
+    # (a sealed arena); where the driver refuses it, False: the vLLM connector then
+    # reads that arena's blocks into its pinned rows instead of DMA from the slots.
     flags = 8 if read_only or view.readonly else 0
     rc = rt.cudaHostRegister(t.data_ptr(), view.nbytes, flags)
     if int(getattr(rc, "value", rc)) == 0:
@@ -571,6 +575,87 @@ def unregister_ptr(ptr: int) -> None:
         rc = rt.cudaHostUnregister(ptr)
         if int(getattr(rc, "value", rc)) != 0:
             _clear_cuda_error(rt)
+
+
+@dataclass(slots=True)
+class Registration:
+    """An arena mapping page-locked for DMA (:func:`register_host`). It holds the
+    mapping's view while registered, so the mapping is never unmapped under a
+    registration; :meth:`undo` unregisters first, then lets the view go."""
+
+    arena: Any
+    view: memoryview | None
+    addr: int
+    size: int
+    ok: bool
+
+    @classmethod
+    def make(cls, arena: Any, view: memoryview) -> Registration:
+        ok = register_host(view)
+        return cls(arena, view if ok else None, host_address(view), view.nbytes, ok)
+
+    def covers(self, view: memoryview) -> bool:
+        """Whether ``view`` is the mapping registered (not a remap of it)."""
+        return (host_address(view), view.nbytes) == (self.addr, self.size)
+
+    def stale(self) -> bool:
+        """The arena's worker is gone or the client dropped the mapping."""
+        alive = getattr(self.arena, "alive", None)
+        return not alive() if callable(alive) else bool(getattr(self.arena, "stale", False))
+
+    def undo(self) -> None:
+        if self.ok:
+            unregister_ptr(self.addr)
+            self.ok = False
+        self.view = None
+
+
+class Registrations:
+    """The arena mappings page-locked for DMA, by arena id (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Registration] = {}
+        self._lock = threading.Lock()
+
+    def register(self, arenas: list[Any]) -> set[str]:
+        """Page-lock each mapping once; returns the ids of ``arenas`` that are. A
+        registration holds its mapping (never unmapped while registered); one whose
+        arena went stale (its worker is gone, or it was remapped) is undone here,
+        before the mapping is let go, so no later DMA targets its pages."""
+        with self._lock:
+            for aid in [aid for aid, r in self._by_id.items() if r.stale()]:
+                self._by_id.pop(aid).undo()
+            for a in arenas:
+                view = a.view
+                old = self._by_id.get(a.id)
+                if old is not None and old.covers(view):
+                    continue
+                if old is not None:
+                    self._by_id.pop(a.id).undo()
+                reg = self._by_id[a.id] = Registration.make(a, view)
+                if not reg.ok:
+                    log.warning("kvstore connector: arena %s could not be page-locked for "
+                                "DMA; its blocks go through the pinned rows", a.id)  # fmt: skip
+            return {a.id for a in arenas if (r := self._by_id.get(a.id)) is not None and r.ok}
+
+    def undo_all(self) -> None:
+        with self._lock:
+            done, self._by_id = self._by_id, {}
+        for r in done.values():
+            r.undo()
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __getitem__(self, aid: str) -> Registration:
+        return self._by_id[aid]
+
+    def __contains__(self, aid: object) -> bool:
+        return aid in self._by_id
+
+    def snapshot(self) -> dict[str, Registration]:
+        with self._lock:
+            return dict(self._by_id)
 
 
 def host_address(view: memoryview) -> int:

@@ -17,7 +17,9 @@ class ClientHolder:
     """A :class:`Client` made in a background thread, so no caller ever waits for an
     unreachable master longer than it asked to: ``get(wait)`` returns the client, or
     None when it is not there within ``wait`` seconds (callers treat that as a miss).
-    A failed attempt is retried at most every ``retry_s`` seconds. Thread-safe."""
+    A failed attempt is retried at most every ``retry_s`` seconds. ``on_connect`` runs
+    on the connecting thread with each new client before ``get`` waiters wake.
+    Thread-safe."""
 
     def __init__(
         self,
@@ -25,11 +27,13 @@ class ClientHolder:
         timeout: float,
         retry_s: float = 5.0,
         factory: Callable[..., Client] = Client,
+        on_connect: Callable[[Client], None] | None = None,
     ) -> None:
         self.master = master
         self.timeout = timeout
         self.retry_s = retry_s
         self._factory = factory
+        self._on_connect = on_connect  # called on the connecting thread, once per client
         self._client: Client | None = None
         self._next_try = 0.0
         self._lock = threading.Lock()
@@ -68,6 +72,11 @@ class ClientHolder:
             if client is None:
                 self._next_try = time.monotonic() + self.retry_s
             self._attempt = None
+        if client is not None and self._on_connect is not None:
+            try:
+                self._on_connect(client)
+            except Exception as e:  # a hook's failure never loses the client
+                log.warning("kvstore connector: on-connect hook failed: %s", e)
         done.set()
 
     def get(self, wait: float = 0.0) -> Client | None:

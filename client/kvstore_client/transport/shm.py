@@ -48,7 +48,7 @@ import xxhash
 
 from .. import wire
 from ..errors import KVStoreError, Unavailable, from_transport_error
-from ..verified import GetResult, Landing
+from ..verified import GetResult, Landing, check_all
 from . import pins, shminbox, shmindex, shmlocal
 from .registry import Credentials, Scheme, register
 from .shminbox import Inbox
@@ -475,11 +475,12 @@ def _locate(
             if digest(buf) == checksum:
                 views[i] = memoryview(buf)
     mv = arena.view
-    for i, (status, size, checksum, off) in enumerate(entries):
-        if status == wire.LOC_ARENA and off + size <= len(mv):
-            slot = mv[off : off + size]
-            if digest(slot) == checksum:
-                views[i] = slot
+    at = [i for i, (status, size, _, off) in enumerate(entries)
+          if status == wire.LOC_ARENA and off + size <= len(mv)]  # fmt: skip
+    slots = [mv[entries[i][3] : entries[i][3] + entries[i][1]] for i in at]
+    for i, slot, ok in zip(at, slots, check_all(slots, [entries[i][2] for i in at]), strict=True):
+        if ok:  # checked at pin time: the slot is read-only and stays until released
+            views[i] = slot
     return views, req
 
 

@@ -88,7 +88,8 @@ class WorkerSide(StoreConnector):
         # With session hints on, the scheduler's client sends them and this one
         # writes the sessions' blocks: its puts are marked so session shares apply.
         writer = functools.partial(Client, session_writer=setup.cfg.session_hints)
-        holder = ClientHolder(setup.cfg.master, setup.cfg.timeout_s, factory=writer)
+        holder = ClientHolder(setup.cfg.master, setup.cfg.timeout_s, factory=writer,
+                              on_connect=self._connected_now)  # fmt: skip
         self._layers: dict[str, bc.LayerGeometry] = {}
         self._state_layers: dict[str, bc.LayerGeometry] = {}
         self._block_bytes = 0
@@ -120,9 +121,7 @@ class WorkerSide(StoreConnector):
         self.mover: bc.HostMover | bc.CudaMover = bc.HostMover()
         self._rows: dict[str, Rows] = {}  # "load", "save", "state_load", "state_save"
         self._last_load: bc.Ticket = bc.DONE  # the loader's last copy out of its rows
-        # arena id -> (address, bytes, page-locked for DMA) of its registered mapping
-        self._registered: dict[str, tuple[int, int, bool]] = {}
-        self._reg_lock = threading.Lock()
+        self._registered = bc.Registrations()  # arenas page-locked for DMA
         self.attach(holder)
 
     # ---- set-up ------------------------------------------------------------------
@@ -155,6 +154,8 @@ class WorkerSide(StoreConnector):
             self._make_all_rows(device)
             path = "CUDA streams" if self.mover.device_rows else "staging rows"
             log.info("kvstore connector: blocks move through %s: %s", path, why)
+            if (client := self.store_client()) is not None:
+                self._connected_now(client)  # connected first: register its arenas now
         log.info("kvstore connector: %d KV layers (%d bytes per block), %d state tensors "
                  "(%d bytes per state), namespace %s", len(self._layers), off["kv"],
                  len(self._state_layers), off["state"], self.ns)  # fmt: skip
@@ -355,7 +356,11 @@ class WorkerSide(StoreConnector):
                 pins.release()
             return self._read(client, ns, hashes, rows.views[:k]), None, None
         try:
-            self._register(pins.arenas)
+            if self.mover.device_rows and len(self._register(pins.arenas)) < len(pins.arenas):
+                # An arena the driver would not page-lock: DMA from it would read
+                # pageable memory. Read the blocks into the pinned rows instead.
+                pins.release()
+                return self._read(client, ns, hashes, rows.views[:k]), None, None
             flags = [v is not None for v in pins.views]
             rest = [i for i, v in enumerate(pins.views) if v is None]
             if rest:
@@ -371,33 +376,24 @@ class WorkerSide(StoreConnector):
         record(NAME, self._interval, "arena_loaded_blocks", pins.count)
         return flags, srcs, pins
 
-    def _register(self, arenas: list[Any]) -> None:
-        """Page-lock each arena mapping once (CUDA): DMA then reads its slots. A
-        mapping that moved (the arena was remapped) is unregistered first, so no
-        later DMA targets its stale pages; all are undone at shutdown."""
-        if not self.mover.device_rows:
-            return
-        with self._reg_lock:
-            for a in arenas:
-                view = a.view
-                addr, size = bc.host_address(view), view.nbytes
-                old = self._registered.get(a.id)
-                if old is not None and old[:2] == (addr, size):
-                    continue
-                if old is not None and old[2]:
-                    bc.unregister_ptr(old[0])
-                ok = bc.register_host(view)
-                self._registered[a.id] = (addr, size, ok)
-                if not ok:
-                    log.warning("kvstore connector: the arena could not be page-locked for "
-                                "DMA; copies from it run at pageable speed")  # fmt: skip
+    def _connected_now(self, client: Client) -> None:
+        """A client connected (or the cache was registered after it did): page-lock
+        the same-host arenas now, on the loader thread, so no load's first DMA waits
+        for a registration (it may take a while for a big arena)."""
+        if self.mover.device_rows:
+            self._load_pool.submit(self._register_quietly, client)
 
-    def _unregister_all(self) -> None:
-        with self._reg_lock:
-            done, self._registered = self._registered, {}
-        for addr, _, ok in done.values():
-            if ok:
-                bc.unregister_ptr(addr)
+    def _register_quietly(self, client: Client) -> None:
+        try:
+            self.mover.bind_thread()
+            self._register(client.local_arenas())
+        except Exception as e:  # loads register on first use instead
+            log.warning("kvstore connector: registering the arenas failed: %s", e)
+
+    def _register(self, arenas: list[Any]) -> set[str]:
+        """Page-lock these arena mappings for DMA (CUDA) where not yet done; the ids of
+        those that are (see :class:`~..blockcopy.Registrations`)."""
+        return self._registered.register(arenas) if self.mover.device_rows else set()
 
     def _land(self, layers: list[bc.LayerGeometry], ids: list[list[int]], rows: Rows,
               k: int, srcs: list[Any] | None = None) -> bc.Ticket:  # fmt: skip
@@ -676,8 +672,12 @@ class WorkerSide(StoreConnector):
         under a DMA still writing it would take wrong bytes."""
         m = self.mover
         dests = [rows.host[i] for i in range(k)]
-        if slots is not None:
-            self._register(slots.arenas)
+        # An inbox the driver would not page-lock takes no DMA: the blocks go to the
+        # pinned rows and from there into their slots by a host copy.
+        direct = slots is not None and not (
+            m.device_rows and len(self._register(slots.arenas)) < len(slots.arenas)
+        )
+        if slots is not None and direct:
             dests = [d if v is None else bc.host_tensor(v)
                      for d, v in zip(dests, slots.views, strict=True)]  # fmt: skip
         queued: list[bc.Ticket] = []
@@ -686,13 +686,17 @@ class WorkerSide(StoreConnector):
                 if pre is None:
                     pre = rows.dev[:k]
                     queued.append(m.gather(layers, chunk, pre))
-                queued.append(m.download(pre, dests if slots is not None else [rows.host]))
+                queued.append(m.download(pre, dests if direct else [rows.host]))
             else:
                 queued.append(m.gather(layers, chunk, rows.host[:k]))
                 if slots is not None:
                     queued.append(m.download(rows.host[:k], dests))
             if not bc.AllTickets(queued).wait(self.s.cfg.timeout_s):
                 raise TimeoutError("the device copy of a save did not complete")
+            if slots is not None and not direct:
+                for row, v in zip(dests, slots.views, strict=True):
+                    if v is not None:
+                        bc.host_tensor(v).copy_(row)
         except BaseException:
             # A DMA always ends: never abort a slot or reuse a row under one, even
             # one queued by a call that raised before returning its ticket.
@@ -765,5 +769,5 @@ class WorkerSide(StoreConnector):
         self._save_pool.shutdown(wait=False, cancel_futures=True)
         self._load_pool.shutdown(wait=False, cancel_futures=True)
         self._sync_pool.shutdown(wait=False, cancel_futures=True)
-        self._unregister_all()
+        self._registered.undo_all()
         self.close_store()
