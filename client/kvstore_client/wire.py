@@ -57,7 +57,8 @@ and the connection is closed. With TLS, the connection is wrapped before any fra
 Every worker transport checks a request in one order (kvstore/worker/transfer/frames.py):
 magic and op; AUTH (with tenants the first frame, else allowed only first); namespace
 length 1..255; the op is served by this transport (ucx:// serves PUT, GET, EXISTS and
-REMOVE); the flags are known for the op; count <= the worker's max batch; then the
+REMOVE); the flags are known for the op (EXISTS: FLAG_PREFIX or FLAG_WHERE, not
+both); count <= the worker's max batch; then the
 namespace's syntax and ownership; then the body. A bad magic, op, namespace length or
 misplaced AUTH closes the connection unanswered; every other refusal is answered
 (INVALID_ARGUMENT, UNAUTHENTICATED, PERMISSION_DENIED) and then closes it.
