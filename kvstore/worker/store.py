@@ -251,10 +251,8 @@ class BlockStore:
         """:meth:`exists` telling the tiers apart: per key a ``wire.WHERE_*`` code,
         WHERE_DRAM (in the arena), WHERE_SSD (evicted: on SSD or staged on its way
         there) or WHERE_ABSENT; the same slices and cost as :meth:`exists`."""
-        out = np.concatenate(
-            [self.apply(Where(ns, keys[s])) for s in self._lookup_slices(len(keys))]
-            or [np.zeros(0, dtype=np.uint8)]
-        )
+        parts = [self.apply(Where(ns, keys[s])) for s in self._lookup_slices(len(keys))]
+        out = parts[0] if len(parts) == 1 else np.concatenate([np.zeros(0, np.uint8), *parts])
         self._looked(ns, keys)
         return out
 
