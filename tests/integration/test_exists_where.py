@@ -2,13 +2,19 @@
 per key, in DRAM, only on SSD, or absent, over tcp://, shm:// and ucx:// (skipped
 without ucxx); it agrees with batch_exists on presence; FLAG_WHERE with FLAG_PREFIX
 is refused; and a worker that predates the flag (the frame core of an in-process
-server with the old flag table) gets plain EXISTS, its hits reported WHERE_UNKNOWN."""
+server with the old flag table; ucx://: a child process) gets plain EXISTS, its hits
+reported WHERE_UNKNOWN."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -295,3 +301,65 @@ def test_the_client_checks_its_arguments(tiered: tuple[LocalCluster, list[bytes]
             c.batch_where(NS, [b"short"])
         with pytest.raises(InvalidArgument):
             c.where_local(NS, [b"short"])
+
+
+UCX_SERVER = """
+import json, sys
+from kvstore.worker.arena import Arena
+from kvstore.worker.store import BlockStore
+from kvstore.worker.transfer.frames import UCX_OPS, FrameCore
+from kvstore.worker.transfer.ucx import UcxTransferServer
+from kvstore_client import wire
+from tests.helpers import key
+
+arena = Arena(16 << 20)
+try:
+    store = BlockStore(arena, 1 << 20)
+    store.put_bytes(sys.argv[2], [key(i, "ucx-where") for i in range(10)], [b"v"] * 10)
+    srv = UcxTransferServer(store, "127.0.0.1", 0, frame_timeout=3.0)
+    if sys.argv[1] == "old":  # the flag table of a worker that predates FLAG_WHERE
+        ops = {**UCX_OPS, wire.OP_EXISTS: wire.FLAG_PREFIX}
+        srv.frames = FrameCore(store, srv.core, ops, "ucx")
+    srv.start()
+    print(json.dumps({"ucx": srv.port}), flush=True)
+    sys.stdin.read()
+    srv.stop(1.0)
+finally:
+    store.close()
+    arena.close()
+"""
+
+
+@pytest.mark.skipif(not ucx.available(), reason=NO_UCX)
+@pytest.mark.parametrize("old", [False, True], ids=["new", "old"])
+def test_where_over_ucx_against_a_worker_that_predates_the_flag(old: bool) -> None:
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "client"), str(root / "bench")])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", UCX_SERVER, "old" if old else "new", NS],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+        cwd=root,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    pool = None
+    try:
+        port = json.loads(proc.stdout.readline())["ucx"]
+        pool = ucx.UcxPool("127.0.0.1", port)
+        keys = [key(i, "ucx-where") for i in range(20)]
+        want = [WHERE_UNKNOWN if old else WHERE_DRAM] * 10 + [WHERE_ABSENT] * 10
+        assert pool.where(5.0, NSB, keys).tolist() == want
+        assert pool.where_support.asks is not old
+        assert pool.where(5.0, NSB, keys).tolist() == want, "then plain EXISTS"
+        assert pool.exists(5.0, NSB, keys) == [True] * 10 + [False] * 10
+    finally:
+        if pool is not None:
+            pool.close()
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
