@@ -18,10 +18,15 @@ from .errors import (
     Unavailable,
 )
 from .prefix import block_hashes, key_of
+from .wire import WHERE_ABSENT, WHERE_DRAM, WHERE_SSD, WHERE_UNKNOWN
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "WHERE_ABSENT",
+    "WHERE_DRAM",
+    "WHERE_SSD",
+    "WHERE_UNKNOWN",
     "Client",
     "DeadlineExceeded",
     "InvalidArgument",

@@ -345,7 +345,35 @@ class Client:
         lookups: it may resume a paused session); None when a key needs an answer."""
         if not hashes:
             return [], False
-        return self._d.exists_local(ns, self._check(ns, hashes), hashes)
+        got = self._d.exists_local(ns, self._check(ns, hashes), hashes)
+        return None if got is None else (got[0].tolist(), got[1])
+
+    def batch_where(self, ns: str, hashes: list[bytes]) -> list[int]:
+        """Per hash, where its owners hold it: ``WHERE_DRAM`` (a worker's DRAM, a
+        host-memory hit), ``WHERE_SSD`` (only on a worker's SSD tier, evicted from
+        DRAM, or staged on its way there), ``WHERE_ABSENT`` (no owner holds it, or
+        none answered), or ``WHERE_UNKNOWN`` (held by a worker that predates the
+        tier lookup, ``wire.FLAG_WHERE``: present, tier unknown; never reported as
+        DRAM). With several owners (replicas) the best copy wins: DRAM, then
+        unknown, then SSD. The constants are ``kvstore_client.WHERE_*`` (0, 1, 2,
+        3). One batched request per worker, as :meth:`batch_exists`, which it agrees
+        with on presence (``code != WHERE_ABSENT``); a hint like it (a block may
+        move between tiers, or leave, right after the answer)."""
+        return lookups.where(self._d, ns, self._check(ns, hashes), hashes)
+
+    def where_local(self, ns: str, hashes: list[bytes]) -> tuple[list[int], bool] | None:
+        """:meth:`batch_where` from same-host workers' shared indexes, never waiting on
+        a socket, with :meth:`exists_local`'s contract: also whether to send the
+        workers the lookup too, and None when a key needs an answer (e.g. the worker
+        has an SSD tier and its index lacks the key). An index holds only blocks in
+        the worker's arena, so every hit is ``WHERE_DRAM``."""
+        if not hashes:
+            return [], False
+        got = self._d.exists_local(ns, self._check(ns, hashes), hashes)
+        if got is None:
+            return None
+        codes: list[int] = (got[0].astype(np.uint8) * np.uint8(wire.WHERE_DRAM)).tolist()
+        return codes, got[1]
 
     def match_prefix(self, ns: str, hashes: list[bytes], *, state_ns: str | None = None) -> int:
         """Number of leading hashes present (one batched EXISTS per owner, in parallel).

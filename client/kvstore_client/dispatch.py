@@ -60,11 +60,12 @@ class Dispatch:
 
     def exists_local(
         self, ns: str, nsb: bytes, hashes: Sequence[bytes]
-    ) -> tuple[list[bool], bool] | None:
-        """Which hashes are present, from same-host workers' shared indexes only (no
-        socket, no wait), and whether an owner wants to see the lookup too (see
-        :attr:`Transfer.wants_lookups`); None when an owner is not a same-host worker
-        with its arena mapped, or its index cannot tell for some key."""
+    ) -> tuple[np.ndarray, bool] | None:
+        """Which hashes are present (a bool array), from same-host workers' shared
+        indexes only (no socket, no wait), and whether an owner wants to see the lookup
+        too (see :attr:`Transfer.wants_lookups`); None when an owner is not a same-host
+        worker with its arena mapped, or its index cannot tell for some key. A key an
+        index holds is in that worker's arena (its DRAM)."""
         view, groups = self.copy_groups(ns, hashes)
         if not groups:
             return None
@@ -80,7 +81,7 @@ class Dispatch:
                 return None
             out[idx] |= got
             tell = tell or link.via.wants_lookups
-        return out.tolist(), tell
+        return out, tell
 
     def read_local(
         self, view: View, groups: Groups, nsb: bytes, hashes: Sequence[bytes], views: list[Any]

@@ -1,5 +1,6 @@
-"""Lookups: which keys the workers hold (``Client.batch_exists``) and how many lead a
-chain (``Client.match_prefix``), in as few round trips as the transports allow.
+"""Lookups: which keys the workers hold (``Client.batch_exists``), in which tier
+(``Client.batch_where``) and how many lead a chain (``Client.match_prefix``), in as
+few round trips as the transports allow.
 
 A worker whose transfer has a tcp:// control pool (:attr:`Transfer.control
 <kvstore_client.transport.Transfer.control>`) gets its EXISTS from one thread that
@@ -7,23 +8,30 @@ sends every owner its request before it reads any answer (:func:`scatter`): one 
 trip to the slowest worker, no threads; a same-host worker answers from its shared
 index in this process, with none. Otherwise (ucx://) each owner is asked on the
 client's pool (:func:`exists_threads`).
+
+Tiers (:func:`where`, EXISTS with wire.FLAG_WHERE) are the ``wire.WHERE_*`` codes,
+re-exported here: :data:`WHERE_ABSENT`, :data:`WHERE_DRAM`, :data:`WHERE_SSD` and
+:data:`WHERE_UNKNOWN` (present on a worker that predates FLAG_WHERE, tier unknown;
+see :mod:`kvstore_client.transport.where`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from . import wire
 from .dispatch import Dispatch
-from .errors import CallerError, KVStoreError
+from .errors import CallerError, InvalidArgument, KVStoreError, Unavailable
 from .keys import HASH_LEN, leading_run
 from .routing import View, bind, misses_only
 from .transport import Transfer
 from .transport.tcp import TcpConnection, TcpPool
+from .transport.where import after_refusal, merge
+from .wire import WHERE_ABSENT, WHERE_DRAM, WHERE_SSD, WHERE_UNKNOWN
 
 _KEY = np.dtype((np.void, HASH_LEN))  # one packed hash, to gather whole rows
 Groups = list[tuple[int, np.ndarray]]
@@ -92,7 +100,7 @@ def exists_scatter(
         view,
         groups,
         0,
-        lambda c, idx: c.recv_exists(),
+        lambda c, g: c.recv_exists(),
         lambda via, keys: via.present(nsb, keys),  # same-host: the shared index
     )
     for (_, idx), flags in zip(groups, answers, strict=True):
@@ -107,19 +115,20 @@ def scatter(
     packed: bytes,
     view: View,
     groups: Groups,
-    flags: int,
-    recv: Callable[[TcpConnection, np.ndarray], Any],
+    flags: int | Sequence[int],
+    recv: Callable[[TcpConnection, int], Any],
     local: Callable[[Transfer, bytes], Any] | None = None,
 ) -> list[Any]:
-    """Send every owner its keys in one EXISTS (``flags``), all before any answer is
-    read, then ``recv`` each answer: one round trip to the slowest worker, no
-    threads. Per group its answer, or None where the worker failed (a miss); a
-    caller's error (bad namespace, auth) is raised once every answer is in.
+    """Send every owner its keys in one EXISTS (``flags``, or per group its flags),
+    all before any answer is read, then ``recv(connection, group)`` each answer: one
+    round trip to the slowest worker, no threads. Per group its answer, or None
+    where the worker failed (a miss); a caller's error (bad namespace, auth) is
+    raised once every answer is in.
     ``local(via, keys)`` answers a group without the socket when it can (not None):
     same-host groups go last, while the others' answers are on their way."""
     rows = np.frombuffer(packed, dtype=_KEY)
     answers: list[Any] = [None] * len(groups)
-    sent: list[tuple[int, TcpPool, TcpConnection, np.ndarray]] = []
+    sent: list[tuple[int, TcpPool, TcpConnection]] = []
     deadline = time.monotonic() + d.timeout
     order = sorted(range(len(groups)), key=lambda g: view.workers[groups[g][0]].via.local)
     for g in order:
@@ -133,19 +142,19 @@ def scatter(
         try:
             conn = pool.take(d.timeout)
             conn.sock.settimeout(d.timeout)
-            conn.send_exists(nsb, body, len(idx), flags)
+            conn.send_exists(nsb, body, len(idx), flags if isinstance(flags, int) else flags[g])
         except KVStoreError as e:
             misses_only(w, e)
             continue
         except OSError:
             conn.close()
             continue
-        sent.append((g, pool, conn, idx))
+        sent.append((g, pool, conn))
     error: KVStoreError | None = None
-    for g, pool, conn, idx in sent:
+    for g, pool, conn in sent:
         try:
             conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
-            answers[g] = recv(conn, idx)
+            answers[g] = recv(conn, g)
         except (OSError, KVStoreError) as e:
             conn.close()
             if isinstance(e, CallerError):
@@ -179,7 +188,7 @@ def prefix_scatter(d: Dispatch, nsb: bytes, hashes: list[bytes], view: View) -> 
         view,
         groups,
         wire.FLAG_PREFIX,
-        lambda c, idx: c.recv_prefix(len(idx)),
+        lambda c, g: c.recv_prefix(len(groups[g][1])),
         lambda via, keys: via.prefix(nsb, keys),  # same-host: the shared index
     )
     run = n
@@ -189,3 +198,102 @@ def prefix_scatter(d: Dispatch, nsb: bytes, hashes: list[bytes], view: View) -> 
         elif k < len(idx):
             run = min(run, int(idx[k]))
     return run
+
+
+def where(d: Dispatch, ns: str, nsb: bytes, hashes: list[bytes]) -> list[int]:
+    """Per hash a ``wire.WHERE_*`` code: the best tier any of its owners holds it in
+    (DRAM, then WHERE_UNKNOWN, then SSD: :data:`kvstore_client.transport.where.RANK`);
+    WHERE_ABSENT also for unreachable workers."""
+    view, groups = d.copy_groups(ns, hashes)
+    if not groups:
+        return [WHERE_ABSENT] * len(hashes)
+    if not scatters(view, groups):
+        codes = where_threads(d, nsb, hashes, view, groups)
+    else:
+        codes = where_scatter(d, nsb, hashes, view, groups)
+    out: list[int] = codes.tolist()
+    return out
+
+
+def where_threads(
+    d: Dispatch, nsb: bytes, hashes: list[bytes], view: View, groups: Groups
+) -> np.ndarray:
+    out = np.zeros(len(hashes), dtype=np.uint8)
+    tasks: list[Callable[[], Any]] = [
+        bind(view.workers[w].via.where, d.timeout, nsb, [hashes[i] for i in idx])
+        for w, idx in groups
+    ]
+    for (_, idx), codes in zip(groups, d.fan_out(tasks, misses_only), strict=True):
+        if codes is not None:
+            merge(out, idx, codes)
+    return out
+
+
+def where_scatter(
+    d: Dispatch, nsb: bytes, hashes: list[bytes], view: View, groups: Groups
+) -> np.ndarray:
+    """:func:`exists_scatter` with FLAG_WHERE, to the owners not known to refuse it
+    (the others get plain EXISTS: WHERE_UNKNOWN hits). An owner that refuses it now
+    is asked plain EXISTS once every other answer is in."""
+    pools = [view.workers[w].via.control for w, _ in groups]
+    flags = [wire.FLAG_WHERE if p is not None and p.where_support.asks else 0 for p in pools]
+    refused: list[int] = []
+
+    def recv(c: TcpConnection, g: int) -> np.ndarray:
+        try:
+            return c.recv_where(len(groups[g][1]))
+        except InvalidArgument:
+            if not flags[g]:
+                raise
+            refused.append(g)  # closed by the worker: asked again below
+            raise Unavailable("the worker refused FLAG_WHERE") from None
+
+    answers = scatter(
+        d,
+        nsb,
+        b"".join(hashes),
+        view,
+        groups,
+        flags,
+        recv,
+        lambda via, keys: _in_dram(via.present(nsb, keys)),  # same-host: the shared index
+    )
+    if refused:
+        tasks: list[Callable[[], Any]] = []
+        for g in refused:
+            w, idx = groups[g]
+            pool = pools[g]
+            assert pool is not None
+            keys = [hashes[i] for i in idx]
+            ask = bind(view.workers[w].via.exists, d.timeout, nsb, keys)
+            tasks.append(bind(after_refusal, pool.where_support, ask))
+        for g, codes in zip(refused, d.fan_out(tasks, misses_only), strict=True):
+            answers[g] = codes
+    out = np.zeros(len(hashes), dtype=np.uint8)
+    for (_, idx), codes in zip(groups, answers, strict=True):
+        if codes is not None:
+            merge(out, idx, codes)
+    return out
+
+
+def _in_dram(flags: np.ndarray | None) -> np.ndarray | None:
+    """A shared index's flags as codes: a key it holds is in the arena (WHERE_DRAM)."""
+    return None if flags is None else flags.astype(np.uint8) * np.uint8(WHERE_DRAM)
+
+
+__all__ = [
+    "WHERE_ABSENT",
+    "WHERE_DRAM",
+    "WHERE_SSD",
+    "WHERE_UNKNOWN",
+    "exists",
+    "exists_scatter",
+    "exists_threads",
+    "prefix",
+    "prefix_scatter",
+    "scatter",
+    "scatters",
+    "where",
+    "where_scatter",
+    "where_threads",
+]

@@ -8,7 +8,8 @@ Request  = header(20) | namespace(ns_len) | body
   PUT     body: count x (hash 16 | size u32 | xxh3_64 u64)  then the payloads, in order
   GET     body: count x hash 16
   EXISTS  body: count x hash 16
-          flags: FLAG_PREFIX asks only for the length of the leading run of present keys
+          flags: FLAG_PREFIX asks only for the length of the leading run of present keys;
+          FLAG_WHERE asks in which tier each key is (not with FLAG_PREFIX: refused)
   REMOVE  body: count x hash 16
 
 Answer   = header(20) | body
@@ -20,6 +21,11 @@ Answer   = header(20) | body
   EXISTS  body: ceil(count/8) bytes of bitmap (see keys.to_bitmap); with FLAG_PREFIX
           (workers that know it) tag = TAG_RUN, count = the leading run, no body.
           A worker that predates FLAG_PREFIX ignores it and sends the bitmap (tag 0).
+          With FLAG_WHERE, tag = TAG_WHERE and the body is two bitmaps of ceil(count/8)
+          bytes each: present, then "off DRAM" (on SSD, or a staged copy on its way
+          there, and not in DRAM); see encode_where / decode_where and WHERE_*.
+          A worker that predates FLAG_WHERE refuses it (INVALID_ARGUMENT, then closes
+          the connection); clients fall back to the plain bitmap (WHERE_UNKNOWN hits).
   REMOVE  body: empty; count = number removed
 
 Same-host shared memory (shm://) uses the same connection for control only. The
@@ -51,7 +57,8 @@ and the connection is closed. With TLS, the connection is wrapped before any fra
 Every worker transport checks a request in one order (kvstore/worker/transfer/frames.py):
 magic and op; AUTH (with tenants the first frame, else allowed only first); namespace
 length 1..255; the op is served by this transport (ucx:// serves PUT, GET, EXISTS and
-REMOVE); the flags are known for the op; count <= the worker's max batch; then the
+REMOVE); the flags are known for the op (EXISTS: FLAG_PREFIX or FLAG_WHERE, not
+both); count <= the worker's max batch; then the
 namespace's syntax and ownership; then the body. A bad magic, op, namespace length or
 misplaced AUTH closes the connection unanswered; every other refusal is answered
 (INVALID_ARGUMENT, UNAUTHENTICATED, PERMISSION_DENIED) and then closes it.
@@ -69,6 +76,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
+import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from .errors import ProtocolError
@@ -144,6 +153,14 @@ FLAG_SESSION = 2
 # stops at its first miss); the answer carries TAG_RUN and the run in its count.
 FLAG_PREFIX = 1
 SUMS = struct.Struct("<Q")
+# Request flag (EXISTS): answer per key in which tier it is (TAG_WHERE, two bitmaps:
+# present, then off DRAM); with FLAG_PREFIX it is refused (INVALID_ARGUMENT).
+FLAG_WHERE = 2
+# Per key, where a lookup found it (Client.batch_where, Client.where_local):
+WHERE_ABSENT = 0  # no owner holds it (or no owner answered)
+WHERE_DRAM = 1  # in a worker's DRAM (its arena): a host-memory hit
+WHERE_SSD = 2  # only on a worker's SSD tier (evicted from DRAM): a disk hit
+WHERE_UNKNOWN = 3  # present, tier unknown: its owner predates FLAG_WHERE
 # Request flag (ucx:// PUT and GET): the frame's payloads travel packed, at most
 # MAX_PACKED bytes back to back (PUT: the blocks, not with FLAG_PARTS; GET: the hits,
 # when the worker answers with TAG_PACKED), cut into messages of
@@ -156,6 +173,7 @@ FLAG_IDENTITY = 1
 IDENTITY = 16
 TAG_RUN = 1
 TAG_PACKED = 2  # a GET answer (ucx://) whose hits follow as one packed message
+TAG_WHERE = 3  # an EXISTS answer to FLAG_WHERE: two bitmaps (present, off DRAM)
 PART_COUNT = struct.Struct("<I")
 
 
@@ -304,6 +322,30 @@ def encode_get_entries(
             views.append(view)
             total += len(view)
     return meta, views, total
+
+
+def encode_where(codes: npt.NDArray[np.uint8]) -> bytes:
+    """The body of a FLAG_WHERE answer for per-key WHERE_* codes (ABSENT, DRAM, SSD):
+    the present bitmap, then the off-DRAM bitmap (bit i LSB first in byte i // 8)."""
+    if not len(codes):
+        return b""
+    present = np.packbits(codes != WHERE_ABSENT, bitorder="little")
+    off = np.packbits(codes == WHERE_SSD, bitorder="little")
+    return present.tobytes() + off.tobytes()
+
+
+def decode_where(body: Buffer, count: int) -> npt.NDArray[np.uint8]:
+    """Per key a WHERE_* code (ABSENT, DRAM or SSD) from a FLAG_WHERE answer's body
+    (2 * ceil(count/8) bytes); ProtocolError for a body of another size."""
+    nb = (count + 7) // 8
+    if len(body) != 2 * nb:
+        raise ProtocolError(f"where answer of {len(body)} bytes for {count} keys")
+    if not count:
+        return np.zeros(0, dtype=np.uint8)
+    bits = np.unpackbits(np.frombuffer(body, dtype=np.uint8).reshape(2, nb), axis=1,
+                         count=count, bitorder="little")  # fmt: skip
+    out: npt.NDArray[np.uint8] = bits[0] * (WHERE_DRAM + bits[1] * (WHERE_SSD - WHERE_DRAM))
+    return out
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytearray:

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from kvstore_client.errors import ResourceExhausted, SessionShareFull
@@ -91,6 +92,7 @@ from .tiers.stimuli import (
     TakeClosedRates,
     TakeCuts,
     Unpin,
+    Where,
 )
 
 log = logging.getLogger(__name__)
@@ -242,6 +244,15 @@ class BlockStore:
         out: list[bool] = []
         for s in self._lookup_slices(len(keys)):
             out += self.apply(Present(ns, keys[s])).tolist()
+        self._looked(ns, keys)
+        return out
+
+    def where(self, ns: str, keys: Sequence[bytes]) -> npt.NDArray[np.uint8]:
+        """:meth:`exists` telling the tiers apart: per key a ``wire.WHERE_*`` code,
+        WHERE_DRAM (in the arena), WHERE_SSD (evicted: on SSD or staged on its way
+        there) or WHERE_ABSENT; the same slices and cost as :meth:`exists`."""
+        parts = [self.apply(Where(ns, keys[s])) for s in self._lookup_slices(len(keys))]
+        out = parts[0] if len(parts) == 1 else np.concatenate([np.zeros(0, np.uint8), *parts])
         self._looked(ns, keys)
         return out
 

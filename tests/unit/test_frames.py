@@ -389,6 +389,39 @@ def test_exists_and_remove_answers(tcp: FrameCore, store: BlockStore) -> None:
     assert wire.decode_header(gone, wire.ANS_MAGIC).count == 3
 
 
+def test_exists_where_answers_two_bitmaps_in_one_buffer(tcp: FrameCore, store: BlockStore) -> None:
+    ks = keys(10, "wh")
+    store.put_bytes("m/x", ks[:2], [b"a", b"b"])
+    store.put_bytes("m/x", ks[9:], [b"j"])
+    h = wire.Header(wire.OP_EXISTS, wire.FLAG_WHERE, 3, 10, 1)
+    head_, body = tcp.exists(h, "m/x", b"".join(ks))  # one buffer: one message on ucx://
+    a = wire.decode_header(head_, wire.ANS_MAGIC)
+    assert (a.count, a.ns_len) == (10, wire.TAG_WHERE) and len(body) == 2 * 2
+    codes = wire.decode_where(body, 10).tolist()
+    assert codes == [wire.WHERE_DRAM] * 2 + [wire.WHERE_ABSENT] * 7 + [wire.WHERE_DRAM]
+
+
+@pytest.mark.parametrize("ops", [TCP_OPS, UCX_OPS], ids=["tcp", "ucx"])
+def test_exists_where_and_prefix_together_are_refused(store: BlockStore, ops: dict) -> None:
+    frames = FrameCore(store, core_for(store), ops, "x")
+    for flags in (wire.FLAG_WHERE, wire.FLAG_PREFIX):
+        assert frames.header(frames.peer("c"), head(wire.OP_EXISTS, flags=flags))
+    e = refusal(frames, head(wire.OP_EXISTS, flags=wire.FLAG_WHERE | wire.FLAG_PREFIX))
+    assert isinstance(e.error, InvalidArgument) and "one at a time" in str(e.error)
+
+
+def test_where_codec_round_trips_and_checks_its_size() -> None:
+    import numpy as np
+
+    for n in (0, 1, 7, 8, 9, 100):
+        codes = np.random.default_rng(n).integers(0, 3, n).astype(np.uint8)
+        body = wire.encode_where(codes)
+        assert len(body) == 2 * ((n + 7) // 8)
+        assert wire.decode_where(body, n).tolist() == codes.tolist()
+    with pytest.raises(ProtocolError):
+        wire.decode_where(b"\x01", 3)
+
+
 # ---- the shm:// server half -------------------------------------------------------
 
 

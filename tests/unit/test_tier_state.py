@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import pytest
 
 from kvstore.worker.events import DRAM, SSD
@@ -17,6 +18,7 @@ from kvstore.worker.tiers.budgets import Promoter, Watermarks
 from kvstore.worker.tiers.policy import DeleteSsd, Drop, SessionHint, SsdWritten
 from kvstore.worker.tiers.state import TierState
 from kvstore_client.errors import QuotaExceeded
+from kvstore_client.wire import WHERE_ABSENT, WHERE_DRAM, WHERE_SSD
 
 NS = "m/bf16/b16/tp0of1"
 SLAB = 64 << 10
@@ -145,6 +147,37 @@ def test_an_eviction_stages_a_readable_copy_and_its_ssd_write_moves_it_there() -
     assert state.counters.demotions == 1 and state.ssd_index.pending == 0
     pinned, _ = state.handle(st.Pin(NS, [victim]))
     assert pinned.held == [None] and pinned.on_ssd == [0]
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["key-by-key", "batch-probe"])
+def test_where_tells_dram_from_staged_and_ssd_without_changing_anything(many: bool) -> None:
+    state, arena = make(1, ssd=1 << 20)
+    per_slab = SLAB // 1024
+    first = [k(i) for i in range(per_slab)]
+    put(state, arena, first)
+    put(state, arena, [k(1000)])  # the least recently used is staged for the SSD
+    [victim] = [key for _, key in state.staged]
+    batch, _ = state.handle(st.StageBatch())
+    state.handle(NeedSsdRoomFor(1100))
+    state.handle(st.StageWritten(batch, [(NS, victim, 1000, 1100)], 1100))  # now on SSD
+    put(state, arena, [k(1001)])  # another victim, staged (not yet written)
+    [staged] = [key for _, key in state.staged]
+    state.handle(SsdWritten(((NS, k(1000), 1000, 1100, True),)))  # in DRAM and on SSD
+    probe = [victim, staged, k(1000), k(9999), k(1001)]
+    if many:  # past the scalar cut-off: the numpy probe of DRAM, then the SSD maps
+        probe += [key for key in first if key not in (victim, staged)]
+    before = (list(state.dram.oldest(1 << 30)), list(state.ssd_index.entries))
+    got, todo = state.handle(st.Where(NS, probe))
+    assert got.dtype == np.uint8
+    assert got[:5].tolist() == [WHERE_SSD, WHERE_SSD, WHERE_DRAM, WHERE_ABSENT, WHERE_DRAM]
+    assert set(got[5:].tolist()) <= {WHERE_DRAM}
+    present, _ = state.handle(st.Present(NS, probe))
+    assert (got != WHERE_ABSENT).tolist() == present.tolist()  # agrees with exists
+    assert (
+        todo == [] and (list(state.dram.oldest(1 << 30)), list(state.ssd_index.entries)) == before
+    )
+    assert state.handle(st.Where("m/other", probe))[0].tolist() == [WHERE_ABSENT] * len(probe)
+    assert state.handle(st.Where(NS, []))[0].tolist() == []
 
 
 def NeedSsdRoomFor(n: int) -> object:

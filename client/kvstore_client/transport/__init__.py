@@ -86,6 +86,12 @@ class Transfer(Protocol):
         """Per hash, whether the worker holds it."""
         ...
 
+    def where(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> npt.NDArray[np.uint8]:
+        """Per hash a ``wire.WHERE_*`` code: in the worker's DRAM, only on its SSD,
+        absent, or WHERE_UNKNOWN for a hit of a worker that predates wire.FLAG_WHERE
+        (:mod:`.where`)."""
+        ...
+
     def remove(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> int:
         """Remove blocks; how many were present."""
         ...

@@ -663,6 +663,14 @@ class ShmTransfer(TcpTransfer):
             return out
         return super().exists(timeout, ns, hashes)
 
+    def where(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> npt.NDArray[np.uint8]:
+        """Per hash a ``wire.WHERE_*`` code: from the worker's index when it can tell
+        for every key (a hit there is in the arena: WHERE_DRAM), else over tcp://."""
+        flags = self.present(ns, b"".join(hashes))
+        if flags is not None:
+            return flags.astype(np.uint8)  # WHERE_DRAM for a hit, WHERE_ABSENT else
+        return super().where(timeout, ns, hashes)
+
     def present(
         self, ns: bytes, packed: bytes, anyway: bool = False
     ) -> npt.NDArray[np.bool_] | None:

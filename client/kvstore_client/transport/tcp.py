@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from .. import wire
 from ..errors import (
@@ -28,11 +29,12 @@ from ..errors import (
     from_code,
     from_transport_error,
 )
-from ..keys import HASH_LEN
+from ..keys import HASH_LEN, from_bitmap
 from ..security import Tls, wrap_client_socket
 from ..verified import GetResult, Landing
 from .pins import Remote
 from .registry import Credentials, Scheme, register
+from .where import WhereSupport, unknown_tier, where_or_exists
 
 SOCK_BUF = 4 << 20
 R = TypeVar("R")
@@ -186,6 +188,24 @@ class TcpConnection:
         flags = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8), count=count, bitorder="little")
         return count if flags.all() else int(np.argmin(flags))
 
+    def where(self, ns: bytes, hashes: Sequence[bytes]) -> npt.NDArray[np.uint8]:
+        """One EXISTS with FLAG_WHERE: per hash a ``wire.WHERE_*`` code (see
+        :mod:`.where` for a worker that refuses the flag)."""
+        self.send_exists(ns, b"".join(hashes), len(hashes), wire.FLAG_WHERE)
+        return self.recv_where(len(hashes))
+
+    def recv_where(self, count: int) -> npt.NDArray[np.uint8]:
+        """Second half of an EXISTS for ``count`` hashes: per hash a ``wire.WHERE_*``
+        code. A TAG_WHERE answer tells the tiers apart; a plain bitmap (an EXISTS sent
+        without FLAG_WHERE, or a worker that ignored it) gives WHERE_UNKNOWN hits."""
+        h = self.answer(wire.OP_EXISTS, self._req)
+        if h.count != count:
+            raise ProtocolError(f"EXISTS answer for {h.count} hashes, sent {count}")
+        nb = (count + 7) // 8
+        if h.ns_len == wire.TAG_WHERE:
+            return wire.decode_where(wire.recv_exact(self.sock, 2 * nb), count)
+        return unknown_tier(from_bitmap(bytes(wire.recv_exact(self.sock, nb)), count))
+
     def recv_exists(self) -> np.ndarray:
         """Second half of EXISTS: a bool array, one flag per hash sent."""
         h = self.answer(wire.OP_EXISTS, self._req)
@@ -219,6 +239,7 @@ class TcpPool:
         self.tls = tls
         self.token = token
         self.identity = identity  # b"" once a worker that predates identities refused it
+        self.where_support = WhereSupport()  # whether the worker is sent FLAG_WHERE
         self.max_idle = max_idle
         self._idle: list[TcpConnection] = []
         self._lock = threading.Lock()
@@ -363,6 +384,16 @@ class TcpTransfer(Remote):
 
     def exists(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> list[bool]:
         return self.pool.call(timeout, TcpConnection.exists, ns, hashes)
+
+    def where(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> npt.NDArray[np.uint8]:
+        """Per hash a ``wire.WHERE_*`` code; WHERE_UNKNOWN hits from a worker that
+        predates FLAG_WHERE (see :mod:`.where`)."""
+        pool = self.pool
+        return where_or_exists(
+            pool.where_support,
+            lambda: pool.call(timeout, TcpConnection.where, ns, hashes),
+            lambda: pool.call(timeout, TcpConnection.exists, ns, hashes),
+        )
 
     def remove(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> int:
         return self.pool.call(timeout, TcpConnection.remove, ns, hashes)

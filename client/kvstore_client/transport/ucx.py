@@ -60,6 +60,9 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
+import numpy as np
+import numpy.typing as npt
+
 from .. import wire
 from ..errors import (
     KVStoreError,
@@ -102,6 +105,7 @@ from .ucxruntime import (
     send_all,
     send_packed,
 )
+from .where import WhereSupport, unknown_tier, where_or_exists
 
 R = TypeVar("R")
 Buffer = bytes | bytearray | memoryview
@@ -365,6 +369,17 @@ class UcxConnection:
         bitmap = await self._body((h.count + 7) // 8)
         return from_bitmap(bytes(bitmap), h.count)
 
+    async def where(self, ns: bytes, hashes: Sequence[bytes]) -> npt.NDArray[np.uint8]:
+        """One EXISTS frame with FLAG_WHERE: per hash a ``wire.WHERE_*`` code (a plain
+        bitmap answer gives WHERE_UNKNOWN hits; see TcpConnection.recv_where)."""
+        h = await self._simple(wire.OP_EXISTS, ns, hashes, wire.FLAG_WHERE)
+        if h.count != len(hashes):
+            raise ProtocolError(f"{h.count} flags for {len(hashes)} hashes")
+        nb = (h.count + 7) // 8
+        if h.ns_len == wire.TAG_WHERE:  # the two bitmaps come as one message
+            return wire.decode_where(await self._body(2 * nb), h.count)
+        return unknown_tier(from_bitmap(bytes(await self._body(nb)), h.count))
+
     async def remove(self, ns: bytes, hashes: Sequence[bytes]) -> int:
         """One REMOVE frame; returns how many of the hashes were present."""
         return (await self._simple(wire.OP_REMOVE, ns, hashes)).count
@@ -395,6 +410,7 @@ class UcxPool(Remote):
         self.port = port
         self.token = token
         self.identity = identity  # b"" once a worker that predates identities refused it
+        self.where_support = WhereSupport()  # whether the worker is sent FLAG_WHERE
         self.max_idle = max_idle
         self._idle: list[UcxConnection] = []  # touched on the runtime's loop only
         self._closed = False
@@ -484,6 +500,15 @@ class UcxPool(Remote):
     def exists(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> list[bool]:
         """Per hash, whether the worker holds it."""
         return self.call(timeout, UcxConnection.exists, ns, hashes)
+
+    def where(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> npt.NDArray[np.uint8]:
+        """Per hash a ``wire.WHERE_*`` code; WHERE_UNKNOWN hits from a worker that
+        predates FLAG_WHERE (see :mod:`.where`)."""
+        return where_or_exists(
+            self.where_support,
+            lambda: self.call(timeout, UcxConnection.where, ns, hashes),
+            lambda: self.call(timeout, UcxConnection.exists, ns, hashes),
+        )
 
     def remove(self, timeout: float, ns: bytes, hashes: Sequence[bytes]) -> int:
         """Remove blocks; returns how many were present."""

@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstore_client.errors import QuotaExceeded, ResourceExhausted, SessionShareFull
+from kvstore_client.wire import WHERE_ABSENT, WHERE_DRAM, WHERE_SSD
 
 from ..events import DRAM, SSD  # KV-event medium names
 from ..sessions import SessionTable
@@ -137,6 +138,7 @@ class TierState:
         self._staging = False  # a WriteStaged is in this call's instructions
         self._handlers: dict[type, Callable[[Any], Any]] = {
             st.Present: self._present_stim,
+            st.Where: self._where_stim,
             st.LeadingRun: self._leading_run,
             st.Sizes: self._sizes,
             st.Reserve: self._reserve,
@@ -282,6 +284,31 @@ class TierState:
 
     def _present_stim(self, s: st.Present) -> npt.NDArray[np.bool_]:
         return self._present_many(s.ns, s.keys)
+
+    def _off_dram(self, ns: str, key: bytes) -> bool:
+        """On SSD or staged on its way there (a key DRAM does not hold)."""
+        if type(key) is not bytes:
+            key = bytes(key)
+        return (ns, key) in self.ssd_index.entries or (ns, key) in self.staged
+
+    def _where_one(self, ns: str, key: bytes) -> int:
+        if self.dram.contains(ns, key):
+            return WHERE_DRAM
+        return WHERE_SSD if self._off_dram(ns, key) else WHERE_ABSENT
+
+    def _where_stim(self, s: st.Where) -> npt.NDArray[np.uint8]:
+        """:meth:`_present_many` telling the tiers apart, at its cost: one numpy probe
+        of DRAM, then the SSD and staged maps for the keys it missed."""
+        ns, keys = s.ns, s.keys
+        if len(keys) < _SCALAR_KEYS:
+            return np.array([self._where_one(ns, k) for k in keys], dtype=np.uint8)
+        flags = self.dram.ready_flags(ns, b"".join(keys), keys)
+        out = flags.astype(np.uint8)  # WHERE_DRAM where found, WHERE_ABSENT elsewhere
+        if (len(self.ssd_index) or self.staged) and not flags.all():
+            for i in np.flatnonzero(~flags).tolist():
+                if self._off_dram(ns, keys[i]):
+                    out[i] = WHERE_SSD
+        return out
 
     def _leading_run(self, s: st.LeadingRun) -> int:
         ns, keys = s.ns, s.keys

@@ -57,6 +57,16 @@ class Present(Stimulus[npt.NDArray[np.bool_]]):
 
 
 @dataclass(slots=True)
+class Where(Stimulus[npt.NDArray[np.uint8]]):
+    """exists, tier-aware: per key a ``wire.WHERE_*`` code: WHERE_DRAM (ready in
+    DRAM), WHERE_SSD (not in DRAM but on SSD or a staged copy on its way there),
+    WHERE_ABSENT (no LRU change)."""
+
+    ns: str
+    keys: Sequence[bytes]
+
+
+@dataclass(slots=True)
 class LeadingRun(Stimulus[int]):
     """match_prefix: how many leading keys are present (no LRU change)."""
 

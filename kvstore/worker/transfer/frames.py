@@ -16,7 +16,8 @@ check that bounds what is read comes before the read):
    (any token) only as the first frame (ProtocolError, no answer);
 3. the namespace length, 1..255 (ProtocolError, no answer);
 4. the op is served by this transport (INVALID_ARGUMENT, answered);
-5. the flags are known for the op on this transport (INVALID_ARGUMENT, answered);
+5. the flags are known for the op on this transport, and not a combination it refuses
+   (EXISTS: FLAG_PREFIX or FLAG_WHERE, not both) (INVALID_ARGUMENT, answered);
 6. the batch size, ``count <= max_batch`` (INVALID_ARGUMENT, answered);
 7. then the namespace is read and admitted: syntax and the tenant's ownership
    (INVALID_ARGUMENT or PERMISSION_DENIED, answered); RELEASE skips this (it names
@@ -62,7 +63,7 @@ from ..tiers.blocks import Block
 TCP_OPS: Mapping[int, int] = {
     wire.OP_PUT: wire.FLAG_SESSION,
     wire.OP_GET: 0,
-    wire.OP_EXISTS: wire.FLAG_PREFIX,
+    wire.OP_EXISTS: wire.FLAG_PREFIX | wire.FLAG_WHERE,
     wire.OP_REMOVE: 0,
     wire.OP_GET_LOC: 0,
     wire.OP_RELEASE: 0,
@@ -71,9 +72,11 @@ TCP_OPS: Mapping[int, int] = {
 UCX_OPS: Mapping[int, int] = {
     wire.OP_PUT: wire.FLAG_PARTS | wire.FLAG_SESSION | wire.FLAG_PACKED,
     wire.OP_GET: wire.FLAG_PARTS | wire.FLAG_PACKED,
-    wire.OP_EXISTS: wire.FLAG_PREFIX,
+    wire.OP_EXISTS: wire.FLAG_PREFIX | wire.FLAG_WHERE,
     wire.OP_REMOVE: 0,
 }
+# Flags an op may carry one at a time, not together (INVALID_ARGUMENT).
+EXCLUSIVE: Mapping[int, int] = {wire.OP_EXISTS: wire.FLAG_PREFIX | wire.FLAG_WHERE}
 
 # Operation names for kvstore_requests_total{op} (a small fixed set).
 OP_NAMES = {
@@ -211,6 +214,10 @@ class FrameCore:
         if h.flags_or_code & ~allowed:
             name = OP_NAMES.get(h.op, str(h.op)).upper()
             raise Refused(h, InvalidArgument(f"unknown {name} flags {h.flags_or_code:#x}"))
+        one_of = EXCLUSIVE.get(h.op, 0)
+        if (h.flags_or_code & one_of).bit_count() > 1:
+            name = OP_NAMES.get(h.op, str(h.op)).upper()
+            raise Refused(h, InvalidArgument(f"{name} flags {h.flags_or_code:#x} go one at a time"))
         with refusing(h):
             self.core.check_batch(h.count)
         return h
@@ -278,11 +285,15 @@ class FrameCore:
     def exists(self, h: wire.Header, ns: str, body: bytes | bytearray | memoryview) -> Buffers:
         """EXISTS: a bitmap of the keys present; with FLAG_PREFIX only the length of
         their leading run (the lookup stops at the first miss), in the header's count
-        and marked TAG_RUN."""
+        and marked TAG_RUN; with FLAG_WHERE two bitmaps in one buffer (present, then
+        off DRAM; one message on ucx://), marked TAG_WHERE."""
         keys = split_hashes(body)
         if h.flags_or_code & wire.FLAG_PREFIX:
             run = self.store.match_prefix(ns, keys)
             return [ok_answer(h, run, wire.TAG_RUN)]
+        if h.flags_or_code & wire.FLAG_WHERE:
+            codes = self.store.where(ns, keys)
+            return [ok_answer(h, h.count, wire.TAG_WHERE), wire.encode_where(codes)]
         return [ok_answer(h, h.count), to_bitmap(self.store.exists(ns, keys))]
 
     def remove(self, h: wire.Header, ns: str, body: bytes | bytearray | memoryview) -> Buffers:
