@@ -1,7 +1,8 @@
 """One vLLM engine in its own process, driven by JSON lines (used by the e2e tests).
 
 ``python -m tests.e2e.engine_proc '{"model": DIR, "master": "HOST:PORT" | null, ...}'``
-(also ``"kv_role"``, ``"extra"``: connector settings, ``"engine"``: ``vllm.LLM`` arguments)
+(also ``"kv_role"``, ``"extra"``: connector settings, ``"engine"``: ``vllm.LLM`` arguments,
+``"kv_events"``: a ZMQ endpoint to publish KV cache events on)
 starts ``vllm.LLM`` (in-process engine core: VLLM_ENABLE_V1_MULTIPROCESSING=0), runs
 one warm-up request, prints ``{"event": "ready"}`` and then answers one JSON line per
 request line on stdout (everything else the libraries print goes to stderr):
@@ -55,6 +56,12 @@ def make_llm(cfg: dict[str, Any]) -> Any:
             "kv_role": cfg.get("kv_role", "kv_both"),
             "kv_connector_extra_config": extra,
         }
+    if cfg.get("kv_events"):  # publish KV cache events over ZMQ at this endpoint
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=cfg["kv_events"]
+        )
     return LLM(**kw)
 
 

@@ -178,3 +178,51 @@ def test_a_request_that_waited_is_looked_up_again(make_cluster: Any) -> None:
         assert counters.peek()["lookups"] == 2
     finally:
         side.shutdown()
+
+
+def test_hit_sources_tell_dram_from_ssd(make_cluster: Any, tmp_path: Any) -> None:
+    """``get_external_cache_hit_sources``: a hit's tokens split by the tier each block
+    was in when looked up (DRAM: vLLM's "host", SSD: "disk"), summing to the hit."""
+    from kvstore_client import WHERE_DRAM, WHERE_SSD
+
+    ssd = ["--ssd-path", str(tmp_path / "ssd"), "--ssd-size", "256MiB"]
+    c = make_cluster(workers=1, dram_size="8MiB", max_value_size="2MiB", extra_worker_args=ssd)
+    side, _ = _scheduler(c.address, load_mode="async")
+    try:
+        toks = list(range(3000, 3000 + 12 * BLOCK + 5))
+        tr = RequestTracker("w", BLOCK, b"")
+        tr.extend_hashes(toks)
+        hs = list(tr.hashes[:12])
+        ns = side._namespaces[0]
+        with Client(c.address) as cl:
+            for h in hs:  # 12 MiB through 8 MiB of DRAM: the oldest go to SSD
+                assert cl.batch_put(ns, [h], [bytes([len(h)]) * (1 << 20)]) == [True]
+            deadline, last = time.monotonic() + 30, None
+            while time.monotonic() < deadline:
+                codes = cl.batch_where(ns, hs)
+                if codes == last and WHERE_SSD in codes and WHERE_DRAM in codes:
+                    break
+                last = codes
+                time.sleep(0.3)
+        assert set(codes) == {WHERE_DRAM, WHERE_SSD}, codes
+        req = _request("r", toks)
+        deadline = time.monotonic() + 10
+        while (got := side.get_num_new_matched_tokens(req, 0))[0] is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        ext = got[0]
+        assert ext == 12 * BLOCK
+        blocks = SimpleNamespace(get_block_ids=lambda: (list(range(20)),))
+        side.update_state_after_alloc(req, blocks, ext)
+        split = side.hit_sources(req, ext)
+        assert split == {
+            k: v
+            for k, v in (
+                ("host", BLOCK * codes.count(WHERE_DRAM)),
+                ("disk", BLOCK * codes.count(WHERE_SSD)),
+            )
+            if v
+        }
+        assert sum(split.values()) == ext
+    finally:
+        side.shutdown()

@@ -148,7 +148,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             # after making the connector). "load_failure_policy": "fail" keeps it.
             if s.cfg.load_failure_policy == "recompute":
                 kvt.kv_load_failure_policy = "recompute"
-            self._sched = SchedulerSide(s, kv_cache_config, self._interval)
+            kev = getattr(vllm_config, "kv_events_config", None)
+            events = bool(getattr(kev, "enable_kv_cache_events", False))
+            self._sched = SchedulerSide(s, kv_cache_config, self._interval, kv_events=events)
             self._ns = s.ns(0, 0)
         else:
             from ..naming import resolve_ranks
@@ -209,6 +211,28 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         """Scheduler, once per request of a several-group model: as request_finished."""
         assert self._sched is not None
         return self._sched.request_finished(request)
+
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[Any, int]:
+        """Scheduler, after ``update_state_after_alloc``: the hit's tokens by the store
+        tier that held them when looked up (DRAM: ``host``, SSD: ``disk``; a worker
+        that cannot tell, or the ablation lookups: ``external_unspecified``), for
+        vLLM's per-source prefix-cache metrics."""
+        if self._sched is None or not num_external_tokens:
+            return {}
+        from vllm.v1.metrics.cache_hit_source import (  # type: ignore[import-not-found, unused-ignore]
+            CacheHitSource,
+        )
+
+        got = self._sched.hit_sources(request, num_external_tokens)
+        return {CacheHitSource(k): v for k, v in got.items() if v}
+
+    def take_events(self) -> list[Any]:
+        """Scheduler, each step: the store's newly confirmed blocks as KV cache events
+        (``BlockStored``, medium CPU, locality REMOTE) when the engine publishes KV
+        events; see :mod:`.events`."""
+        return self._sched.take_events() if self._sched is not None else []
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         """Scheduler: the groups a load restores (attention and, for hybrid models,

@@ -16,6 +16,7 @@ from typing import Any
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 from ...keys import leading_run
+from ...wire import WHERE_ABSENT, WHERE_DRAM, WHERE_SSD
 from ..base import StoreConnector
 from ..holder import ClientHolder
 from ..lookup import kv_lookup
@@ -40,6 +41,7 @@ from .common import (
     StateSave,
     Transfer,
 )
+from .events import StoreEvents
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,31 @@ def request_extra(request: Any) -> bytes:
     )
 
 
+Answer = tuple[list[bool], list[bool], list[int]]  # KV present, states present, tiers
+
+HOST, DISK, UNSPECIFIED = "host", "disk", "external_unspecified"  # vLLM's CacheHitSource
+_SOURCE = {WHERE_DRAM: HOST, WHERE_SSD: DISK}
+
+
+def hit_sources(tiers: list[int], indices: list[int], block: int, tokens: int) -> dict[str, int]:
+    """A hit's ``tokens`` by the tier that supplies them: the blocks ``indices`` at the
+    tier the lookup saw (``wire.WHERE_*``; DRAM is vLLM's "host", SSD its "disk",
+    an unknown tier "external_unspecified"), the last block's share cut so the counts
+    sum to ``tokens``. Only non-zero counts."""
+    out: dict[str, int] = {}
+    left = tokens
+    for i in indices:
+        n = min(block, left)
+        if n <= 0:
+            break
+        src = _SOURCE.get(tiers[i], UNSPECIFIED) if i < len(tiers) else UNSPECIFIED
+        out[src] = out.get(src, 0) + n
+        left -= n
+    if left > 0:
+        out[UNSPECIFIED] = out.get(UNSPECIFIED, 0) + left
+    return out
+
+
 def _local_all(
     client: Any, namespaces: list[str], hashes: list[bytes]
 ) -> tuple[list[bool], bool] | None:
@@ -78,7 +105,8 @@ def _local_all(
 class SchedulerSide(StoreConnector):
     """One per engine, in the scheduler process."""
 
-    def __init__(self, setup: Setup, kv_cache_config: Any, interval: Counters) -> None:
+    def __init__(self, setup: Setup, kv_cache_config: Any, interval: Counters,
+                 kv_events: bool = False) -> None:  # fmt: skip
         self.s = setup
         self._interval = interval
         cfg = setup.cfg
@@ -88,7 +116,7 @@ class SchedulerSide(StoreConnector):
         min_hit = cfg.min_hit_tokens if cfg.min_hit_tokens is not None else setup.block
         self._policy = LoadPolicy(min_hit, cfg.prefill_tokens_per_s)
         holder = ClientHolder(cfg.master, cfg.timeout_s)
-        self._lookups: Lookups[tuple[list[bool], list[bool]]] = Lookups(
+        self._lookups: Lookups[Answer] = Lookups(
             cfg.lookup_concurrency, cfg.lookup_timeout_s, cfg.lookup_wait_s
         )
         self._save_known = cfg.save_policy == "all"  # send blocks the store had too
@@ -114,6 +142,16 @@ class SchedulerSide(StoreConnector):
         self._hint_after_saves: dict[str, tuple[Hint, list[bytes]]] = {}
         self._bad_hint_logged = False
         self._hints = HintQueue(self._send_hint, self._hint_result) if cfg.session_hints else None
+        # KV cache events for the blocks the store confirmed (vLLM publishes them when
+        # its kv_events_config enables them); requests finished before their saves were
+        # confirmed are kept for them until the workers report them finished sending.
+        hash_block = int(getattr(kv_cache_config, "hash_block_size", 0) or setup.block)
+        on = kv_events and not setup.hybrid
+        self._events = StoreEvents(setup.block, hash_block, setup.attn_groups[0]) if on else None
+        self._event_src: dict[str, Any] = {}
+        # Per request: the tier of each looked-up block, and its hit's tokens by tier.
+        self._tiers: dict[str, list[int]] = {}
+        self._sources: dict[str, dict[str, int]] = {}
         self.attach(holder)
 
     def _send_hint(self, hint: Hint, hashes: list[bytes]) -> None:
@@ -151,25 +189,31 @@ class SchedulerSide(StoreConnector):
         now = hint if hint.state == "active" else Hint(hint.session, "active", hint.ttl)
         self._hints.offer(now, list(tr.hashes))
 
-    def _ask(self, hashes: list[bytes]) -> tuple[list[bool], list[bool]]:
+    def _ask(self, hashes: list[bytes]) -> Answer:
         """Lookup thread: which KV blocks every rank holds (as the ``lookup`` setting
         asks: see :func:`kv_lookup`) and, for hybrid models, which boundary states
         (one batched call per rank, in every mode)."""
         client = self.store_client(self.s.cfg.lookup_timeout_s)
         if client is None or not hashes:
-            return [False] * len(hashes), [False] * len(hashes)
+            return [False] * len(hashes), [False] * len(hashes), []
         t0 = time.perf_counter()
-        kv = kv_lookup(client, self._namespaces, hashes, self.s.cfg.lookup)
+        if self.s.cfg.lookup == "batch":  # with the tier of each hit (hit sources)
+            codes = [client.batch_where(ns, hashes) for ns in self._namespaces]
+            kv = all_ranks([[c != WHERE_ABSENT for c in each] for each in codes])
+            tiers = [max(t) for t in zip(*codes, strict=True)]
+        else:
+            kv = kv_lookup(client, self._namespaces, hashes, self.s.cfg.lookup)
+            tiers = []  # the ablation modes do not ask: hits of unknown tier
         state: list[bool] = []
         n = leading_run(kv)
         if self.s.hybrid and n:  # states only matter under the KV run
             state = all_ranks([client.batch_exists(ns, hashes[:n]) for ns in self._state_ns])
         record(NAME, self._interval, "lookup_seconds", time.perf_counter() - t0)
-        return kv, state
+        return kv, state, tiers
 
     def _lookup(
         self, rid: str, n: int, hashes: list[bytes]
-    ) -> tuple[str, tuple[list[bool], list[bool]] | BaseException | None]:
+    ) -> tuple[str, Answer | BaseException | None]:
         """The lookup's state and result (as :meth:`Lookups.poll`). In the default
         ``batch`` mode, when every owner is a same-host worker whose shared index can
         tell, the lookup runs on this thread with no I/O (microseconds): the request
@@ -193,7 +237,8 @@ class SchedulerSide(StoreConnector):
                 record(NAME, self._interval, "lookups_local", 1)
                 if kv[1] or state[1]:  # the workers see it too (after this answer)
                     self._lookups.fire(lambda: kv_lookup(client, self._namespaces, hashes, "batch"))
-                return "done", (kv[0], state[0])
+                tiers = [WHERE_DRAM if hit else WHERE_ABSENT for hit in kv[0]]  # in the arena
+                return "done", (kv[0], state[0], tiers)
         return self._lookups.poll((rid, n), lambda: self._ask(hashes))
 
     def get_num_new_matched_tokens(
@@ -231,7 +276,8 @@ class SchedulerSide(StoreConnector):
                 record(NAME, self._interval, "lookup_timeouts", 1)
             elif state == "error":
                 log.warning("kvstore lookup failed: %s", res)
-            kv, st = res if state == "done" and isinstance(res, tuple) else ([], [])
+            kv, st, tiers = res if state == "done" and isinstance(res, tuple) else ([], [], [])
+            self._tiers[rid] = tiers
             tr.present = list(kv) or [False] * len(hashes)
             tr.state_present = list(st)
             if self.s.hybrid:
@@ -285,6 +331,9 @@ class SchedulerSide(StoreConnector):
                 t.state_ids = [ids[g][k - 1] for g in self.s.state_groups]
                 t.state_hash = tr.hashes[k - 1]
             t.sync = tr.sync_load
+            self._sources[request.request_id] = hit_sources(
+                self._tiers.get(request.request_id, []), [r.index for r in refs],
+                self.s.block, num_external_tokens)  # fmt: skip
             if refs:
                 self._loads_out.append(t)
             record(NAME, self._interval, "hit_tokens", num_external_tokens)
@@ -293,6 +342,13 @@ class SchedulerSide(StoreConnector):
             name = "skipped_short_blocks" if tr.decision == "short_hit" else "skipped_slow_blocks"
             record(NAME, self._interval, name, tr.skipped_blocks())
             tr.decision = "counted"
+
+    def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
+        """The request's external hit tokens by tier (see :func:`hit_sources`)."""
+        got = self._sources.get(request.request_id)
+        if got is None or sum(got.values()) != num_external_tokens:
+            return {UNSPECIFIED: num_external_tokens} if num_external_tokens else {}
+        return got
 
     def get_loaded_kv_cache_group_ids(self) -> tuple[int, ...]:
         """The groups a load restores: every attention group and, at the hit's
@@ -387,13 +443,18 @@ class SchedulerSide(StoreConnector):
     def update_connector_output(self, connector_output: Any) -> None:
         """Learn failed loads (those blocks get written again), save outcomes (the
         watermark moves on success; failures are planned again) and bandwidth."""
-        for rid in getattr(connector_output, "finished_sending", None) or ():
+        sent = getattr(connector_output, "finished_sending", None) or ()
+        for rid in sent:
             later = self._hint_after_saves.pop(rid, None)
             if later is not None and self._hints is not None:
                 self._hints.offer(*later)
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
-        if not isinstance(wm, KVStoreWorkerMetadata):
-            return
+        if isinstance(wm, KVStoreWorkerMetadata):
+            self._worker_meta(wm)
+        for rid in sent:  # its last saves' outcomes came with it or before
+            self._event_src.pop(rid, None)
+
+    def _worker_meta(self, wm: KVStoreWorkerMetadata) -> None:
         for rid, idx in wm.failed.items():
             tr = self._trackers.get(rid)
             if tr is not None:
@@ -402,6 +463,9 @@ class SchedulerSide(StoreConnector):
             tr = self._trackers.get(rid)
             if tr is not None:
                 tr.save_done(idx, ok=True)
+            req = self._requests.get(rid) or self._event_src.get(rid)
+            if self._events is not None and req is not None:
+                self._events.stored(req, idx)
         for rid, idx in wm.save_failed.items():
             tr = self._trackers.get(rid)
             if tr is not None:
@@ -416,6 +480,8 @@ class SchedulerSide(StoreConnector):
         rid = request.request_id
         delay = rid in self._saving
         self._saving.discard(rid)
+        if delay and self._events is not None:
+            self._event_src[rid] = request
         hint = self._hint_of.pop(rid, None)
         tr = self._trackers.get(rid)
         if hint is not None and tr is not None and self._hints is not None:
@@ -425,11 +491,17 @@ class SchedulerSide(StoreConnector):
             else:
                 self._hints.offer(hint, list(tr.hashes))
         self._trackers.pop(rid, None)
+        self._tiers.pop(rid, None)
+        self._sources.pop(rid, None)
         self._requests.pop(rid, None)
         self._gids.pop(rid, None)
         self._no_save.discard(rid)
         self._lookups.forget(rid)
         return delay, None
+
+    def take_events(self) -> list[Any]:
+        """The KV cache events since the last call (see :mod:`.events`)."""
+        return self._events.take() if self._events is not None else []
 
     def shutdown(self) -> None:
         if self._hints is not None:
