@@ -47,6 +47,15 @@ def assert_no_leaks(cluster: LocalCluster) -> None:
 MakeCluster = Callable[..., LocalCluster]
 
 
+def unlink_killed_arenas(c: LocalCluster) -> None:
+    """SIGKILLed workers cannot unlink their arena; the test that killed them cleans up
+    (after ``c.stop()``)."""
+    for w in [*c.worker_procs, *c.retired]:
+        if w.proc.returncode == -9:
+            for f in arena_files(w.pid):
+                os.unlink(f)
+
+
 @pytest.fixture
 def make_cluster(tmp_path: Path) -> Iterator[MakeCluster]:
     """A factory: ``make_cluster(workers=2, ...)`` starts a cluster stopped at teardown."""
@@ -62,11 +71,7 @@ def make_cluster(tmp_path: Path) -> Iterator[MakeCluster]:
     for c in started:
         c.stop()
     for c in started:
-        # SIGKILLed workers cannot unlink their arena; the test that killed them cleans up.
-        for w in [*c.worker_procs, *c.retired]:
-            if w.proc.returncode == -9:
-                for f in arena_files(w.pid):
-                    os.unlink(f)
+        unlink_killed_arenas(c)
         assert_no_leaks(c)
 
 

@@ -8,6 +8,8 @@ import selectors
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -150,3 +152,18 @@ class Engine:
             for f in (p.stdin, p.stdout):
                 if f is not None:
                     f.close()
+
+
+@contextmanager
+def running(engines: dict[str, Engine]) -> Iterator[dict[str, Engine]]:
+    """Start the engines side by side, wait until each is ready, and stop them all on
+    the way out (even when one failed to start)."""
+    try:
+        for e in engines.values():
+            e.start()
+        for e in engines.values():
+            e.wait_ready()
+        yield engines
+    finally:
+        for e in engines.values():
+            e.stop()

@@ -17,7 +17,7 @@ import pytest
 from kvstore.cluster import LocalCluster
 
 from .conftest import REPORT
-from .engines import Engine
+from .engines import Engine, running
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -39,14 +39,9 @@ def engines(
         "R": Engine("R", tiny_model, logs, master=None, warmup_seed=3),
     }
     try:
-        for e in es.values():
-            e.start()
-        for e in es.values():
-            e.wait_ready()
-        yield es
+        with running(es):
+            yield es
     finally:
-        for e in es.values():
-            e.stop()
         c.stop()
 
 

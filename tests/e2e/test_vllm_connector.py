@@ -10,9 +10,7 @@ worker.
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import random
 import signal
 import threading
@@ -25,9 +23,10 @@ import pytest
 
 from kvstore.cluster import LocalCluster
 from kvstore_client import Client, block_hashes
+from tests.conftest import unlink_killed_arenas
 
 from .conftest import REPORT
-from .engines import Engine
+from .engines import Engine, running
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -48,10 +47,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     c.wait_for_workers(3)
     yield c
     c.stop()
-    for w in c.worker_procs:  # a SIGKILLed worker cannot unlink its arena
-        if w.proc.returncode == -9:
-            for f in glob.glob(f"/dev/shm/kvstore-{w.pid}-*"):
-                os.unlink(f)
+    unlink_killed_arenas(c)
 
 
 @pytest.fixture(scope="module")
@@ -87,15 +83,8 @@ def engines(
         ),
         "R": Engine("R", tiny_model, logs, master=None, warmup_seed=3),
     }
-    try:
-        for e in es.values():
-            e.start()
-        for e in es.values():
-            e.wait_ready()
+    with running(es):
         yield es
-    finally:
-        for e in es.values():
-            e.stop()
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:

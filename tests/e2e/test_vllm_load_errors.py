@@ -9,9 +9,7 @@ may judge a load slower than recomputing after the earlier tests' failures)."""
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import random
 import signal
 import time
@@ -21,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from kvstore.cluster import LocalCluster
+from tests.conftest import unlink_killed_arenas
 
 from .conftest import REPORT
-from .engines import Engine
+from .engines import Engine, running
 from .test_vllm_connector import assert_same_output, full_blocks, tokens
 
 pytestmark = pytest.mark.timeout(900)
@@ -36,10 +35,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     c.start()
     yield c
     c.stop()
-    for w in c.worker_procs:  # a SIGKILLed worker cannot unlink its arena
-        if w.proc.returncode == -9:
-            for f in glob.glob(f"/dev/shm/kvstore-{w.pid}-*"):
-                os.unlink(f)
+    unlink_killed_arenas(c)
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +72,8 @@ def engines(
         ),
         "R": Engine("R", tiny_model, logs, master=None, warmup_seed=4),
     }
-    try:
-        for e in es.values():
-            e.start()
-        for e in es.values():
-            e.wait_ready()
+    with running(es):
         yield es
-    finally:
-        for e in es.values():
-            e.stop()
 
 
 @pytest.mark.parametrize(("path", "victim", "seed"), [("zero_copy", 0, 23), ("mover", 1, 29)])

@@ -647,9 +647,6 @@ class Registrations:
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def __getitem__(self, aid: str) -> Registration:
-        return self._by_id[aid]
-
     def __contains__(self, aid: object) -> bool:
         return aid in self._by_id
 
