@@ -17,6 +17,7 @@ from .errors import (
     ResourceExhausted,
     Unavailable,
 )
+from .keys import Keys
 from .prefix import block_hashes, key_of
 from .wire import WHERE_ABSENT, WHERE_DRAM, WHERE_SSD, WHERE_UNKNOWN
 
@@ -31,6 +32,7 @@ __all__ = [
     "DeadlineExceeded",
     "InvalidArgument",
     "KVStoreError",
+    "Keys",
     "NotFound",
     "PermissionDenied",
     "ResourceExhausted",

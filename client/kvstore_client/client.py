@@ -334,12 +334,12 @@ class Client:
                 rooms.append(err)
         return result, full, rooms
 
-    def batch_exists(self, ns: str, hashes: list[bytes]) -> list[bool]:
+    def batch_exists(self, ns: str, hashes: Sequence[bytes]) -> list[bool]:
         """Which hashes are present on any of their owners (False also for unreachable
         workers); one batched request per worker (see :mod:`kvstore_client.lookups`)."""
         return lookups.exists(self._d, ns, self._check(ns, hashes), hashes)
 
-    def exists_local(self, ns: str, hashes: list[bytes]) -> tuple[list[bool], bool] | None:
+    def exists_local(self, ns: str, hashes: Sequence[bytes]) -> tuple[list[bool], bool] | None:
         """:meth:`batch_exists` from same-host workers' shared indexes, never waiting
         on a socket, and whether to send the workers the lookup too (one wants to see
         lookups: it may resume a paused session); None when a key needs an answer."""
@@ -348,7 +348,7 @@ class Client:
         got = self._d.exists_local(ns, self._check(ns, hashes), hashes)
         return None if got is None else (got[0].tolist(), got[1])
 
-    def batch_where(self, ns: str, hashes: list[bytes]) -> list[int]:
+    def batch_where(self, ns: str, hashes: Sequence[bytes]) -> list[int]:
         """Per hash, where its owners hold it: ``WHERE_DRAM`` (a worker's DRAM, a
         host-memory hit), ``WHERE_SSD`` (only on a worker's SSD tier, evicted from
         DRAM, or staged on its way there), ``WHERE_ABSENT`` (no owner holds it, or
@@ -361,7 +361,7 @@ class Client:
         move between tiers, or leave, right after the answer)."""
         return lookups.where(self._d, ns, self._check(ns, hashes), hashes)
 
-    def where_local(self, ns: str, hashes: list[bytes]) -> tuple[list[int], bool] | None:
+    def where_local(self, ns: str, hashes: Sequence[bytes]) -> tuple[list[int], bool] | None:
         """:meth:`batch_where` from same-host workers' shared indexes, never waiting on
         a socket, with :meth:`exists_local`'s contract: also whether to send the
         workers the lookup too, and None when a key needs an answer (e.g. the worker
@@ -375,7 +375,7 @@ class Client:
         codes: list[int] = (got[0].astype(np.uint8) * np.uint8(wire.WHERE_DRAM)).tolist()
         return codes, got[1]
 
-    def match_prefix(self, ns: str, hashes: list[bytes], *, state_ns: str | None = None) -> int:
+    def match_prefix(self, ns: str, hashes: Sequence[bytes], *, state_ns: str | None = None) -> int:
         """Number of leading hashes present (one batched EXISTS per owner, in parallel).
 
         With ``state_ns`` (hybrid models), a prefix of k blocks counts only when its k KV

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .errors import KVStoreError, PeerError, Unavailable
+from .keys import HASH_LEN, pack_hashes
 from .replicas import ReplicaStats, any_owner_groups, replica_count
 from .routing import View
 from .security import Tls
@@ -71,12 +72,14 @@ class Dispatch:
             return None
         tell = False
         out = np.zeros(len(hashes), dtype=bool)
-        rows = np.frombuffer(b"".join(hashes), dtype=(np.void, len(hashes[0])))
+        packed = pack_hashes(hashes)
+        rows = np.frombuffer(packed, dtype=(np.void, HASH_LEN))
         for w, idx in groups:
             link = view.workers[w]
             if not link.via.local:
                 return None
-            got = link.via.present(nsb, rows[idx].tobytes(), anyway=True)
+            body = packed if len(idx) == len(hashes) else rows[idx].tobytes()
+            got = link.via.present(nsb, body, anyway=True)
             if got is None:
                 return None
             out[idx] |= got

@@ -26,7 +26,7 @@ import numpy as np
 from . import wire
 from .dispatch import Dispatch
 from .errors import CallerError, InvalidArgument, KVStoreError, Unavailable
-from .keys import HASH_LEN, leading_run
+from .keys import HASH_LEN, leading_run, pack_hashes
 from .routing import View, bind, misses_only
 from .transport import Transfer
 from .transport.tcp import TcpConnection, TcpPool
@@ -42,7 +42,7 @@ def scatters(view: View, groups: Groups) -> bool:
     return all(view.workers[w].via.control is not None for w, _ in groups)
 
 
-def exists(d: Dispatch, ns: str, nsb: bytes, hashes: list[bytes]) -> list[bool]:
+def exists(d: Dispatch, ns: str, nsb: bytes, hashes: Sequence[bytes]) -> list[bool]:
     """Per hash, present on any of its owners (False also for unreachable workers)."""
     view, groups = d.copy_groups(ns, hashes)
     if not groups:
@@ -53,7 +53,7 @@ def exists(d: Dispatch, ns: str, nsb: bytes, hashes: list[bytes]) -> list[bool]:
     return flags
 
 
-def prefix(d: Dispatch, ns: str, nsb: bytes, hashes: list[bytes]) -> int:
+def prefix(d: Dispatch, ns: str, nsb: bytes, hashes: Sequence[bytes]) -> int:
     """How many leading hashes are present (see ``Client.match_prefix``)."""
     view = d.view
     if (
@@ -73,7 +73,7 @@ def prefix(d: Dispatch, ns: str, nsb: bytes, hashes: list[bytes]) -> int:
 
 
 def exists_threads(
-    d: Dispatch, nsb: bytes, hashes: list[bytes], view: View, groups: Groups
+    d: Dispatch, nsb: bytes, hashes: Sequence[bytes], view: View, groups: Groups
 ) -> list[bool]:
     result = [False] * len(hashes)
     tasks: list[Callable[[], Any]] = [
@@ -88,7 +88,7 @@ def exists_threads(
 
 
 def exists_scatter(
-    d: Dispatch, nsb: bytes, hashes: list[bytes], view: View, groups: Groups
+    d: Dispatch, nsb: bytes, hashes: Sequence[bytes], view: View, groups: Groups
 ) -> np.ndarray:
     """EXISTS without threads: send one request to every owner, then read every
     answer. A prefix lookup is one round trip to the slowest worker."""
@@ -96,7 +96,7 @@ def exists_scatter(
     answers = scatter(
         d,
         nsb,
-        b"".join(hashes),
+        pack_hashes(hashes),
         view,
         groups,
         0,
@@ -166,7 +166,7 @@ def scatter(
     return answers
 
 
-def prefix_scatter(d: Dispatch, nsb: bytes, hashes: list[bytes], view: View) -> int:
+def prefix_scatter(d: Dispatch, nsb: bytes, hashes: Sequence[bytes], view: View) -> int:
     """match_prefix with one owner per key: every owner gets its keys (in chain
     order) in one EXISTS with FLAG_PREFIX and answers how many of them lead its
     list; the chain's run ends at the first key some owner stopped at. An owner
@@ -174,8 +174,11 @@ def prefix_scatter(d: Dispatch, nsb: bytes, hashes: list[bytes], view: View) -> 
     n = len(hashes)
     if not n:
         return 0
-    packed = b"".join(hashes)
+    packed = pack_hashes(hashes)
     if len(view.workers) == 1:
+        via = view.workers[0].via
+        if via.local and (k := via.prefix(nsb, packed)) is not None:
+            return k  # the one worker's shared index answered: nothing else to do
         groups = [(0, np.arange(n))]
     else:
         owner = view.ring.primary_packed(packed)
@@ -200,7 +203,7 @@ def prefix_scatter(d: Dispatch, nsb: bytes, hashes: list[bytes], view: View) -> 
     return run
 
 
-def where(d: Dispatch, ns: str, nsb: bytes, hashes: list[bytes]) -> list[int]:
+def where(d: Dispatch, ns: str, nsb: bytes, hashes: Sequence[bytes]) -> list[int]:
     """Per hash a ``wire.WHERE_*`` code: the best tier any of its owners holds it in
     (DRAM, then WHERE_UNKNOWN, then SSD: :data:`kvstore_client.transport.where.RANK`);
     WHERE_ABSENT also for unreachable workers."""
@@ -216,7 +219,7 @@ def where(d: Dispatch, ns: str, nsb: bytes, hashes: list[bytes]) -> list[int]:
 
 
 def where_threads(
-    d: Dispatch, nsb: bytes, hashes: list[bytes], view: View, groups: Groups
+    d: Dispatch, nsb: bytes, hashes: Sequence[bytes], view: View, groups: Groups
 ) -> np.ndarray:
     out = np.zeros(len(hashes), dtype=np.uint8)
     tasks: list[Callable[[], Any]] = [
@@ -230,7 +233,7 @@ def where_threads(
 
 
 def where_scatter(
-    d: Dispatch, nsb: bytes, hashes: list[bytes], view: View, groups: Groups
+    d: Dispatch, nsb: bytes, hashes: Sequence[bytes], view: View, groups: Groups
 ) -> np.ndarray:
     """:func:`exists_scatter` with FLAG_WHERE, to the owners not known to refuse it
     (the others get plain EXISTS: WHERE_UNKNOWN hits). An owner that refuses it now
@@ -251,7 +254,7 @@ def where_scatter(
     answers = scatter(
         d,
         nsb,
-        b"".join(hashes),
+        pack_hashes(hashes),
         view,
         groups,
         flags,

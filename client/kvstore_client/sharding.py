@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from .keys import HASH_LEN
+from .keys import HASH_LEN, pack_hashes
 from .replicas import MAX_REPLICAS
 
 MIN_VNODES = 160
@@ -129,7 +129,7 @@ def key_positions(hashes: Sequence[bytes]) -> np.ndarray:
     """Ring positions (uint64) of 16-byte hashes."""
     if not hashes:
         return np.empty(0, dtype=np.uint64)
-    return packed_positions(b"".join(hashes))
+    return packed_positions(pack_hashes(hashes))
 
 
 def packed_positions(packed: bytes) -> np.ndarray:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvstore.cluster import LocalCluster
-from kvstore_client import Client, wire
+from kvstore_client import Client, Keys, wire
 from kvstore_client.errors import InvalidArgument
 from kvstore_client.keys import leading_run, to_bitmap
 from kvstore_client.transport.tcp import TcpConnection
@@ -53,6 +53,7 @@ def test_prefix_is_exactly_the_leading_run_of_present_blocks(three: LocalCluster
             chain = keys[lo : lo + rng.randrange(1, 300)]
             want = leading_run(c.batch_exists(NS, chain))
             assert c.match_prefix(NS, chain) == want, trial
+            assert c.match_prefix(NS, Keys(chain)) == want, trial
         full = [keys[i] for i in sorted(stored)]
         assert c.match_prefix(NS, full) == len(full)
         assert c.match_prefix(NS, [key(0, "absent"), *full]) == 0

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from kvstore_client import Client
+from kvstore_client import Client, Keys
 from kvstore_client.transport.shm import ShmTransfer
 from kvstore_client.transport.shmlocal import Local
 from tests.conftest import MakeCluster
@@ -53,7 +53,10 @@ def test_lookups_reads_and_pins_need_no_round_trip(make_cluster: MakeCluster) ->
         worker.signal(signal.SIGSTOP)  # nothing answers on any socket now
         try:
             assert c.match_prefix(NS, [*keys, absent]) == 100
+            assert c.match_prefix(NS, Keys([*keys, absent])) == 100  # packed once
+            assert c.match_prefix(NS, Keys([*keys[:40], absent, *keys[40:]])) == 40
             assert c.batch_exists(NS, [absent, keys[5]]) == [False, True]
+            assert c.batch_exists(NS, Keys([absent, keys[5]])) == [False, True]
             bufs = [bytearray(SIZE) for _ in range(101)]
             hits = c.batch_get_into(NS, [*keys, absent], [memoryview(b) for b in bufs])
             assert hits.result(timeout=5) == [True] * 100 + [False]
@@ -90,6 +93,8 @@ def test_exists_local_answers_from_the_indexes_or_says_it_cannot(
         try:
             t0 = time.monotonic()
             assert c.exists_local(NS, probe) == (want, False)
+            assert c.exists_local(NS, Keys(probe)) == (want, False)
+            assert c.where_local(NS, Keys(probe)) == ([int(w) for w in want], False)
             assert c.exists_local(NS, []) == ([], False)
             assert time.monotonic() - t0 < 1.0
         finally:
@@ -99,6 +104,8 @@ def test_exists_local_answers_from_the_indexes_or_says_it_cannot(
     with Client(cluster.address, transport="tcp") as c:
         assert c.exists_local(NS, probe) is None
         assert c.batch_exists(NS, probe) == want
+        assert c.batch_exists(NS, Keys.frombytes(b"".join(probe))) == want
+        assert c.match_prefix(NS, Keys(probe[1:])) == 30
 
 
 def test_a_scribbling_client_cannot_write_the_index_or_hurt_others(

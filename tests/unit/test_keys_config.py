@@ -13,10 +13,12 @@ import pytest
 from kvstore.config import load_config, parse_duration, parse_size
 from kvstore_client import errors
 from kvstore_client.keys import (
+    Keys,
     check_hashes,
     check_namespace,
     from_bitmap,
     leading_run,
+    pack_hashes,
     split_hashes,
     to_bitmap,
 )
@@ -43,6 +45,22 @@ def test_hash_checks_and_packing() -> None:
     with pytest.raises(errors.InvalidArgument):
         split_hashes(b"x" * 17)
     assert split_hashes(b"a" * 16 + b"b" * 16) == [b"a" * 16, b"b" * 16]
+
+
+def test_keys_are_checked_once_and_behave_as_the_list() -> None:
+    hs = [bytes([i]) * 16 for i in range(40)]
+    k = Keys(hs)
+    assert len(k) == 40 and list(k) == hs and k[3] == hs[3] and k[-1] == hs[-1]
+    assert k[2:5] == hs[2:5] and k.packed == b"".join(hs) == pack_hashes(k)
+    check_hashes(k)  # made checked: nothing to do
+    assert Keys(k) == k == Keys.frombytes(bytearray(k.packed)) and hash(k) == hash(Keys(hs))
+    assert Keys.frombytes(k.packed)[7] == hs[7] and len(Keys()) == 0
+    for bad in ([b"x" * 16, b"x" * 15], [b"x" * 16, "x" * 16], b"x" * 32, [bytearray(16)]):
+        with pytest.raises(errors.InvalidArgument):
+            Keys(bad)  # type: ignore[arg-type]
+    for raw in (b"x" * 17, "x" * 16):
+        with pytest.raises(errors.InvalidArgument, match="multiple of 16"):
+            Keys.frombytes(raw)  # type: ignore[arg-type]
 
 
 def test_key_of_makes_a_key_from_any_bytes() -> None:

@@ -12,9 +12,11 @@ Mooncake Store over TCP moves the same part lists with ``batch_put_from_multi_bu
 / ``batch_get_into_multi_buffers`` in the same run.
 
 ``--match-prefix``: ``match_prefix`` of a fully stored 1,000-block chain in a loop, p50 /
-p99 per call: one and two workers on this host (through their shared indexes, and over
-tcp:// for comparison), and two workers of which one does not share its arena
-(``--no-share-arena``: reached over tcp:// as a remote worker would be).
+p99 per call, the chain passed as a list of hashes and as :class:`kvstore_client.Keys`
+(packed and checked once), the two taking turns call by call: one and two workers on
+this host (through their shared indexes, and over tcp:// for comparison), and two
+workers of which one does not share its arena (``--no-share-arena``: reached over
+tcp:// as a remote worker would be).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 from kvstore.cluster import LocalCluster
 from kvstore.config import format_size, parse_size
 from kvstore.console import make_console
-from kvstore_client import Client
+from kvstore_client import Client, Keys
 from kvstore_client.routing import FRAME_BYTES
 
 from ..peers import MooncakeServer, MooncakeStoreAdapter, PeerUnavailable, cpu_seconds
@@ -173,24 +175,28 @@ def lookup_point(
 ) -> dict[str, Any]:
     """match_prefix of a stored ``blocks``-long chain over the cluster's workers."""
     keys = [os.urandom(16) for _ in range(blocks)]
+    packed = Keys(keys)
+    lat = np.empty((2, calls))  # a list of hashes, then the same chain as Keys
     with Client(cluster.address, transport=transport) as c:
         c.batch_put(NS, keys, [b"x" * 64] * blocks)
         for _ in range(200):  # warm connections
             c.match_prefix(NS, keys)
-        lat = np.empty(calls)
-        for i in range(calls):
-            t0 = time.perf_counter()
-            k = c.match_prefix(NS, keys)
-            lat[i] = time.perf_counter() - t0
-        assert k == blocks, f"match_prefix found {k} of {blocks}"
+        for i in range(calls):  # the two forms take turns: the same load on each
+            for j, chain in enumerate((keys, packed)):
+                t0 = time.perf_counter()
+                k = c.match_prefix(NS, chain)
+                lat[j, i] = time.perf_counter() - t0
+                assert k == blocks, f"match_prefix found {k} of {blocks}"
         c.remove(NS, keys)
     return {
         "blocks": blocks,
         "workers": len(cluster.worker_procs),
         "transport": transport,
         "calls": calls,
-        "p50_ms": float(np.percentile(lat, 50) * 1e3),
-        "p99_ms": float(np.percentile(lat, 99) * 1e3),
+        "p50_ms": float(np.percentile(lat[0], 50) * 1e3),
+        "p99_ms": float(np.percentile(lat[0], 99) * 1e3),
+        "keys_p50_ms": float(np.percentile(lat[1], 50) * 1e3),
+        "keys_p99_ms": float(np.percentile(lat[1], 99) * 1e3),
     }
 
 
@@ -226,9 +232,10 @@ def main(
     if match_prefix:
         lks = result["match_prefix"] = lookup_points(dram or "256MiB")
         for lk in lks:
-            p50, p99 = lk["p50_ms"] * 1e3, lk["p99_ms"] * 1e3
             console.print(f"match_prefix of {lk['blocks']} blocks, {lk['case']}: "
-                          f"p50 {p50:.0f} us, p99 {p99:.0f} us")  # fmt: skip
+                          f"p50 {lk['p50_ms'] * 1e3:.0f} us, p99 {lk['p99_ms'] * 1e3:.0f} us; "
+                          f"as Keys p50 {lk['keys_p50_ms'] * 1e3:.0f} us, "
+                          f"p99 {lk['keys_p99_ms'] * 1e3:.0f} us")  # fmt: skip
     if parts:
         # One worker, one client thread: a batch goes out in FRAME_BYTES frames at once.
         ceil = result["ceilings"] = ceilings_3x(total, -(-block * batch // FRAME_BYTES))

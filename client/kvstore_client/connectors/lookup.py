@@ -9,7 +9,9 @@ from typing import Any
 from .planning import all_ranks
 
 
-def kv_lookup(client: Any, namespaces: Sequence[str], hashes: list[bytes], mode: str) -> list[bool]:
+def kv_lookup(
+    client: Any, namespaces: Sequence[str], hashes: Sequence[bytes], mode: str
+) -> list[bool]:
     """Per hash: present in every namespace (every rank's shard) of the store.
 
     ``mode`` (the connector's ``lookup`` setting):

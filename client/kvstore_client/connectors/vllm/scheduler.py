@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch  # type: ignore[import-not-found, unused-ignore]
 
-from ...keys import leading_run
+from ...keys import Keys, leading_run
 from ...wire import WHERE_ABSENT, WHERE_DRAM, WHERE_SSD
 from ..base import StoreConnector
 from ..holder import ClientHolder
@@ -92,7 +93,7 @@ def hit_sources(tiers: list[int], indices: list[int], block: int, tokens: int) -
 
 
 def _local_all(
-    client: Any, namespaces: list[str], hashes: list[bytes]
+    client: Any, namespaces: list[str], hashes: Sequence[bytes]
 ) -> tuple[list[bool], bool] | None:
     """Per hash, present in every namespace, from same-host shared indexes only, and
     whether a worker wants to see the lookup too; None when one needs an answer."""
@@ -189,7 +190,7 @@ class SchedulerSide(StoreConnector):
         now = hint if hint.state == "active" else Hint(hint.session, "active", hint.ttl)
         self._hints.offer(now, list(tr.hashes))
 
-    def _ask(self, hashes: list[bytes]) -> Answer:
+    def _ask(self, hashes: Sequence[bytes]) -> Answer:
         """Lookup thread: which KV blocks every rank holds (as the ``lookup`` setting
         asks: see :func:`kv_lookup`) and, for hybrid models, which boundary states
         (one batched call per rank, in every mode)."""
@@ -212,7 +213,7 @@ class SchedulerSide(StoreConnector):
         return kv, state, tiers
 
     def _lookup(
-        self, rid: str, n: int, hashes: list[bytes]
+        self, rid: str, n: int, hashes: Sequence[bytes]
     ) -> tuple[str, Answer | BaseException | None]:
         """The lookup's state and result (as :meth:`Lookups.poll`). In the default
         ``batch`` mode, when every owner is a same-host worker whose shared index can
@@ -268,7 +269,7 @@ class SchedulerSide(StoreConnector):
         stale = time.monotonic() - tr.looked_up_at > self.s.cfg.lookup_max_age_s
         if tr.looked_up_tokens != len(tokens) or stale:
             tr.extend_hashes(tokens)
-            hashes = list(tr.hashes)
+            hashes = Keys(tr.hashes)  # checked and packed once for every rank's lookup
             state, res = self._lookup(rid, len(tokens), hashes)
             if state == "pending":
                 return None, False
