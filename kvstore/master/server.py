@@ -461,6 +461,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                     await self._commit(context)
                 if answer is not None:
                     await context.write(answer)
+        except asyncio.CancelledError:
+            return  # the worker went away or the master is stopping: not an error
         finally:
             if read is not None:
                 read.cancel()
