@@ -66,6 +66,7 @@ class BeatSession:
         if not self.grams:
             return ok, lost, gone, asked
         ttl = m.ttl_now
+        listen = m.listening(now)  # silence on the listening clock, as the membership's
         for slot, b in list(self.grams.items()):
             if b.attention:
                 b.attention, asked = False, True
@@ -76,7 +77,7 @@ class BeatSession:
             elif b.arrived and not b.confirmed:
                 b.confirmed = True
                 ok.append(slot)
-            elif now - b.heard > (LOST_TTLS if b.confirmed else UNCONFIRMED_TTLS) * ttl:
+            elif listen - b.heard > (LOST_TTLS if b.confirmed else UNCONFIRMED_TTLS) * ttl:
                 lost.append(slot)
                 self._drop_gram(slot)
         return ok, lost, gone, asked
@@ -150,7 +151,7 @@ class BeatSession:
             else:
                 self.slots[b.slot] = mem
                 if b.datagrams and dg is not None and dg.enabled:
-                    g = self.grams[b.slot] = dg.bind(self, b.slot, mem, now)
+                    g = self.grams[b.slot] = dg.bind(self, b.slot, mem, m.listening(now))
                     grants.append(
                         master_pb2.DatagramGrant(slot=b.slot, binding=g.id, key=g.key, port=dg.port)
                     )

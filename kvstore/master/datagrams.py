@@ -40,7 +40,7 @@ class Binding:
     slot: int
     member: Member
     owner: Any  # the BeatSession that bound it
-    heard: float  # when its last datagram was read (at first: when it was bound)
+    heard: float  # listening time its last datagram was read (at first: when it was bound)
     seq: int = 0  # the last sequence number accepted
     arrived: bool = False  # a valid datagram was read
     confirmed: bool = False  # the stream said so (datagrams_ok)
@@ -62,13 +62,16 @@ class Datagrams:
     def enabled(self) -> bool:
         return self.port > 0
 
-    def bind(self, owner: Any, slot: int, member: Member, now: float) -> Binding:
-        """A new binding (a fresh id and key) for ``slot`` of ``owner``'s stream."""
+    def bind(self, owner: Any, slot: int, member: Member, listen: float) -> Binding:
+        """A new binding (a fresh id and key) for ``slot`` of ``owner``'s stream, at
+        ``listen`` on the membership's listening clock (:meth:`Membership.listening`:
+        time the master was behind is nobody's silence, for bindings too)."""
         bid = self._next
         while bid in self.bindings or bid == 0:
             bid = (bid + 1) & 0xFFFFFFFF
         self._next = (bid + 1) & 0xFFFFFFFF
-        b = Binding(bid, secrets.token_bytes(beatgram.KEY_BYTES), slot, member, owner, now)
+        key = secrets.token_bytes(beatgram.KEY_BYTES)
+        b = Binding(bid, key, slot, member, owner, listen)
         self.bindings[bid] = b
         return b
 
@@ -110,12 +113,13 @@ class Datagrams:
         counts["stale"] += len(stale)
         counts["accepted"] += len(accepted) - len(stale)
         wake: list[Binding] = []
+        listen = m.listening(now)
         for i, b in enumerate(accepted):
             if i in stale:
                 b.stale = True
                 wake.append(b)
                 continue
-            b.heard = now
+            b.heard = listen
             if not b.arrived or b.attention:
                 b.arrived = True
                 wake.append(b)

@@ -443,7 +443,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                     req, read = read.result(), None
                 else:
                     self.ear.streams.pop(session, None)
-                    req = await context.read()
+                    if read is not None:  # begun while the stream beat by datagram
+                        req, read = await read, None
+                    else:
+                        req = await context.read()
                 if req is grpc.aio.EOF:  # type: ignore[attr-defined]
                     return
                 assert isinstance(req, master_pb2.BeatBatch)

@@ -216,6 +216,19 @@ def test_garbage_forged_and_replayed_datagrams_are_dropped(master: tuple[str, in
             time.sleep(0.5)
         m = stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=10)
         assert [w.id for w in m.workers] == ["w00"]
+        # the datagrams stop: the stream says so, and stream beats keep the worker
+        deadline = time.monotonic() + 15
+        lost = False
+        while not lost and time.monotonic() < deadline:
+            s.send(alive=[0])
+            with contextlib.suppress(Exception):
+                lost = 0 in s.answers.get(timeout=0.5).datagrams_lost
+        assert lost
+        for _ in range(12):
+            s.send(alive=[0])
+            time.sleep(0.5)
+        m = stub.GetShardMap(master_pb2.GetShardMapRequest(), timeout=10)
+        assert [w.id for w in m.workers] == ["w00"]
         assert s.error is None
         s.close()
         udp.close()

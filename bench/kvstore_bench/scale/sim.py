@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from kvstore import beatgram
+from kvstore.worker.masterlink import DATAGRAM_RETRY_S
 from kvstore_client.proto import master_pb2, master_pb2_grpc
 
 __all__ = [
@@ -178,6 +179,12 @@ class _BeatStream:
             self.forgotten.add(i)
             self.rejoins.append(asyncio.create_task(self._rejoin(i)))
 
+    async def _ask_again(self, i: int) -> None:
+        """As the worker does after datagrams_lost: bind again (asking for datagrams)
+        after a pause (kvstore.worker.masterlink.DATAGRAM_RETRY_S)."""
+        await asyncio.sleep(DATAGRAM_RETRY_S)
+        self.bound.discard(i)
+
     async def _rejoin(self, i: int) -> None:
         await asyncio.sleep(self.pace[0] * (0.5 + random.random() / 2))
         with contextlib.suppress(grpc.aio.AioRpcError):
@@ -196,8 +203,9 @@ class _BeatStream:
                     self._drop_grant(g.slot)
                     self.grants[g.slot] = g
                 self.confirmed.update(s for s in resp.datagrams_ok if s in self.grants)
-                for slot in resp.datagrams_lost:  # on the stream from now on
+                for slot in resp.datagrams_lost:  # on the stream, datagrams again later
                     self._drop_grant(slot)
+                    self.rejoins.append(asyncio.create_task(self._ask_again(slot)))
                 for slot in resp.unknown:
                     self.told(slot)
                 for r in resp.refused:
