@@ -18,6 +18,8 @@ __all__ = [
     "KEY_BYTES",
     "MAC_BYTES",
     "MAGIC",
+    "RETRY_CAP_S",
+    "RETRY_S",
     "SIZE",
     "VERSION",
     "decode",
@@ -33,6 +35,9 @@ HEADER = struct.Struct("<2sBBIQ")  # magic, version, flags, binding id, sequence
 MAC_BYTES = 16
 KEY_BYTES = 32
 SIZE = HEADER.size + MAC_BYTES  # 32
+# A sender told datagrams_lost asks for datagrams again this much later, doubling ...
+RETRY_S = 10.0
+RETRY_CAP_S = 300.0  # ... up to this
 
 
 def mac(key: bytes, header: bytes | memoryview) -> bytes:

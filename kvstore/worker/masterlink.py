@@ -76,8 +76,8 @@ LEADER_TRAILER = "kvstore-leader"  # sent by a standby master: the leader's addr
 DEFAULT_CONFLICT_TTL = 30.0  # when the master did not say its TTL
 STATS_EVERY = 2  # changed stats go along at most every this many heartbeat intervals
 PROTOCOLS = ("beats", "stream", "unary")  # newest first; UNIMPLEMENTED moves to the next
-DATAGRAM_RETRY_S = 10.0  # after datagrams_lost, ask for datagrams again this much later ...
-DATAGRAM_RETRY_CAP_S = 300.0  # ... doubling up to this
+DATAGRAM_RETRY_S = beatgram.RETRY_S  # after datagrams_lost, ask again this much later ...
+DATAGRAM_RETRY_CAP_S = beatgram.RETRY_CAP_S  # ... doubling up to this
 ATTENTION_TTLS = 1.25  # nothing heard from the master this long: datagrams ask for an answer
 
 

@@ -25,7 +25,6 @@ from typing import Any
 import grpc
 
 from kvstore import beatgram
-from kvstore.worker.masterlink import DATAGRAM_RETRY_S
 from kvstore_client.proto import master_pb2, master_pb2_grpc
 
 __all__ = [
@@ -181,8 +180,8 @@ class _BeatStream:
 
     async def _ask_again(self, i: int) -> None:
         """As the worker does after datagrams_lost: bind again (asking for datagrams)
-        after a pause (kvstore.worker.masterlink.DATAGRAM_RETRY_S)."""
-        await asyncio.sleep(DATAGRAM_RETRY_S)
+        after a pause (beatgram.RETRY_S; the worker doubles it on each loss)."""
+        await asyncio.sleep(beatgram.RETRY_S)
         self.bound.discard(i)
 
     async def _rejoin(self, i: int) -> None:
