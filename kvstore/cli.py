@@ -270,6 +270,12 @@ def version() -> None:
 @main.command()
 @click.option("--host", default=None, help="Bind address [127.0.0.1].")
 @click.option("--port", type=int, default=None, help="gRPC port; 0 picks a free one [7700].")
+@click.option(
+    "--beat-port",
+    default=None,
+    help="UDP port for datagram beats; 0 picks a free one, off turns them off "
+    "[the number of the gRPC port].",
+)
 @click.option("--worker-ttl", default=None, help="Drop a worker silent this long [10s].")
 @click.option("--metrics-port", type=int, default=None, help="Prometheus port; 0 = off.")
 @click.option("--etcd", default=None, help="etcd endpoints for HA masters.")
@@ -315,6 +321,11 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
     "--master",
     default=None,
     help="Master host:port (comma-separated for HA); else $KVSTORE_MASTER [127.0.0.1:7700].",
+)
+@click.option(
+    "--datagram-beats/--no-datagram-beats",
+    default=None,
+    help="Beat by UDP datagram when the master offers it; off: on the gRPC stream [on].",
 )
 @click.option("--host", default=None, help="Bind address [127.0.0.1].")
 @click.option("--advertise-host", default=None, help="Address clients should use.")

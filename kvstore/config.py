@@ -83,6 +83,9 @@ def _dur(default: str) -> Any:
 class MasterConfig:
     host: str = "127.0.0.1"
     port: int = 7700
+    # UDP port for datagram beats (master.proto): "" the gRPC port's number, "0" a free
+    # port, "off" none (workers beat on their gRPC streams)
+    beat_port: str = ""
     worker_ttl: float = _dur("10s")
     metrics_port: int = 0  # 0: no metrics endpoint
     etcd: str = ""  # comma-separated etcd endpoints; empty: in-memory state
@@ -108,6 +111,8 @@ class MasterConfig:
 @dataclass(slots=True)
 class WorkerConfig:
     master: str = "127.0.0.1:7700"  # comma-separated for HA masters
+    # beat by UDP datagram when the master offers it (master.proto); off: on the stream
+    datagram_beats: bool = True
     host: str = "127.0.0.1"  # bind address
     advertise_host: str = ""  # address clients use; default: host (or hostname for 0.0.0.0)
     id: str = ""  # stable identity on the hash ring; default: advertise_host-grpc_port
@@ -333,6 +338,12 @@ def validate(cfg: Config) -> None:
                     )
                 )
     m, w = cfg.master, cfg.worker
+    bp = m.beat_port.strip().lower()
+    if bp not in ("", "off") and not (bp.isdigit() and int(bp) <= 65535):
+        raise InvalidArgument(
+            f"master.beat_port (--beat-port) is {m.beat_port!r}: want a UDP port 0..65535 "
+            "(0 picks a free one), off, or nothing for the gRPC port's number"
+        )
     positive: list[tuple[str, str, float]] = [
         ("master", "worker_ttl", m.worker_ttl),
         ("master", "lease_ttl", m.lease_ttl),

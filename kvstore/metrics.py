@@ -77,6 +77,8 @@ WORKER_OPS = (
     "session_hint", "sessions", "hand_off", "shm_get", "shm_reserve", "shm_commit",
 )  # fmt: skip
 MASTER_OPS = ("register", "heartbeat", "leave", "get_shard_map", "cluster_status", "drain")
+# kvstore.master.datagrams.RESULTS
+BEAT_DATAGRAM_RESULTS = ("accepted", "malformed", "unknown", "forged", "replayed", "stale")
 ETCD_OPS = ("range", "txn", "watch", "lease_grant", "lease_revoke", "lease_ttl", "lease_keepalive")
 
 # A worker's own metrics: registered only by workers (enable_worker_metrics).
@@ -151,6 +153,13 @@ HEARTBEATS = Counter(
     "Worker heartbeats the master applied (one per worker beat, batched or not)",
     registry=None,
 )
+BEAT_DATAGRAMS = Counter(
+    "kvstore_master_beat_datagrams_total",
+    "UDP beat datagrams the master read, by result: accepted (a beat), malformed, "
+    "unknown (binding), forged (MAC), replayed (sequence), stale (registration gone)",
+    ["result"],
+    registry=None,
+)
 WORKERS_EXPIRED = Counter(
     "kvstore_workers_expired_total",
     "Workers the master removed for missing heartbeats",
@@ -188,6 +197,7 @@ _MASTER_METRICS = (
     LEADER_TERMS,
     ETCD_ERRORS,
     HEARTBEATS,
+    BEAT_DATAGRAMS,
     WORKERS_EXPIRED,
     MASTER_LAG,
     MASTER_DEAF,
@@ -215,6 +225,8 @@ def enable_master_metrics(*, etcd: bool = False) -> None:
             REGISTRY.register(m)
         _master_enabled = True
     _start_requests(MASTER_OPS)
+    for result in BEAT_DATAGRAM_RESULTS:
+        BEAT_DATAGRAMS.labels(result)
     if etcd:
         for op in ETCD_OPS:
             ETCD_ERRORS.labels(op)

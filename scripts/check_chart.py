@@ -231,9 +231,22 @@ def expect_default(ms: list[Manifest]) -> list[str]:
     for c in sts["spec"]["template"]["spec"]["containers"]:
         if any("hugepages" in k or "/" in k for k in c.get("resources", {}).get("requests", {})):
             problems.append("a default install should request no huge pages or devices")
-    args = container(ms, "StatefulSet", f"{FULLNAME}-master")["args"]
+    master = container(ms, "StatefulSet", f"{FULLNAME}-master")
+    args = master["args"]
     if any(a.startswith("--etcd") for a in args):
         problems.append("a single master should not get --etcd without etcd.endpoints")
+    # datagram beats: a UDP port of the gRPC port's number, on the container and Services
+    grpc_port = next(p["containerPort"] for p in master["ports"] if p["name"] == "grpc")
+    udp = [p for p in master["ports"] if p.get("protocol") == "UDP"]
+    if [(p["name"], p["containerPort"]) for p in udp] != [("beats", grpc_port)]:
+        problems.append(f"the master container should expose UDP beats:{grpc_port}, has {udp}")
+    if f"--beat-port={grpc_port}" not in args:
+        problems.append(f"the master should get --beat-port={grpc_port}")
+    for svc in find(ms, "Service"):
+        if svc["metadata"]["name"].startswith(f"{FULLNAME}-master"):
+            names = {(p["name"], p.get("protocol"), p["port"]) for p in svc["spec"]["ports"]}
+            if ("beats", "UDP", grpc_port) not in names:
+                problems.append(f"Service {svc['metadata']['name']} lacks the UDP beats port")
     if find(ms, "PodDisruptionBudget", f"{FULLNAME}-master"):
         problems.append("no master PDB expected without ha.enabled")
     if not find(ms, "PodDisruptionBudget", f"{FULLNAME}-worker"):

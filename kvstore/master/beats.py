@@ -8,6 +8,14 @@ instance token) under a slot number of the sender's choosing; afterwards a slot 
 (:meth:`Membership.beat_all`), no map work and no token check. A slot stays bound
 to the registration it was bound to: when that registration is gone (expired, left,
 replaced) the slot is reported ``unknown`` and the worker registers and binds again.
+
+A bind may ask for datagram beats (:mod:`kvstore.master.datagrams`): the session
+grants a binding in its answer, says ``datagrams_ok`` once the binding's first
+datagram was read, and ``datagrams_lost`` (forgetting the binding) when a confirmed
+binding is silent for half a TTL, or an unconfirmed one for a whole TTL; the worker
+then beats on the stream again. :meth:`BeatSession.poll` is what the master asks of
+a stream that carries no batches (its workers beat by datagram): the answer to push,
+or None. When the stream ends, :meth:`BeatSession.close` forgets its bindings.
 """
 
 from __future__ import annotations
@@ -15,20 +23,103 @@ from __future__ import annotations
 from kvstore_client.errors import InvalidArgument, KVStoreError, to_grpc_code
 from kvstore_client.proto import master_pb2
 
+from .datagrams import Binding, Datagrams
 from .membership import IdConflict, Member, Membership, check_instance
 
 __all__ = ["MAX_SLOTS", "BeatSession"]
 
 MAX_SLOTS = 1024  # slot numbers of one stream are below this
+LOST_TTLS = 0.5  # a confirmed binding silent this long: datagrams_lost
+UNCONFIRMED_TTLS = 1.0  # a binding without a datagram this long after its bind: lost too
 
 
 class BeatSession:
     """One Beats stream: its slots and when it last answered."""
 
-    def __init__(self) -> None:
+    def __init__(self, datagrams: Datagrams | None = None) -> None:
         self.slots: dict[int, Member] = {}
         self.answered = -float("inf")
         self.told = 0.0  # the interval last told on this stream
+        self.datagrams = datagrams
+        self.grams: dict[int, Binding] = {}  # slot -> its datagram binding
+
+    def close(self) -> None:
+        """The stream ended: its datagram bindings die with it."""
+        if self.datagrams is not None:
+            for b in self.grams.values():
+                self.datagrams.forget(b)
+        self.grams.clear()
+
+    def _drop_gram(self, slot: int) -> None:
+        b = self.grams.pop(slot, None)
+        if b is not None and self.datagrams is not None:
+            self.datagrams.forget(b)
+
+    def _gram_news(self, m: Membership, now: float) -> tuple[list[int], list[int], list[int], bool]:
+        """(slots confirmed now, slots lost, slots forgotten, a sender asked for an
+        answer) of this stream's datagram bindings; confirmed ones are marked told,
+        lost and forgotten ones are dropped."""
+        ok: list[int] = []
+        lost: list[int] = []
+        gone: list[int] = []
+        asked = False
+        if not self.grams:
+            return ok, lost, gone, asked
+        ttl = m.ttl_now
+        listen = m.listening(now)  # silence on the listening clock, as the membership's
+        for slot, b in list(self.grams.items()):
+            if b.attention:
+                b.attention, asked = False, True
+            if b.stale:
+                gone.append(slot)
+                self._drop_gram(slot)
+                self.slots.pop(slot, None)
+            elif b.arrived and not b.confirmed:
+                b.confirmed = True
+                ok.append(slot)
+            elif listen - b.heard > (LOST_TTLS if b.confirmed else UNCONFIRMED_TTLS) * ttl:
+                lost.append(slot)
+                self._drop_gram(slot)
+        return ok, lost, gone, asked
+
+    @property
+    def beats_by_datagram(self) -> bool:
+        """Whether any slot of this stream holds a datagram binding."""
+        return bool(self.grams)
+
+    def poll(self, m: Membership, now: float) -> master_pb2.BeatAnswer | None:
+        """What to push on a stream between its batches: confirmations, lost and
+        forgotten bindings, a new interval, or the sign of life once per TTL; None
+        when there is nothing to say."""
+        ok, lost, gone, asked = self._gram_news(m, now)
+        interval = m.heartbeat_interval
+        if ok or lost or gone or asked or interval != self.told or now - self.answered >= m.ttl_now:
+            return self._answer(m, now, unknown=gone, ok=ok, lost=lost)
+        return None
+
+    def _answer(
+        self,
+        m: Membership,
+        now: float,
+        *,
+        unknown: list[int],
+        refused: list[master_pb2.BeatRefusal] | None = None,
+        grants: list[master_pb2.DatagramGrant] | None = None,
+        ok: list[int] | None = None,
+        lost: list[int] | None = None,
+    ) -> master_pb2.BeatAnswer:
+        interval = m.heartbeat_interval
+        self.answered, self.told = now, interval
+        return master_pb2.BeatAnswer(
+            unknown=unknown,
+            refused=refused,
+            interval_s=interval,
+            ttl_s=m.ttl_now,
+            map_version=m.version,
+            datagrams=grants,
+            datagrams_ok=ok,
+            datagrams_lost=lost,
+        )
 
     def handle(
         self, m: Membership, batch: master_pb2.BeatBatch, now: float
@@ -44,8 +135,11 @@ class BeatSession:
                 raise InvalidArgument(f"slot {b.slot} is out of range (< {MAX_SLOTS})")
         unknown: list[int] = []
         refused: list[master_pb2.BeatRefusal] = []
+        grants: list[master_pb2.DatagramGrant] = []
+        dg = self.datagrams
         for b in batch.bind:
             self.slots.pop(b.slot, None)
+            self._drop_gram(b.slot)
             try:
                 check_instance(b.instance)
                 mem = m.bind(b.worker_id, b.instance, now)
@@ -56,6 +150,11 @@ class BeatSession:
                 unknown.append(b.slot)
             else:
                 self.slots[b.slot] = mem
+                if b.datagrams and dg is not None and dg.enabled:
+                    g = self.grams[b.slot] = dg.bind(self, b.slot, mem, m.listening(now))
+                    grants.append(
+                        master_pb2.DatagramGrant(slot=b.slot, binding=g.id, key=g.key, port=dg.port)
+                    )
         alive = batch.alive
         if alive:
             get = self.slots.get
@@ -66,15 +165,21 @@ class BeatSession:
             stats = c.stats if c.HasField("stats") else None
             if mem is None or not m.update(mem, now, stats, c.draining):
                 unknown.append(c.slot)
+        ok, lost, gone, asked = self._gram_news(m, now)
+        unknown += gone
         interval = m.heartbeat_interval
-        if unknown or refused or interval != self.told or now - self.answered >= m.ttl_now:
-            self.answered, self.told = now, interval
-            return master_pb2.BeatAnswer(
-                unknown=unknown,
-                refused=refused,
-                interval_s=interval,
-                ttl_s=m.ttl_now,
-                map_version=m.version,
+        if (
+            unknown
+            or refused
+            or grants
+            or ok
+            or lost
+            or asked
+            or interval != self.told
+            or now - self.answered >= m.ttl_now
+        ):
+            return self._answer(
+                m, now, unknown=unknown, refused=refused, grants=grants, ok=ok, lost=lost
             )
         return None
 

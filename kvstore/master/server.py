@@ -46,6 +46,7 @@ from ..config import MasterConfig
 from ..errors import InvalidArgument, KVStoreError, to_grpc_code
 from . import drain
 from .beats import BeatSession
+from .beatsock import BeatEar, beat_port
 from .feed import MapFeed
 from .guard import TenantGuard
 from .membership import MAX_ID, IdConflict, Membership, Tick
@@ -121,6 +122,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self._flusher: asyncio.Task[None] | None = None
         self._flushed_at = -float("inf")  # when the last flush ended
         self._overload_said = -float("inf")  # when the last overload warning was logged
+        self.ear = BeatEar(self)  # datagram beats (master.proto)
 
     @property
     def is_leader(self) -> bool:
@@ -407,35 +409,68 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                 answered = now
                 yield master_pb2.HeartbeatResponse(known=True, map_version=self.m.version)
 
-    async def Beats(
+    async def Beats(  # type: ignore[override]  # writes with context.write
         self, request_iterator: AsyncIterator[master_pb2.BeatBatch], context: Ctx
-    ) -> AsyncIterator[master_pb2.BeatAnswer]:
+    ) -> None:
         """Batched heartbeats of the workers on one connection (leader only; see
         master.proto and :class:`~kvstore.master.beats.BeatSession`). A standby, or a
         leader that stepped down, ends the stream UNAVAILABLE; a slot number out of
-        range INVALID_ARGUMENT."""
+        range INVALID_ARGUMENT. While slots of the stream beat by datagram the stream
+        carries few batches: the handler also wakes for what the datagram drain has
+        to say on it (:meth:`BeatEar.drain`)."""
         if not self.is_leader:
             await self._not_leader(context, "heartbeats go to the leader")
-        session = BeatSession()
-        while True:
-            req = await context.read()
-            if req is grpc.aio.EOF:  # type: ignore[attr-defined]
-                return
-            assert isinstance(req, master_pb2.BeatBatch)
-            if not self.is_leader:
-                await self._not_leader(context, "stepped down")
-            m, v0 = self.m, self.m.version
-            b0 = m.beats
-            try:
-                answer = session.handle(m, req, time.monotonic())
-            except KVStoreError as e:
-                log.warning("refused a heartbeat batch from %s: %s", context.peer(), e)
-                await context.abort(to_grpc_code(e), str(e))
-            metrics.HEARTBEATS.inc(m.beats - b0)
-            if m.version != v0:
-                await self._commit(context)
-            if answer is not None:
-                yield answer
+        session = BeatSession(self.ear.datagrams)
+        read: asyncio.Future[Any] | None = None
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if session.beats_by_datagram:
+                    wake = self.ear.streams.get(session)
+                    if wake is None or wake.done():
+                        wake = self.ear.streams[session] = loop.create_future()
+                    if read is None:
+                        read = asyncio.ensure_future(context.read())
+                    await asyncio.wait((read, wake), return_when=asyncio.FIRST_COMPLETED)
+                    if wake.done():
+                        if not self.is_leader:
+                            await self._not_leader(context, "stepped down")
+                        pushed = wake.result()
+                        if pushed is not None:
+                            await context.write(pushed)
+                    if not read.done():
+                        continue
+                    req, read = read.result(), None
+                else:
+                    self.ear.streams.pop(session, None)
+                    if read is not None:  # begun while the stream beat by datagram
+                        req, read = await read, None
+                    else:
+                        req = await context.read()
+                if req is grpc.aio.EOF:  # type: ignore[attr-defined]
+                    return
+                assert isinstance(req, master_pb2.BeatBatch)
+                if not self.is_leader:
+                    await self._not_leader(context, "stepped down")
+                m, v0 = self.m, self.m.version
+                b0 = m.beats
+                try:
+                    answer = session.handle(m, req, time.monotonic())
+                except KVStoreError as e:
+                    log.warning("refused a heartbeat batch from %s: %s", context.peer(), e)
+                    await context.abort(to_grpc_code(e), str(e))
+                metrics.HEARTBEATS.inc(m.beats - b0)
+                if m.version != v0:
+                    await self._commit(context)
+                if answer is not None:
+                    await context.write(answer)
+        except asyncio.CancelledError:
+            return  # the worker went away or the master is stopping: not an error
+        finally:
+            if read is not None:
+                read.cancel()
+            self.ear.streams.pop(session, None)
+            session.close()
 
     @observed("leave")
     async def Leave(
@@ -587,6 +622,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             now, cpu_now = time.monotonic(), time.process_time()
             busy = (cpu_now - cpu) / max(1e-3, now - last)
             cpu, last = cpu_now, now
+            self.ear.drain()  # beats waiting in the socket count before the judging
             t = self.m.tick(now, now - due, busy)
             self._report(t, now - due, now)
             if t.expired:
@@ -617,6 +653,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     async def close(self) -> None:
         self.stop_expiry()
+        self.ear.close()
         if self._flusher is not None:
             self._flusher.cancel()
         for ch in self._channels.values():
@@ -698,6 +735,9 @@ async def serve(cfg: MasterConfig) -> int:
     servicer = MasterServicer(members, address=_advertised(cfg, port), tls=tls)
     servicer.namespace_replicas = parse_namespace_replicas(cfg.namespace_replicas)
     _add_servicer(servicer, server)
+    udp = beat_port(cfg.beat_port, port)
+    if udp is not None:
+        servicer.ear.open(cfg.host, udp)
     hs = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     ha: HaCoordinator | None = None
@@ -740,6 +780,8 @@ async def serve(cfg: MasterConfig) -> int:
         "grpc": f"{host}:{port}",
         "pid": os.getpid(),
     }
+    if servicer.ear.socket is not None:
+        ready["beat_port"] = servicer.ear.socket.port
     if ha is not None:
         ready["advertise"] = servicer.address
     print(json.dumps(ready), flush=True)

@@ -26,7 +26,15 @@ the master refuses another token for an id that is live (FAILED_PRECONDITION).
   calls. When the master answers that it forgot the worker, or ends the stream,
   the link registers again after a random pause of 0.5-1 heartbeat interval; a
   standby's UNAVAILABLE names the leader (``kvstore-leader`` trailer), which the
-  link tries next when it is in its master list. Retry delays are jittered
+  link tries next when it is in its master list.
+- **Datagram beats** (unless ``datagrams=False``): the bind asks for them; when the
+  master grants them (a binding id, a key, its UDP port) each beat is also a 32-byte
+  UDP datagram to the master host the channel dialed (:mod:`kvstore.beatgram`), and
+  once the master confirms on the stream that they arrive (``datagrams_ok``), a beat
+  with nothing new is the datagram alone. When the master says they stopped arriving
+  (``datagrams_lost``), the link beats on the stream again and asks for datagrams
+  again after a backoff (DATAGRAM_RETRY_S doubling up to DATAGRAM_RETRY_CAP_S); see
+  :class:`DatagramBeats`. A new stream binds anew. Retry delays are jittered
   (x0.5-1), so workers that lost the same master do not all come back at the
   same moment. A stream on which the master said nothing for two TTLs is dropped.
 """
@@ -37,10 +45,11 @@ import contextlib
 import logging
 import random
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -48,6 +57,8 @@ import grpc
 from kvstore_client.errors import Code, KVStoreError
 from kvstore_client.proto import master_pb2, master_pb2_grpc
 from kvstore_client.security import Tls, metadata, open_channel
+
+from .. import beatgram
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +76,9 @@ LEADER_TRAILER = "kvstore-leader"  # sent by a standby master: the leader's addr
 DEFAULT_CONFLICT_TTL = 30.0  # when the master did not say its TTL
 STATS_EVERY = 2  # changed stats go along at most every this many heartbeat intervals
 PROTOCOLS = ("beats", "stream", "unary")  # newest first; UNIMPLEMENTED moves to the next
+DATAGRAM_RETRY_S = beatgram.RETRY_S  # after datagrams_lost, ask again this much later ...
+DATAGRAM_RETRY_CAP_S = beatgram.RETRY_CAP_S  # ... doubling up to this
+ATTENTION_TTLS = 1.25  # nothing heard from the master this long: datagrams ask for an answer
 
 
 class IdInUse(KVStoreError):
@@ -113,6 +127,68 @@ class Throttle:
         self._last = None
 
 
+@dataclass(slots=True)
+class DatagramBeats:
+    """The worker's side of datagram beats for its slot (0) of a Beats stream; pure.
+
+    :meth:`answer` follows the master's answers (a grant, its confirmation, its loss);
+    :meth:`beat` says how the next beat with nothing new goes: on the stream, as a
+    datagram, or both (granted, not yet confirmed); :meth:`ask` whether the next bind
+    asks for datagrams (at the stream's start, and again once the retry is due).
+    """
+
+    enabled: bool = True
+    slot: int = 0
+    grant: master_pb2.DatagramGrant | None = None
+    confirmed: bool = False
+    seq: int = 0
+    retry: Backoff = field(default_factory=lambda: Backoff(DATAGRAM_RETRY_S, DATAGRAM_RETRY_CAP_S))
+    retry_at: float | None = None  # lost: ask again from then on (None: not lost)
+
+    def ask(self, now: float) -> bool:
+        """Whether a bind now asks for datagrams."""
+        return (
+            self.enabled and self.grant is None and (self.retry_at is None or now >= self.retry_at)
+        )
+
+    def rebind_due(self, now: float) -> bool:
+        """Lost earlier and the retry is due: bind again asking for datagrams."""
+        return self.enabled and self.retry_at is not None and now >= self.retry_at
+
+    def bound(self) -> None:
+        """A bind went out; its answer grants datagrams or not."""
+        self.retry_at = None
+        self.grant, self.confirmed = None, False
+
+    def answer(self, resp: master_pb2.BeatAnswer, now: float) -> str:
+        """Apply one answer; "granted", "confirmed", "lost" or ""."""
+        what = ""
+        for g in resp.datagrams:
+            if g.slot == self.slot and g.port and len(g.key) == beatgram.KEY_BYTES:
+                self.grant, self.confirmed, self.seq = g, False, 0
+                what = "granted"
+        if self.grant is not None and self.slot in resp.datagrams_ok:
+            self.confirmed = True
+            self.retry.reset()
+            what = "confirmed"
+        if self.slot in resp.datagrams_lost or self.slot in resp.unknown:
+            lost = self.grant is not None and self.slot in resp.datagrams_lost
+            self.grant, self.confirmed = None, False
+            if lost:
+                self.retry_at = now + self.retry.next()
+                what = "lost"
+        return what
+
+    def beat(self, attention: bool = False) -> tuple[bool, bytes | None]:
+        """(whether the beat goes on the stream, the datagram to send or None)."""
+        g = self.grant
+        if g is None:
+            return True, None
+        self.seq += 1
+        flags = beatgram.FLAG_ATTENTION if attention else 0
+        return not self.confirmed, beatgram.encode(g.key, g.binding, self.seq, flags)
+
+
 class MasterLink:
     """Registers the worker and heartbeats until ``stop``; see the module doc."""
 
@@ -129,6 +205,7 @@ class MasterLink:
         on_fatal: Callable[[str], None],
         instance: str | None = None,
         serving: Callable[[], bool] = lambda: True,
+        datagrams: bool = True,
     ) -> None:
         self.masters = masters
         self.tls = tls
@@ -147,6 +224,11 @@ class MasterLink:
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self.ever_registered = False
         self.protocol = PROTOCOLS[0]  # the next one after a master answered UNIMPLEMENTED
+        self.datagrams = datagrams  # ask for datagram beats (see DatagramBeats)
+        # counts for tests and logs: beats sent on the stream with nothing new, datagrams
+        self.stream_beats = 0
+        self.datagrams_sent = 0
+        self.datagrams_confirmed = False  # the current stream's datagrams arrive
 
     def start(self) -> None:
         self._thread.start()
@@ -215,7 +297,7 @@ class MasterLink:
                         registered = self._stream_heartbeats(stub, interval, ttl)
                         delay = 0.0 if registered else _jitter(interval)
                     else:
-                        registered = self._beats(stub, interval, ttl)
+                        registered = self._beats(stub, interval, ttl, self.masters[idx])
                         delay = 0.0 if registered else _jitter(interval)
                     refused = False
                 except _Silent as e:  # no answer on the stream for two TTLs
@@ -301,16 +383,20 @@ class MasterLink:
         finally:
             channel.close()
 
-    def _beats(self, stub: master_pb2_grpc.MasterStub, interval: float, ttl: float) -> bool:
+    def _beats(
+        self, stub: master_pb2_grpc.MasterStub, interval: float, ttl: float, addr: str = ""
+    ) -> bool:
         """Heartbeat on one Beats stream (slot 0 is this worker) until ``stop``
         (returns True: still registered) or until the master answers that it forgot
         this worker or ends the stream (returns False: register again).
 
-        Beats at the interval the master's answers ask for. Sends nothing while the
-        data plane is not serving (the master then drops the worker within its TTL).
-        Raises grpc.RpcError when the stream fails, _Refused when the master refuses
-        the bind (another instance holds the id), and _Silent when the master said
-        nothing for two TTLs.
+        Beats at the interval the master's answers ask for, by datagram to the host of
+        ``addr`` (the master this stream goes to) once the master granted and
+        confirmed them (:class:`DatagramBeats`). Sends nothing while the data plane is
+        not serving (the master then drops the worker within its TTL). Raises
+        grpc.RpcError when the stream fails, _Refused when the master refuses the bind
+        (another instance holds the id), and _Silent when the master said nothing for
+        two TTLs.
         """
         done = threading.Event()
         heard = [time.monotonic()]
@@ -318,6 +404,25 @@ class MasterLink:
         calls: list[Any] = []
         say = Throttle()
         silent = [False]
+        gram = DatagramBeats(enabled=self.datagrams)
+        lock = threading.Lock()
+        udp: list[socket.socket] = []  # connected to the master's beat port once granted
+        self.datagrams_confirmed = False
+
+        def send(datagram: bytes) -> None:
+            g = gram.grant
+            if g is None:
+                return
+            try:
+                if not udp or udp[0].getpeername()[1] != g.port:
+                    for s in udp:
+                        s.close()
+                    udp.clear()
+                    udp.append(_udp_to(addr, g.port))
+                udp[0].send(datagram)
+                self.datagrams_sent += 1
+            except OSError:
+                pass  # the master notices (datagrams_lost) and the stream carries the beats
 
         def batches() -> Iterator[master_pb2.BeatBatch]:
             bound = False
@@ -328,16 +433,32 @@ class MasterLink:
                     now = time.monotonic()
                     st = self._stats()
                     b = master_pb2.BeatBatch()
-                    if not bound:
-                        b.bind.add(slot=0, worker_id=self.worker_id, instance=self.instance)
-                        bound = True
+                    with lock:
+                        if not bound or gram.rebind_due(now):
+                            b.bind.add(
+                                slot=0,
+                                worker_id=self.worker_id,
+                                instance=self.instance,
+                                datagrams=gram.ask(now),
+                            )
+                            gram.bound()
+                            bound = True
                     news = sent is None or st.draining != sent.draining
                     if news or (st != sent and now - sent_at >= STATS_EVERY * pace[0]):
                         b.changed.add(slot=0, stats=st, draining=st.draining)
                         sent, sent_at = st, now
                     elif not b.bind:
-                        b.alive.append(0)
-                    yield b
+                        with lock:
+                            on_stream, datagram = gram.beat(
+                                now - heard[0] > ATTENTION_TTLS * pace[1]
+                            )
+                        if datagram is not None:
+                            send(datagram)
+                        if on_stream:
+                            b.alive.append(0)
+                            self.stream_beats += 1
+                    if b.bind or b.alive or b.changed:
+                        yield b
                 elif say.ready(time.monotonic()):
                     log.error("the transfer plane is not serving: not heartbeating")
                 if self._stop.wait(pace[0]) or done.is_set():
@@ -351,7 +472,7 @@ class MasterLink:
         calls.append(call)
         try:
             for resp in call:
-                heard[0] = time.monotonic()
+                now = heard[0] = time.monotonic()
                 if resp.interval_s > 0:
                     if resp.interval_s != pace[0]:
                         log.info("the master asks for a heartbeat every %.2gs", resp.interval_s)
@@ -362,6 +483,19 @@ class MasterLink:
                     raise _Refused(resp.refused[0])
                 if resp.unknown:
                     return False
+                with lock:
+                    what = gram.answer(resp, now)
+                if what == "confirmed":
+                    self.datagrams_confirmed = True
+                    port = gram.grant.port if gram.grant is not None else 0
+                    log.info("heartbeats by UDP datagram to %s port %d", _host(addr), port)
+                elif what == "lost":
+                    self.datagrams_confirmed = False
+                    log.warning(
+                        "the master hears no datagram beats from this worker: heartbeats on "
+                        "the gRPC stream, datagrams again in %.0fs",
+                        (gram.retry_at or now) - now,
+                    )
             return self._stop.is_set()
         except grpc.RpcError:
             if silent[0]:
@@ -369,6 +503,9 @@ class MasterLink:
             raise
         finally:
             done.set()
+            for s in udp:
+                s.close()
+            self.datagrams_confirmed = False
 
     def _unary_heartbeat(self, stub: master_pb2_grpc.MasterStub) -> bool:
         """One unary Heartbeat (masters without HeartbeatStream); True if known."""
@@ -469,6 +606,26 @@ class _Failure:
             _trailer(err, LIVE_TRAILER),
             _trailer(err, LEADER_TRAILER),
         )
+
+
+def _host(addr: str) -> str:
+    """The host of a "host:port" master address ("[v6]:port" too)."""
+    host = addr.rpartition(":")[0] or addr
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _udp_to(addr: str, port: int) -> socket.socket:
+    """A UDP socket connected to ``port`` on the host of master address ``addr``."""
+    family, kind, proto, _, target = socket.getaddrinfo(_host(addr), port, type=socket.SOCK_DGRAM)[
+        0
+    ]
+    s = socket.socket(family, kind, proto)
+    try:
+        s.connect(target)
+    except OSError:
+        s.close()
+        raise
+    return s
 
 
 def _jitter(delay: float) -> float:

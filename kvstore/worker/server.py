@@ -234,6 +234,7 @@ class Worker:
                 on_registered=self._registered,
                 on_fatal=self._fatal,
                 serving=self._data_plane_serving,
+                datagrams=cfg.datagram_beats,
             )
             metrics.enable_worker_metrics(
                 self.stats,

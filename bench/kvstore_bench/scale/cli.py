@@ -40,6 +40,11 @@ def _rows(runs: list[dict[str, Any]], ring: dict[str, Any]) -> list[list[str]]:
             ],
             [f"{m}: heartbeats/s", f(r["heartbeats_per_s"], "{:.0f}"), ""],
             [
+                f"{m}: heartbeats sent as UDP datagrams",
+                f(100 * r.get("datagrams_per_heartbeat", 0.0), "{:.1f}%"),
+                "",
+            ],
+            [
                 f"{m}: heartbeats served (by the master / sent)",
                 f(100 * r.get("heartbeats_served_ratio", float("nan")), "{:.1f}%"),
                 ">= 95%",
@@ -231,11 +236,12 @@ def _plots(runs: list[dict[str, Any]], ring: dict[str, Any], out: Path, st: str)
 @click.option(
     "--protocol",
     type=click.Choice(PROTOCOLS),
-    default="beats",
+    default="datagrams",
     show_default=True,
-    help="How simulated workers heartbeat: beats (one batched stream per connection), "
-    "stream (one HeartbeatStream per worker) or unary (a call per heartbeat); the last "
-    "two are the protocols before Beats.",
+    help="How simulated workers heartbeat: datagrams (Beats streams that ask for UDP "
+    "datagram beats, as kvstore worker does), beats (one batched stream per connection, "
+    "no datagrams), stream (one HeartbeatStream per worker) or unary (a call per "
+    "heartbeat); the last two are the protocols before Beats.",
 )
 @click.option(
     "--per-connection",

@@ -50,6 +50,7 @@ from .leases import run_leases
 from .load import BackgroundLoad, heartbeats_served
 from .sim import (
     CALL_TIMEOUT,
+    Datagrams,
     SimWorker,
     Watcher,
     connection_loop,
@@ -62,7 +63,7 @@ from .sim import (
 __all__ = ["PROTOCOLS", "ScaleConfig", "map_version", "run_scale", "sim_info", "worker_rpc"]
 
 PER_CHANNEL = 10  # watchers per gRPC connection
-PROTOCOLS = ("beats", "stream", "unary")  # how the simulated workers heartbeat
+PROTOCOLS = ("datagrams", "beats", "stream", "unary")  # how the simulated workers heartbeat
 
 
 @dataclass(slots=True)
@@ -76,9 +77,10 @@ class ScaleConfig:
     fail_fraction: float = 0.01
     ring_keys: int = 2_000_000
     ha: bool = True
-    # beats: one Beats stream per connection; stream: a HeartbeatStream per worker;
-    # unary: a Heartbeat call per beat (the protocols before Beats)
-    protocol: str = "beats"
+    # datagrams: Beats streams binding for datagram beats (as kvstore worker does);
+    # beats: one Beats stream per connection, no datagrams; stream: a HeartbeatStream
+    # per worker; unary: a Heartbeat call per beat (the protocols before Beats)
+    protocol: str = "datagrams"
     per_connection: int = 10  # simulated workers per gRPC connection
     deltas: bool = True  # watchers ask for map deltas (False: full maps, older clients)
     etcd_leases: bool = False  # also measure worker leases in etcd (see .leases)
@@ -237,14 +239,16 @@ async def _run_mode(
     say(f"{mode}: {cfg.workers} workers register")
     sem = asyncio.Semaphore(64)
     served0 = await _served(metric_urls)
-    if cfg.protocol == "beats":
+    udp = Datagrams(addrs[lead].rpartition(":")[0]) if cfg.protocol == "datagrams" else None
+    batched = cfg.protocol in ("beats", "datagrams")
+    if batched:
         conns = [sims[i : i + per] for i in range(0, len(sims), per)]
-        tasks += [asyncio.create_task(connection_loop(c, cfg.heartbeat_s)) for c in conns]
+        tasks += [asyncio.create_task(connection_loop(c, cfg.heartbeat_s, udp)) for c in conns]
 
     async def reg(w: SimWorker) -> None:
         async with sem:
             await worker_rpc(w, register=True)
-        if cfg.protocol != "beats":
+        if not batched:
             unary = cfg.protocol == "unary"
             tasks.append(asyncio.create_task(worker_loop(w, cfg.heartbeat_s, unary)))
 
@@ -279,6 +283,7 @@ async def _run_mode(
         e0 = etcd.metric(ETCD_METRICS) if etcd is not None else {}
         sv0 = await _served(metric_urls)
         hb0 = sum(w.heartbeats for w in sims)
+        u0 = udp.sent if udp is not None else 0
         p0 = time.process_time()
         s0 = sampler.sample()
         await asyncio.sleep(cfg.steady_s)
@@ -292,6 +297,8 @@ async def _run_mode(
         res["steady_s"] = dt
         res["simulator_cpu_per_s"] = (time.process_time() - p0) / dt
         res["heartbeats_per_s"] = hbs / dt
+        # beats sent as datagrams (a slot not yet confirmed beats on the stream too)
+        res["datagrams_per_heartbeat"] = (udp.sent - u0) / hbs if udp is not None and hbs else 0.0
         res["master_cpu_per_s"] = cpu[lead] / dt
         res["master_cpu_per_heartbeat_s"] = cpu[lead] / hbs if hbs else float("nan")
         res["standby_cpu_per_s"] = [c / dt for i, c in enumerate(cpu) if i != lead]
@@ -409,6 +416,8 @@ async def _run_mode(
     await asyncio.gather(*tasks, return_exceptions=True)
     for ch in [*wchans, *vchans]:
         await ch.close(None)
+    if udp is not None:
+        udp.close()
     return res
 
 

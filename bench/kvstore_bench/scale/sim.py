@@ -4,8 +4,10 @@ and map watchers, all in the bench's process on asyncio (the scenario is :mod:`.
 Workers share gRPC connections (``per_connection`` each, as several workers on a host
 would share one link) and heartbeat as ``kvstore worker`` does: by default on one
 Beats stream per connection (:func:`connection_loop`: one batch per interval naming
-every live worker's slot), or each on its own HeartbeatStream, or by unary calls
-(:func:`worker_loop`, the protocols before Beats). Watchers hold the WatchShardMap
+every live worker's slot), with datagram beats when asked (each worker's bind asks for
+them; once the master confirms a slot, its beats are UDP datagrams alone, as a real
+worker's), or each on its own HeartbeatStream, or by unary calls (:func:`worker_loop`,
+the protocols before Beats). Watchers hold the WatchShardMap
 stream open and time every version they get, as deltas unless told otherwise.
 """
 
@@ -15,15 +17,18 @@ import asyncio
 import contextlib
 import random
 import secrets
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
+from kvstore import beatgram
 from kvstore_client.proto import master_pb2, master_pb2_grpc
 
 __all__ = [
+    "Datagrams",
     "SimWorker",
     "Watcher",
     "connection_loop",
@@ -129,12 +134,18 @@ class _BeatStream:
     """One Beats stream of a connection: which slots it bound, which workers the
     master forgot (they register again, then are bound again on it)."""
 
-    def __init__(self, ws: list[SimWorker], pace: list[float]) -> None:
+    def __init__(
+        self, ws: list[SimWorker], pace: list[float], udp: Datagrams | None = None
+    ) -> None:
         self.ws = ws
         self.pace = pace
         self.bound: set[int] = set()
         self.forgotten: set[int] = set()
         self.rejoins: list[asyncio.Task[None]] = []
+        self.udp = udp
+        self.grants: dict[int, master_pb2.DatagramGrant] = {}
+        self.seq: dict[int, int] = {}
+        self.confirmed: set[int] = set()
 
     def batch(self) -> master_pb2.BeatBatch:
         b = master_pb2.BeatBatch()
@@ -142,17 +153,36 @@ class _BeatStream:
             if w.paused or i in self.forgotten or not w.registers:
                 continue  # paused, registering again, or not registered yet
             if i in self.bound:
-                b.alive.append(i)
+                g = self.grants.get(i)
+                if g is not None and self.udp is not None:
+                    seq = self.seq[i] = self.seq.get(i, 0) + 1
+                    self.udp.send(beatgram.encode(g.key, g.binding, seq), g.port)
+                if i not in self.confirmed:
+                    b.alive.append(i)
             else:
-                b.bind.add(slot=i, worker_id=w.info.id, instance=w.instance)
+                b.bind.add(
+                    slot=i, worker_id=w.info.id, instance=w.instance, datagrams=self.udp is not None
+                )
                 self.bound.add(i)
             w.heartbeats += 1
         return b
 
+    def _drop_grant(self, i: int) -> None:
+        self.grants.pop(i, None)
+        self.seq.pop(i, None)
+        self.confirmed.discard(i)
+
     def told(self, i: int) -> None:
+        self._drop_grant(i)
         if i < len(self.ws) and i not in self.forgotten:
             self.forgotten.add(i)
             self.rejoins.append(asyncio.create_task(self._rejoin(i)))
+
+    async def _ask_again(self, i: int) -> None:
+        """As the worker does after datagrams_lost: bind again (asking for datagrams)
+        after a pause (beatgram.RETRY_S; the worker doubles it on each loss)."""
+        await asyncio.sleep(beatgram.RETRY_S)
+        self.bound.discard(i)
 
     async def _rejoin(self, i: int) -> None:
         await asyncio.sleep(self.pace[0] * (0.5 + random.random() / 2))
@@ -168,6 +198,13 @@ class _BeatStream:
             async for resp in call:
                 if resp.interval_s > 0:
                     self.pace[0] = resp.interval_s
+                for g in resp.datagrams:
+                    self._drop_grant(g.slot)
+                    self.grants[g.slot] = g
+                self.confirmed.update(s for s in resp.datagrams_ok if s in self.grants)
+                for slot in resp.datagrams_lost:  # on the stream, datagrams again later
+                    self._drop_grant(slot)
+                    self.rejoins.append(asyncio.create_task(self._ask_again(slot)))
                 for slot in resp.unknown:
                     self.told(slot)
                 for r in resp.refused:
@@ -178,17 +215,44 @@ class _BeatStream:
             t.cancel()
 
 
-async def connection_loop(ws: list[SimWorker], interval: float) -> None:
+class Datagrams:
+    """One UDP socket from which simulated workers send their datagram beats to the
+    master at ``host`` (at the port each grant names)."""
+
+    def __init__(self, host: str) -> None:
+        family, _, _, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_DGRAM)[0]
+        self.host = addr[0]
+        self.sock = socket.socket(family, socket.SOCK_DGRAM)
+        self.sock.setblocking(False)
+        self.sent = 0
+        self.failed = 0
+
+    def send(self, datagram: bytes, port: int) -> None:
+        try:
+            self.sock.sendto(datagram, (self.host, port))
+            self.sent += 1
+        except OSError:
+            self.failed += 1
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+async def connection_loop(
+    ws: list[SimWorker], interval: float, udp: Datagrams | None = None
+) -> None:
     """The workers of one connection heartbeating on one Beats stream: every interval
     (the one the master's answers ask for) one batch, in which each live worker is its
-    slot number (bound once per stream). A worker the master forgot (it expired while
+    slot number (bound once per stream). With ``udp`` each bind asks for datagram
+    beats, and a slot the master granted them beats by datagram, on the stream too
+    until the master confirms it. A worker the master forgot (it expired while
     paused) registers again after a jittered pause and is bound again on the same
     stream; a stream that ends is reopened after a jittered pause."""
     await asyncio.sleep(random.random() * interval)  # spread the phases
     pace = [interval]
     while True:
         call = ws[0].stub.Beats()  # type: ignore[call-arg]
-        st = _BeatStream(ws, pace)
+        st = _BeatStream(ws, pace, udp)
         reader = asyncio.create_task(st.read(call))
         try:
             nxt = time.monotonic()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cmaster.proto\x12\nkvstore.v1\"\x8c\x01\n\nWorkerInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04grpc\x18\x02 \x01(\t\x12\x11\n\tendpoints\x18\x03 \x03(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fmax_value_bytes\x18\x05 \x01(\x04\x12\x0f\n\x07host_id\x18\x06 \x01(\t\x12\x0f\n\x07version\x18\x07 \x01(\t\"\x9d\x02\n\x0bWorkerStats\x12\x12\n\nused_bytes\x18\x01 \x01(\x04\x12\x0c\n\x04keys\x18\x02 \x01(\x04\x12\x0c\n\x04hits\x18\x03 \x01(\x04\x12\x0e\n\x06misses\x18\x04 \x01(\x04\x12\x11\n\tevictions\x18\x05 \x01(\x04\x12\x0c\n\x04puts\x18\x06 \x01(\x04\x12\x1a\n\x12ssd_capacity_bytes\x18\x07 \x01(\x04\x12\x16\n\x0essd_used_bytes\x18\x08 \x01(\x04\x12\x10\n\x08ssd_keys\x18\t \x01(\x04\x12\x11\n\tdemotions\x18\n \x01(\x04\x12\x12\n\npromotions\x18\x0b \x01(\x04\x12\x15\n\rssd_evictions\x18\x0c \x01(\x04\x12\x17\n\x0f\x63hecksum_errors\x18\r \x01(\x04\x12\x10\n\x08\x64raining\x18\x0e \x01(\x08\"K\n\x0fRegisterRequest\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.kvstore.v1.WorkerInfo\x12\x10\n\x08instance\x18\x02 \x01(\t\"T\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x13\n\x0bmap_version\x18\x03 \x01(\x04\"q\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.kvstore.v1.WorkerStats\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x10\n\x08instance\x18\x04 \x01(\t\"7\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x13\n\x0bmap_version\x18\x02 \x01(\x04\"=\n\x08\x42\x65\x61tBind\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x10\n\x08instance\x18\x03 \x01(\t\"T\n\nBeatChange\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.kvstore.v1.WorkerStats\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\"g\n\tBeatBatch\x12\"\n\x04\x62ind\x18\x01 \x03(\x0b\x32\x14.kvstore.v1.BeatBind\x12\r\n\x05\x61live\x18\x02 \x03(\r\x12\'\n\x07\x63hanged\x18\x03 \x03(\x0b\x32\x16.kvstore.v1.BeatChange\"Z\n\x0b\x42\x65\x61tRefusal\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\x12\x0f\n\x07live_at\x18\x05 \x01(\t\"\x7f\n\nBeatAnswer\x12\x0f\n\x07unknown\x18\x01 \x03(\r\x12(\n\x07refused\x18\x02 \x03(\x0b\x32\x17.kvstore.v1.BeatRefusal\x12\x12\n\ninterval_s\x18\x03 \x01(\x01\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\x12\x13\n\x0bmap_version\x18\x05 \x01(\x04\"3\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\" \n\rLeaveResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"\xac\x02\n\x08ShardMap\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\'\n\x07workers\x18\x02 \x03(\x0b\x32\x16.kvstore.v1.WorkerInfo\x12\x16\n\x0evnodes_per_gib\x18\x03 \x01(\r\x12\x10\n\x08replicas\x18\x04 \x01(\r\x12\x12\n\ncluster_id\x18\x05 \x01(\t\x12G\n\x12namespace_replicas\x18\x06 \x03(\x0b\x32+.kvstore.v1.ShardMap.NamespaceReplicasEntry\x12\x14\n\x0c\x62\x61se_version\x18\x07 \x01(\x04\x12\x0f\n\x07removed\x18\x08 \x03(\t\x1a\x38\n\x16NamespaceReplicasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x14\n\x12GetShardMapRequest\"=\n\x14WatchShardMapRequest\x12\x15\n\rknown_version\x18\x01 \x01(\x04\x12\x0e\n\x06\x64\x65ltas\x18\x02 \x01(\x08\"n\n\x0cStoredWorker\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.kvstore.v1.WorkerInfo\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.kvstore.v1.WorkerStats\x12\x10\n\x08instance\x18\x0f \x01(\t\"\x16\n\x14\x43lusterStatusRequest\"\x8c\x01\n\x0cWorkerStatus\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.kvstore.v1.WorkerInfo\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.kvstore.v1.WorkerStats\x12\x1c\n\x14last_heartbeat_age_s\x18\x03 \x01(\x01\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\"\x7f\n\x15\x43lusterStatusResponse\x12\x13\n\x0bmap_version\x18\x01 \x01(\x04\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.kvstore.v1.WorkerStatus\x12\x16\n\x0emaster_version\x18\x03 \x01(\t\x12\x0e\n\x06leader\x18\x04 \x01(\x08\"4\n\x0c\x44rainRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"\x88\x01\n\rDrainResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bmap_version\x18\x02 \x01(\x04\x12\x14\n\x0cmoved_blocks\x18\x03 \x01(\x04\x12\x13\n\x0bmoved_bytes\x18\x04 \x01(\x04\x12\x13\n\x0bkept_blocks\x18\x05 \x01(\x04\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x32\x8b\x05\n\x06Master\x12\x45\n\x08Register\x12\x1b.kvstore.v1.RegisterRequest\x1a\x1c.kvstore.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.kvstore.v1.HeartbeatRequest\x1a\x1d.kvstore.v1.HeartbeatResponse\x12R\n\x0fHeartbeatStream\x12\x1c.kvstore.v1.HeartbeatRequest\x1a\x1d.kvstore.v1.HeartbeatResponse(\x01\x30\x01\x12:\n\x05\x42\x65\x61ts\x12\x15.kvstore.v1.BeatBatch\x1a\x16.kvstore.v1.BeatAnswer(\x01\x30\x01\x12<\n\x05Leave\x12\x18.kvstore.v1.LeaveRequest\x1a\x19.kvstore.v1.LeaveResponse\x12\x43\n\x0bGetShardMap\x12\x1e.kvstore.v1.GetShardMapRequest\x1a\x14.kvstore.v1.ShardMap\x12I\n\rWatchShardMap\x12 .kvstore.v1.WatchShardMapRequest\x1a\x14.kvstore.v1.ShardMap0\x01\x12T\n\rClusterStatus\x12 .kvstore.v1.ClusterStatusRequest\x1a!.kvstore.v1.ClusterStatusResponse\x12<\n\x05\x44rain\x12\x18.kvstore.v1.DrainRequest\x1a\x19.kvstore.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cmaster.proto\x12\nkvstore.v1\"\x8c\x01\n\nWorkerInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04grpc\x18\x02 \x01(\t\x12\x11\n\tendpoints\x18\x03 \x03(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fmax_value_bytes\x18\x05 \x01(\x04\x12\x0f\n\x07host_id\x18\x06 \x01(\t\x12\x0f\n\x07version\x18\x07 \x01(\t\"\x9d\x02\n\x0bWorkerStats\x12\x12\n\nused_bytes\x18\x01 \x01(\x04\x12\x0c\n\x04keys\x18\x02 \x01(\x04\x12\x0c\n\x04hits\x18\x03 \x01(\x04\x12\x0e\n\x06misses\x18\x04 \x01(\x04\x12\x11\n\tevictions\x18\x05 \x01(\x04\x12\x0c\n\x04puts\x18\x06 \x01(\x04\x12\x1a\n\x12ssd_capacity_bytes\x18\x07 \x01(\x04\x12\x16\n\x0essd_used_bytes\x18\x08 \x01(\x04\x12\x10\n\x08ssd_keys\x18\t \x01(\x04\x12\x11\n\tdemotions\x18\n \x01(\x04\x12\x12\n\npromotions\x18\x0b \x01(\x04\x12\x15\n\rssd_evictions\x18\x0c \x01(\x04\x12\x17\n\x0f\x63hecksum_errors\x18\r \x01(\x04\x12\x10\n\x08\x64raining\x18\x0e \x01(\x08\"K\n\x0fRegisterRequest\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.kvstore.v1.WorkerInfo\x12\x10\n\x08instance\x18\x02 \x01(\t\"T\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x13\n\x0bmap_version\x18\x03 \x01(\x04\"q\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.kvstore.v1.WorkerStats\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x10\n\x08instance\x18\x04 \x01(\t\"7\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x13\n\x0bmap_version\x18\x02 \x01(\x04\"P\n\x08\x42\x65\x61tBind\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x11\n\tdatagrams\x18\x04 \x01(\x08\"I\n\rDatagramGrant\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0f\n\x07\x62inding\x18\x02 \x01(\r\x12\x0b\n\x03key\x18\x03 \x01(\x0c\x12\x0c\n\x04port\x18\x04 \x01(\r\"T\n\nBeatChange\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.kvstore.v1.WorkerStats\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\"g\n\tBeatBatch\x12\"\n\x04\x62ind\x18\x01 \x03(\x0b\x32\x14.kvstore.v1.BeatBind\x12\r\n\x05\x61live\x18\x02 \x03(\r\x12\'\n\x07\x63hanged\x18\x03 \x03(\x0b\x32\x16.kvstore.v1.BeatChange\"Z\n\x0b\x42\x65\x61tRefusal\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\x12\x0f\n\x07live_at\x18\x05 \x01(\t\"\xdb\x01\n\nBeatAnswer\x12\x0f\n\x07unknown\x18\x01 \x03(\r\x12(\n\x07refused\x18\x02 \x03(\x0b\x32\x17.kvstore.v1.BeatRefusal\x12\x12\n\ninterval_s\x18\x03 \x01(\x01\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\x12\x13\n\x0bmap_version\x18\x05 \x01(\x04\x12,\n\tdatagrams\x18\x06 \x03(\x0b\x32\x19.kvstore.v1.DatagramGrant\x12\x14\n\x0c\x64\x61tagrams_ok\x18\x07 \x03(\r\x12\x16\n\x0e\x64\x61tagrams_lost\x18\x08 \x03(\r\"3\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\" \n\rLeaveResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"\xac\x02\n\x08ShardMap\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\'\n\x07workers\x18\x02 \x03(\x0b\x32\x16.kvstore.v1.WorkerInfo\x12\x16\n\x0evnodes_per_gib\x18\x03 \x01(\r\x12\x10\n\x08replicas\x18\x04 \x01(\r\x12\x12\n\ncluster_id\x18\x05 \x01(\t\x12G\n\x12namespace_replicas\x18\x06 \x03(\x0b\x32+.kvstore.v1.ShardMap.NamespaceReplicasEntry\x12\x14\n\x0c\x62\x61se_version\x18\x07 \x01(\x04\x12\x0f\n\x07removed\x18\x08 \x03(\t\x1a\x38\n\x16NamespaceReplicasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x14\n\x12GetShardMapRequest\"=\n\x14WatchShardMapRequest\x12\x15\n\rknown_version\x18\x01 \x01(\x04\x12\x0e\n\x06\x64\x65ltas\x18\x02 \x01(\x08\"n\n\x0cStoredWorker\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.kvstore.v1.WorkerInfo\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.kvstore.v1.WorkerStats\x12\x10\n\x08instance\x18\x0f \x01(\t\"\x16\n\x14\x43lusterStatusRequest\"\x8c\x01\n\x0cWorkerStatus\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.kvstore.v1.WorkerInfo\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.kvstore.v1.WorkerStats\x12\x1c\n\x14last_heartbeat_age_s\x18\x03 \x01(\x01\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\"\x7f\n\x15\x43lusterStatusResponse\x12\x13\n\x0bmap_version\x18\x01 \x01(\x04\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.kvstore.v1.WorkerStatus\x12\x16\n\x0emaster_version\x18\x03 \x01(\t\x12\x0e\n\x06leader\x18\x04 \x01(\x08\"4\n\x0c\x44rainRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"\x88\x01\n\rDrainResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bmap_version\x18\x02 \x01(\x04\x12\x14\n\x0cmoved_blocks\x18\x03 \x01(\x04\x12\x13\n\x0bmoved_bytes\x18\x04 \x01(\x04\x12\x13\n\x0bkept_blocks\x18\x05 \x01(\x04\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x32\x8b\x05\n\x06Master\x12\x45\n\x08Register\x12\x1b.kvstore.v1.RegisterRequest\x1a\x1c.kvstore.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.kvstore.v1.HeartbeatRequest\x1a\x1d.kvstore.v1.HeartbeatResponse\x12R\n\x0fHeartbeatStream\x12\x1c.kvstore.v1.HeartbeatRequest\x1a\x1d.kvstore.v1.HeartbeatResponse(\x01\x30\x01\x12:\n\x05\x42\x65\x61ts\x12\x15.kvstore.v1.BeatBatch\x1a\x16.kvstore.v1.BeatAnswer(\x01\x30\x01\x12<\n\x05Leave\x12\x18.kvstore.v1.LeaveRequest\x1a\x19.kvstore.v1.LeaveResponse\x12\x43\n\x0bGetShardMap\x12\x1e.kvstore.v1.GetShardMapRequest\x1a\x14.kvstore.v1.ShardMap\x12I\n\rWatchShardMap\x12 .kvstore.v1.WatchShardMapRequest\x1a\x14.kvstore.v1.ShardMap0\x01\x12T\n\rClusterStatus\x12 .kvstore.v1.ClusterStatusRequest\x1a!.kvstore.v1.ClusterStatusResponse\x12<\n\x05\x44rain\x12\x18.kvstore.v1.DrainRequest\x1a\x19.kvstore.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,39 +46,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATRESPONSE']._serialized_start=737
   _globals['_HEARTBEATRESPONSE']._serialized_end=792
   _globals['_BEATBIND']._serialized_start=794
-  _globals['_BEATBIND']._serialized_end=855
-  _globals['_BEATCHANGE']._serialized_start=857
-  _globals['_BEATCHANGE']._serialized_end=941
-  _globals['_BEATBATCH']._serialized_start=943
-  _globals['_BEATBATCH']._serialized_end=1046
-  _globals['_BEATREFUSAL']._serialized_start=1048
-  _globals['_BEATREFUSAL']._serialized_end=1138
-  _globals['_BEATANSWER']._serialized_start=1140
-  _globals['_BEATANSWER']._serialized_end=1267
-  _globals['_LEAVEREQUEST']._serialized_start=1269
-  _globals['_LEAVEREQUEST']._serialized_end=1320
-  _globals['_LEAVERESPONSE']._serialized_start=1322
-  _globals['_LEAVERESPONSE']._serialized_end=1354
-  _globals['_SHARDMAP']._serialized_start=1357
-  _globals['_SHARDMAP']._serialized_end=1657
-  _globals['_SHARDMAP_NAMESPACEREPLICASENTRY']._serialized_start=1601
-  _globals['_SHARDMAP_NAMESPACEREPLICASENTRY']._serialized_end=1657
-  _globals['_GETSHARDMAPREQUEST']._serialized_start=1659
-  _globals['_GETSHARDMAPREQUEST']._serialized_end=1679
-  _globals['_WATCHSHARDMAPREQUEST']._serialized_start=1681
-  _globals['_WATCHSHARDMAPREQUEST']._serialized_end=1742
-  _globals['_STOREDWORKER']._serialized_start=1744
-  _globals['_STOREDWORKER']._serialized_end=1854
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1856
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1878
-  _globals['_WORKERSTATUS']._serialized_start=1881
-  _globals['_WORKERSTATUS']._serialized_end=2021
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=2023
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2150
-  _globals['_DRAINREQUEST']._serialized_start=2152
-  _globals['_DRAINREQUEST']._serialized_end=2204
-  _globals['_DRAINRESPONSE']._serialized_start=2207
-  _globals['_DRAINRESPONSE']._serialized_end=2343
-  _globals['_MASTER']._serialized_start=2346
-  _globals['_MASTER']._serialized_end=2997
+  _globals['_BEATBIND']._serialized_end=874
+  _globals['_DATAGRAMGRANT']._serialized_start=876
+  _globals['_DATAGRAMGRANT']._serialized_end=949
+  _globals['_BEATCHANGE']._serialized_start=951
+  _globals['_BEATCHANGE']._serialized_end=1035
+  _globals['_BEATBATCH']._serialized_start=1037
+  _globals['_BEATBATCH']._serialized_end=1140
+  _globals['_BEATREFUSAL']._serialized_start=1142
+  _globals['_BEATREFUSAL']._serialized_end=1232
+  _globals['_BEATANSWER']._serialized_start=1235
+  _globals['_BEATANSWER']._serialized_end=1454
+  _globals['_LEAVEREQUEST']._serialized_start=1456
+  _globals['_LEAVEREQUEST']._serialized_end=1507
+  _globals['_LEAVERESPONSE']._serialized_start=1509
+  _globals['_LEAVERESPONSE']._serialized_end=1541
+  _globals['_SHARDMAP']._serialized_start=1544
+  _globals['_SHARDMAP']._serialized_end=1844
+  _globals['_SHARDMAP_NAMESPACEREPLICASENTRY']._serialized_start=1788
+  _globals['_SHARDMAP_NAMESPACEREPLICASENTRY']._serialized_end=1844
+  _globals['_GETSHARDMAPREQUEST']._serialized_start=1846
+  _globals['_GETSHARDMAPREQUEST']._serialized_end=1866
+  _globals['_WATCHSHARDMAPREQUEST']._serialized_start=1868
+  _globals['_WATCHSHARDMAPREQUEST']._serialized_end=1929
+  _globals['_STOREDWORKER']._serialized_start=1931
+  _globals['_STOREDWORKER']._serialized_end=2041
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=2043
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=2065
+  _globals['_WORKERSTATUS']._serialized_start=2068
+  _globals['_WORKERSTATUS']._serialized_end=2208
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=2210
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2337
+  _globals['_DRAINREQUEST']._serialized_start=2339
+  _globals['_DRAINREQUEST']._serialized_end=2391
+  _globals['_DRAINRESPONSE']._serialized_start=2394
+  _globals['_DRAINRESPONSE']._serialized_end=2530
+  _globals['_MASTER']._serialized_start=2533
+  _globals['_MASTER']._serialized_end=3184
 # @@protoc_insertion_point(module_scope)

@@ -279,6 +279,33 @@ class BeatBind(_message.Message):
     A standby master, or a leader that steps down, ends the stream with UNAVAILABLE
     (and the `kvstore-leader` trailer when it knows the leader). At most 1,024 slots
     per stream, slot numbers below 1,024 (INVALID_ARGUMENT otherwise).
+
+    Datagram beats. A bind may ask for datagrams (`datagrams`); a master with a beat
+    port (UDP, by default the number of its gRPC port) grants them in its answer to
+    that batch (`BeatAnswer.datagrams`: a binding id, a random 32-byte key of this
+    binding alone, the UDP port). The worker then sends each ordinary beat as one
+    32-byte UDP datagram to the host it dialed for gRPC, at that port:
+
+      offset size  field (little-endian)
+           0    2  magic "KB"
+           2    1  version 1
+           3    1  flags: bit 0 = wants attention (answer on the stream soon)
+           4    4  binding id (uint32)
+           8    8  sequence number (uint64, strictly increasing per binding, from 1)
+          16   16  MAC: blake2b(bytes 0..15, key=the binding's key, digest_size=16)
+
+    The master reads its UDP socket every 100 ms (a datagram counts as a beat at that
+    moment) and drops, and counts in kvstore_master_beat_datagrams_total{result}, any
+    datagram of another length or magic, an unknown binding, a wrong MAC or a sequence
+    number not above the last one accepted (a replay). Until the master confirms on
+    the stream (`BeatAnswer.datagrams_ok`) that the binding's datagrams arrive, the
+    worker beats on the stream as well; afterwards only by datagram (news: stats,
+    draining, still go on the stream). When a confirmed binding is silent for half a
+    TTL the master says so (`datagrams_lost`) and forgets the binding: the worker
+    beats on the stream again and may bind for datagrams again later. A binding lives
+    as long as its stream: a new stream (a reconnect, another leader) binds anew with
+    a new key. A master without a beat port (or an older one) grants nothing, and the
+    worker stays on stream beats.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -286,23 +313,58 @@ class BeatBind(_message.Message):
     SLOT_FIELD_NUMBER: _builtins.int
     WORKER_ID_FIELD_NUMBER: _builtins.int
     INSTANCE_FIELD_NUMBER: _builtins.int
+    DATAGRAMS_FIELD_NUMBER: _builtins.int
     slot: _builtins.int
     worker_id: _builtins.str
     instance: _builtins.str
+    datagrams: _builtins.bool
+    """ask for datagram beats for this slot"""
     def __init__(
         self,
         *,
         slot: _builtins.int = ...,
         worker_id: _builtins.str = ...,
         instance: _builtins.str = ...,
+        datagrams: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "slot", b"slot", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["datagrams", b"datagrams", "instance", b"instance", "slot", b"slot", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___BeatBind: _TypeAlias = BeatBind  # noqa: Y015
+
+@_typing.final
+class DatagramGrant(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SLOT_FIELD_NUMBER: _builtins.int
+    BINDING_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    PORT_FIELD_NUMBER: _builtins.int
+    slot: _builtins.int
+    binding: _builtins.int
+    """the binding id to put in each datagram"""
+    key: _builtins.bytes
+    """32 random bytes: the MAC key of this binding"""
+    port: _builtins.int
+    """the master's UDP beat port (at the host the worker dialed)"""
+    def __init__(
+        self,
+        *,
+        slot: _builtins.int = ...,
+        binding: _builtins.int = ...,
+        key: _builtins.bytes = ...,
+        port: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["binding", b"binding", "key", b"key", "port", b"port", "slot", b"slot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DatagramGrant: _TypeAlias = DatagramGrant  # noqa: Y015
 
 @_typing.final
 class BeatChange(_message.Message):
@@ -410,6 +472,9 @@ class BeatAnswer(_message.Message):
     INTERVAL_S_FIELD_NUMBER: _builtins.int
     TTL_S_FIELD_NUMBER: _builtins.int
     MAP_VERSION_FIELD_NUMBER: _builtins.int
+    DATAGRAMS_FIELD_NUMBER: _builtins.int
+    DATAGRAMS_OK_FIELD_NUMBER: _builtins.int
+    DATAGRAMS_LOST_FIELD_NUMBER: _builtins.int
     interval_s: _builtins.float
     """beat every interval_s from now on"""
     ttl_s: _builtins.float
@@ -420,6 +485,18 @@ class BeatAnswer(_message.Message):
 
     @_builtins.property
     def refused(self) -> _containers.RepeatedCompositeFieldContainer[Global___BeatRefusal]: ...
+    @_builtins.property
+    def datagrams(self) -> _containers.RepeatedCompositeFieldContainer[Global___DatagramGrant]:
+        """binds granted datagram beats"""
+
+    @_builtins.property
+    def datagrams_ok(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """slots whose datagrams arrive: beat by datagram only"""
+
+    @_builtins.property
+    def datagrams_lost(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """slots whose datagrams stopped: beat on the stream"""
+
     def __init__(
         self,
         *,
@@ -428,10 +505,13 @@ class BeatAnswer(_message.Message):
         interval_s: _builtins.float = ...,
         ttl_s: _builtins.float = ...,
         map_version: _builtins.int = ...,
+        datagrams: _abc.Iterable[Global___DatagramGrant] | None = ...,
+        datagrams_ok: _abc.Iterable[_builtins.int] | None = ...,
+        datagrams_lost: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["interval_s", b"interval_s", "map_version", b"map_version", "refused", b"refused", "ttl_s", b"ttl_s", "unknown", b"unknown"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["datagrams", b"datagrams", "datagrams_lost", b"datagrams_lost", "datagrams_ok", b"datagrams_ok", "interval_s", b"interval_s", "map_version", b"map_version", "refused", b"refused", "ttl_s", b"ttl_s", "unknown", b"unknown"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -225,3 +225,9 @@ grpc:
     fieldRef:
       fieldPath: spec.nodeName
 {{- end -}}
+
+{{/* The masters' UDP beat port: master.ports.beats, or the gRPC port's number when 0. */}}
+{{- define "kvstore.beatPort" -}}
+{{- $m := .Values.master -}}
+{{- if $m.ports.beats }}{{ int $m.ports.beats }}{{ else }}{{ int $m.ports.grpc }}{{ end -}}
+{{- end }}
