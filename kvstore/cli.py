@@ -325,7 +325,8 @@ def master(ctx: click.Context, /, **flags: Any) -> None:
 @click.option(
     "--datagram-beats/--no-datagram-beats",
     default=None,
-    help="Beat by UDP datagram when the master offers it; off: on the gRPC stream [on].",
+    help="Beat by UDP datagram when the master offers it (opt-in: see docs/SCALE.md); "
+    "off: on the gRPC stream [off].",
 )
 @click.option("--host", default=None, help="Bind address [127.0.0.1].")
 @click.option("--advertise-host", default=None, help="Address clients should use.")

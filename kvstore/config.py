@@ -111,8 +111,9 @@ class MasterConfig:
 @dataclass(slots=True)
 class WorkerConfig:
     master: str = "127.0.0.1:7700"  # comma-separated for HA masters
-    # beat by UDP datagram when the master offers it (master.proto); off: on the stream
-    datagram_beats: bool = True
+    # beat by UDP datagram when the master offers it (master.proto); off (the default
+    # until it holds on a loaded host, docs/SCALE.md): on the gRPC stream
+    datagram_beats: bool = False
     host: str = "127.0.0.1"  # bind address
     advertise_host: str = ""  # address clients use; default: host (or hostname for 0.0.0.0)
     id: str = ""  # stable identity on the hash ring; default: advertise_host-grpc_port

@@ -235,22 +235,40 @@ def expect_default(ms: list[Manifest]) -> list[str]:
     args = master["args"]
     if any(a.startswith("--etcd") for a in args):
         problems.append("a single master should not get --etcd without etcd.endpoints")
-    # datagram beats: a UDP port of the gRPC port's number, on the container and Services
-    grpc_port = next(p["containerPort"] for p in master["ports"] if p["name"] == "grpc")
-    udp = [p for p in master["ports"] if p.get("protocol") == "UDP"]
-    if [(p["name"], p["containerPort"]) for p in udp] != [("beats", grpc_port)]:
-        problems.append(f"the master container should expose UDP beats:{grpc_port}, has {udp}")
-    if f"--beat-port={grpc_port}" not in args:
-        problems.append(f"the master should get --beat-port={grpc_port}")
-    for svc in find(ms, "Service"):
-        if svc["metadata"]["name"].startswith(f"{FULLNAME}-master"):
-            names = {(p["name"], p.get("protocol"), p["port"]) for p in svc["spec"]["ports"]}
-            if ("beats", "UDP", grpc_port) not in names:
-                problems.append(f"Service {svc['metadata']['name']} lacks the UDP beats port")
+    problems += datagram_problems(ms, on=False)  # opt-in: no UDP port by default
     if find(ms, "PodDisruptionBudget", f"{FULLNAME}-master"):
         problems.append("no master PDB expected without ha.enabled")
     if not find(ms, "PodDisruptionBudget", f"{FULLNAME}-worker"):
         problems.append("worker PDB missing")
+    return problems
+
+
+def datagram_problems(ms: list[Manifest], on: bool) -> list[str]:
+    """Datagram beats (``master.datagramBeats``): on, a UDP port of the gRPC port's
+    number on the master's container and Services and ``--datagram-beats`` on the
+    workers; off, none of it and ``--beat-port=off``."""
+    problems = []
+    master = container(ms, "StatefulSet", f"{FULLNAME}-master")
+    args = master["args"]
+    grpc_port = next(p["containerPort"] for p in master["ports"] if p["name"] == "grpc")
+    udp = [p for p in master["ports"] if p.get("protocol") == "UDP"]
+    want = [("beats", grpc_port)] if on else []
+    if [(p["name"], p["containerPort"]) for p in udp] != want:
+        problems.append(f"the master container's UDP ports should be {want}, are {udp}")
+    flag = f"--beat-port={grpc_port}" if on else "--beat-port=off"
+    if flag not in args:
+        problems.append(f"the master should get {flag}")
+    for svc in find(ms, "Service"):
+        if svc["metadata"]["name"].startswith(f"{FULLNAME}-master"):
+            names = {(p["name"], p.get("protocol"), p["port"]) for p in svc["spec"]["ports"]}
+            if (("beats", "UDP", grpc_port) in names) != on:
+                problems.append(
+                    f"Service {svc['metadata']['name']}: the UDP beats port should be "
+                    + ("there" if on else "absent")
+                )
+    worker = container(ms, "StatefulSet", f"{FULLNAME}-worker")
+    if ("--datagram-beats" in worker["args"]) != on:
+        problems.append(f"workers should {'' if on else 'not '}get --datagram-beats")
     return problems
 
 
@@ -371,7 +389,7 @@ def expect_node_local(ds: Manifest) -> list[str]:
 
 
 def expect_full(ms: list[Manifest]) -> list[str]:
-    problems = []
+    problems = datagram_problems(ms, on=True)
     if not find(ms, "ServiceMonitor"):
         problems.append("ServiceMonitor missing with metrics.serviceMonitor.enabled")
     rules = find(ms, "PrometheusRule")
@@ -441,6 +459,7 @@ VARIANTS: tuple[Variant, ...] = (
                 "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}},
             },
             "master": {
+                "datagramBeats": True,
                 "service": {"type": "LoadBalancer"},
                 "extraEnv": [
                     {"name": "KVSTORE_MASTER_WORKER_TTL", "value": "15s"},

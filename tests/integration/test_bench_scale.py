@@ -92,9 +92,12 @@ def test_workers_of_the_older_protocols_against_this_master(tmp_path: Path, prot
 
 
 def test_simulated_workers_beat_by_datagram_one_per_connection(tmp_path: Path) -> None:
-    """The default protocol: each worker's bind asks for datagram beats, and once the
+    """``--protocol datagrams``: each worker's bind asks for datagram beats, and once the
     master confirms them the beats are datagrams (the stream carries only news)."""
-    runs = _scale(tmp_path, *("--workers", "20", "--no-ha", "--per-connection", "1"))
+    runs = _scale(
+        tmp_path,
+        *("--workers", "20", "--no-ha", "--per-connection", "1", "--protocol", "datagrams"),
+    )
     r = runs["single"]
     _check(r, 20)
     assert r["datagrams_per_heartbeat"] > 0.5  # (a loaded host confirms some late)

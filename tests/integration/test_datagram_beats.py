@@ -62,7 +62,12 @@ def live(address: str) -> list[master_pb2.WorkerStatus]:
 
 def test_a_real_worker_beats_by_datagram(make_cluster: MakeCluster) -> None:
     port = free_port()
-    c = make_cluster(workers=1, worker_ttl=TTL, extra_master_args=["--metrics-port", str(port)])
+    c = make_cluster(
+        workers=1,
+        worker_ttl=TTL,
+        extra_master_args=["--metrics-port", str(port)],
+        extra_worker_args=["--datagram-beats"],
+    )
     assert c.master.ready["beat_port"] == int(c.address.rsplit(":", 1)[1])  # the same number
     assert wait_for(lambda: datagrams(port)["accepted"] >= 3)
     time.sleep(1.0)  # the confirmation reaches the worker
@@ -87,6 +92,7 @@ def test_a_master_with_datagrams_off_keeps_the_worker_on_the_stream(
         workers=1,
         worker_ttl=TTL,
         extra_master_args=["--metrics-port", str(port), "--beat-port", "off"],
+        extra_worker_args=["--datagram-beats"],
     )
     assert "beat_port" not in c.master.ready
     h0 = metric(port, "kvstore_heartbeats_total")
@@ -160,6 +166,7 @@ def test_datagrams_that_never_arrive_leave_the_worker_on_the_stream(
         [
             "--master", f"127.0.0.2:{relay.port}", "--host", "127.0.0.1",
             "--grpc-port", "0", "--tcp-port", "0", "--dram-size", "64MiB",
+            "--datagram-beats",
         ],
     )  # fmt: skip
     try:

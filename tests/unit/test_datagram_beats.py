@@ -246,9 +246,10 @@ def test_the_beat_port_setting() -> None:
     assert beat_port("0", 7700) == 0
     assert beat_port("7801", 7700) == 7801
     assert beat_port("off", 7700) is None
-    env = {"KVSTORE_MASTER_BEAT_PORT": "off", "KVSTORE_WORKER_DATAGRAM_BEATS": "false"}
+    assert load_config(environ={}).worker.datagram_beats is False  # opt-in (docs/SCALE.md)
+    env = {"KVSTORE_MASTER_BEAT_PORT": "off", "KVSTORE_WORKER_DATAGRAM_BEATS": "true"}
     cfg = load_config(environ=env)
-    assert cfg.master.beat_port == "off" and cfg.worker.datagram_beats is False
+    assert cfg.master.beat_port == "off" and cfg.worker.datagram_beats is True
     for bad in ("70000", "-1", "udp", "1.5"):
         with pytest.raises(InvalidArgument, match="beat-port"):
             load_config(environ={"KVSTORE_MASTER_BEAT_PORT": bad})

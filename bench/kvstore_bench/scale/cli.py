@@ -236,12 +236,12 @@ def _plots(runs: list[dict[str, Any]], ring: dict[str, Any], out: Path, st: str)
 @click.option(
     "--protocol",
     type=click.Choice(PROTOCOLS),
-    default="datagrams",
+    default="beats",
     show_default=True,
-    help="How simulated workers heartbeat: datagrams (Beats streams that ask for UDP "
-    "datagram beats, as kvstore worker does), beats (one batched stream per connection, "
-    "no datagrams), stream (one HeartbeatStream per worker) or unary (a call per "
-    "heartbeat); the last two are the protocols before Beats.",
+    help="How simulated workers heartbeat: beats (one batched stream per connection, as "
+    "kvstore worker does by default), datagrams (Beats streams that ask for UDP datagram "
+    "beats, as kvstore worker --datagram-beats does), stream (one HeartbeatStream per "
+    "worker) or unary (a call per heartbeat); the last two are the protocols before Beats.",
 )
 @click.option(
     "--per-connection",

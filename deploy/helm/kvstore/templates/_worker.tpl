@@ -196,6 +196,9 @@ spec:
         - --tcp-port={{ int $w.ports.tcp }}
         - --metrics-port={{ int .Values.metrics.port }}
         - --dram-size={{ $w.dram.size }}
+        {{- if .Values.master.datagramBeats }}
+        - --datagram-beats
+        {{- end }}
         {{- if $w.nodeLocal.enabled }}
         - --shm-dir={{ include "kvstore.worker.socketDir" . }}
         {{- end }}
