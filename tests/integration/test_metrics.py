@@ -28,7 +28,17 @@ NS = "metrics/bf16/b16/tp0of1"
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kvstore.json"
 OPERATIONS = Path(__file__).resolve().parents[2] / "docs" / "OPERATIONS.md"
 # "tenant": the tenants of the tenants file (a bounded set, like "op").
-ALLOWED_LABELS = {"op", "code", "tier", "transport", "direction", "version", "le", "tenant"}
+ALLOWED_LABELS = {
+    "op",
+    "code",
+    "tier",
+    "transport",
+    "direction",
+    "version",
+    "le",
+    "tenant",
+    "result",
+}
 
 
 def free_port() -> int:
