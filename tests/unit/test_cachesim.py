@@ -8,7 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore_bench.replay.cachesim import HitStats, distinct_blocks, ideal_hit_rate, lru_hit_rate
+from kvstore_bench.replay.cachesim import (
+    HitStats,
+    distinct_blocks,
+    ideal_hit_rate,
+    lru_hit_rate,
+    opt_hit_rate,
+)
 from kvstore_bench.traces import Request, iter_requests, load_agentic, load_mooncake
 
 
@@ -101,6 +107,50 @@ def test_lru_matches_ideal_when_large_and_grows_with_capacity() -> None:
     assert (big.blocks_hit, big.tokens_hit) == (ideal.blocks_hit, ideal.tokens_hit)
     rates = [lru_hit_rate(reqs, c).blocks_hit for c in (0, 50, 200, 600, total)]
     assert rates == sorted(rates) and rates[0] == 0 and rates[-1] == ideal.blocks_hit
+
+
+def test_belady_keeps_the_block_needed_soonest() -> None:
+    reqs = [
+        _r([1]),  # miss; cache 1
+        _r([2]),  # miss; cache 1 2
+        _r([3]),  # miss; next uses: 1 -> 3, 2 -> 4, 3 never: 3 is the one not kept
+        _r([1]),  # hit
+        _r([2]),  # hit
+    ]
+    opt = opt_hit_rate(reqs, 2)
+    assert opt.capacity_blocks == 2 and opt.blocks_hit == 2
+    assert lru_hit_rate(reqs, 2).blocks_hit == 0  # 3 evicts 1, 1 evicts 2
+    per_request = [opt_hit_rate(reqs[: i + 1], 2).blocks_hit for i in range(len(reqs))]
+    assert np.diff([0, *per_request]).tolist() == [0, 0, 0, 1, 1]
+
+
+def test_belady_drops_a_chain_from_its_tail() -> None:
+    # 1 heads the chain 1 5 7; all three are next wanted by the same request: keep the
+    # head (ties broken by id instead would drop 1 and the last request would miss)
+    reqs = [_r([1, 5]), _r([1, 5, 7]), _r([1, 5, 7])]
+    opt = opt_hit_rate(reqs, 2)
+    per_request = [opt_hit_rate(reqs[: i + 1], 2).blocks_hit for i in range(len(reqs))]
+    assert np.diff([0, *per_request]).tolist() == [0, 2, 2]
+    assert opt.blocks_hit == 4 and lru_hit_rate(reqs, 2).blocks_hit == 2
+
+
+def test_belady_bounds_lru_and_ideal() -> None:
+    rng = np.random.default_rng(5)
+    chains = [[int(x) for x in rng.choice(10_000, size=30, replace=False)] for _ in range(20)]
+    reqs = []
+    for _ in range(300):
+        c = chains[int(rng.integers(len(chains)))]
+        reqs.append(_r(c[: int(rng.integers(1, len(c) + 1))]))
+    ideal = ideal_hit_rate(reqs)
+    total = distinct_blocks(reqs)
+    for cap in (0, 10, 60, 200, total):
+        lru, opt = lru_hit_rate(reqs, cap), opt_hit_rate(reqs, cap)
+        assert lru.blocks_hit <= opt.blocks_hit <= ideal.blocks_hit
+    assert opt_hit_rate(reqs, 0).blocks_hit == 0
+    assert opt_hit_rate(reqs, total).blocks_hit == ideal.blocks_hit
+    assert opt_hit_rate([], 3) == HitStats(0, 0, 0, 0, 0, 3)
+    with pytest.raises(ValueError):
+        opt_hit_rate(reqs, -1)
 
 
 @needs_traces

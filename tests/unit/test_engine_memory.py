@@ -65,6 +65,19 @@ def test_references_lru_loses_the_chain_head_and_opt_keeps_it() -> None:
     assert reference_hit_rates(reqs, B, 0).opt == 0.0
 
 
+def test_belady_reference_drops_a_chain_from_its_tail() -> None:
+    """Blocks of one chain are next wanted by the same lookup: the reference must drop
+    the deepest first (a prefix hit stops at the first gap). Broken by hash, the tie
+    dropped a random block of the chain, often its head, and the reference read far
+    below what the store reached."""
+    a = tuple(range(3, 3 + 6 * B + 1))  # 6 full blocks
+    reqs = [Timed(a, 0, 0.0, 1.0), Timed(a, 0, 2.0, 3.0), Timed(a, 0, 4.0, 5.0)]
+    total = sum(len(r.prompt) for r in reqs)
+    three = reference_hit_rates(reqs, B, 3)
+    assert three.opt_hits == (0, 3 * B, 3 * B)  # the chain's first three, twice
+    assert three.opt == pytest.approx(6 * B / total)
+
+
 def test_references_start_a_request_when_the_engine_schedules_it() -> None:
     """A request that waited in the engine's queue looks its prefix up when it is
     scheduled: the references count from there (start + wait), not from the send.

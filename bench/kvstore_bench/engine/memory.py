@@ -15,8 +15,11 @@ engines that holds ``capacity`` blocks:
 - ``lru``: least recently used eviction (a lookup touches the hit prefix, a save every
   block of the prompt);
 - ``opt``: Belady's offline rule (evict the block whose next lookup is furthest away,
-  or never comes): the best any eviction order can do for per-block hits, an upper
-  reference for prefix hits.
+  or never comes; among blocks next wanted by the same lookup, the deepest in its chain
+  first, so a parent never goes before its child): the best any eviction order can do
+  for per-block hits, an upper reference for prefix hits. (A block's parent is wanted
+  whenever it is, so its next use is never later; without the depth rule ties fall by
+  hash, a chain loses its head as often as its tail and the reference reads far lower.)
 
 Hits are counted as an engine can take them: the leading run of cached blocks, never
 the prompt's last token (:func:`~kvstore_bench.engine.workload.cacheable`).
@@ -167,27 +170,27 @@ def _run_opt(
         return lst[k] if k < len(lst) else never
 
     cache: dict[bytes, int] = {}  # block -> its next use when last (re)scored
-    heap: list[tuple[int, bytes]] = []  # (-next use, block); stale entries skipped
+    heap: list[tuple[int, int, bytes]] = []  # (-next use, -depth, block); stale ones skipped
     hits = [0] * len(requests)
     for pos, (_, kind, i) in enumerate(events):
         chain = hashes[i]
         if kind == 1:
             _, tok = _hit(chain, cache, cacheable(len(requests[i].prompt), block), block)
             hits[i] = tok
-            for h in chain:
+            for depth, h in enumerate(chain):
                 if h in cache:
                     nu = next_use(h, pos)
                     cache[h] = nu
-                    heapq.heappush(heap, (-nu, h))
+                    heapq.heappush(heap, (-nu, -depth, h))
             continue
         if capacity <= 0:
             continue
-        for h in chain:
+        for depth, h in enumerate(chain):
             nu = next_use(h, pos)
             cache[h] = nu
-            heapq.heappush(heap, (-nu, h))
+            heapq.heappush(heap, (-nu, -depth, h))
         while len(cache) > capacity:
-            neg, h = heapq.heappop(heap)
+            neg, _, h = heapq.heappop(heap)
             if cache.get(h) == -neg:
                 del cache[h]
     return hits

@@ -286,6 +286,7 @@ def _request(r: Result, ideal: int) -> dict[str, Any]:
         "cached_tokens": min(r.cached_tokens, r.prompt_tokens),
         "ideal_tokens": ideal,
         "start_s": round(r.start, 4),
+        "end_s": round(r.end, 4),
         "ttft_ms": round(r.ttft_s * 1e3, 3),
         "wait_ms": round(r.wait_s * 1e3, 3),
         "step_ms": round(r.step_s * 1e3, 3),

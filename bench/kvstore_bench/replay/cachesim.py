@@ -13,13 +13,14 @@ Requests are processed in the order given, normally :func:`traces.iter_requests`
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ..traces import Request
 
-__all__ = ["HitStats", "distinct_blocks", "ideal_hit_rate", "lru_hit_rate"]
+__all__ = ["HitStats", "distinct_blocks", "ideal_hit_rate", "lru_hit_rate", "opt_hit_rate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +122,59 @@ def lru_hit_rate(requests: Iterable[Request], capacity_blocks: int) -> HitStats:
                 cache[bid] = None
                 if len(cache) > capacity_blocks:
                     evict(last=False)
+    return acc.result(capacity_blocks)
+
+
+def opt_hit_rate(requests: Sequence[Request], capacity_blocks: int) -> HitStats:
+    """Hits of Belady's offline cache of ``capacity_blocks`` blocks: the same lookups and
+    writes as :func:`lru_hit_rate`, but when full it evicts the block whose next request
+    is furthest away (or never comes), the newly written one included (so a block no
+    one reads again is never kept at another's expense). Among blocks next wanted by the
+    same request it evicts the deepest in its chain first: a prefix hit stops at the first
+    gap, so a chain's head is worth more than its tail (breaking those ties any other
+    way, e.g. by id, drops heads and scores far below a prefix cache's LRU). The best
+    order for per-block hits, and the reference for the store's retention. Raises
+    ValueError for a negative capacity. O(total ids * log)."""
+    if type(capacity_blocks) is not int or capacity_blocks < 0:
+        raise ValueError(f"capacity_blocks must be a non-negative int, got {capacity_blocks!r}")
+    never = len(requests)
+    uses: dict[int, list[int]] = {}
+    for i, r in enumerate(requests):
+        for bid in r.block_ids:
+            lst = uses.setdefault(bid, [])
+            if not lst or lst[-1] != i:
+                lst.append(i)
+    cursor = dict.fromkeys(uses, 0)
+
+    def next_use(bid: int, after: int) -> int:
+        lst = uses[bid]
+        k = cursor[bid]
+        while k < len(lst) and lst[k] <= after:
+            k += 1
+        cursor[bid] = k
+        return lst[k] if k < len(lst) else never
+
+    cache: dict[int, int] = {}  # block -> its next use when last scored
+    heap: list[tuple[int, int, int]] = []  # (-next use, -depth, block); stale ones skipped
+    acc = _Counter()
+    for i, r in enumerate(requests):
+        ids = r.block_ids
+        hit = 0
+        for bid in ids:
+            if bid not in cache:
+                break
+            hit += 1
+        acc.add(r, hit)
+        if capacity_blocks == 0:
+            continue
+        for depth, bid in enumerate(ids):  # every id is now read or written: rescore it
+            nu = next_use(bid, i)
+            cache[bid] = nu
+            heapq.heappush(heap, (-nu, -depth, bid))
+        while len(cache) > capacity_blocks:
+            neg, _, bid = heapq.heappop(heap)
+            if cache.get(bid) == -neg:
+                del cache[bid]
     return acc.result(capacity_blocks)
 
 

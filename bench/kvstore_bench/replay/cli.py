@@ -115,6 +115,13 @@ def _parse_sessions(text: str) -> list[int]:
 @click.option(
     "--time-scale", type=float, default=0.0, show_default=True, help="Pause multiplier; 0: none."
 )
+@click.option(
+    "--max-pause",
+    type=click.FloatRange(min=0.0),
+    default=0.0,
+    show_default=True,
+    help="Cap on a scaled pause between a session's requests, seconds; 0: none.",
+)
 @click.option("--block-tokens", type=int, default=None, help="Regroup ids into blocks of this.")
 @click.option("--bytes-per-token", type=int, default=None, help="Replayed KV bytes [512].")
 @click.option(
@@ -185,6 +192,7 @@ def replay_cmd(
     max_value_size: str | None,
     sessions_text: str,
     time_scale: float,
+    max_pause: float,
     block_tokens: int | None,
     bytes_per_token: int | None,
     model_bytes_per_token: int,
@@ -266,6 +274,7 @@ def replay_cmd(
         model_bytes_per_token=model_bytes_per_token,
         prefill_tokens_per_s=prefill_tokens_per_s,
         time_scale=time_scale,
+        max_pause=max_pause,
         sessions=levels[0],
     )
     if replicas_text is not None:

@@ -67,6 +67,7 @@ def comparison_rows(sums: Sequence[Summary]) -> list[list[str]]:
         row("token hit rate", lambda s: pct(s["hit_rate_tokens"])),
         row("  ideal (infinite cache)", lambda s: pct(s["ideal_hit_rate_tokens"])),
         row("  LRU at capacity", lambda s: pct(s["lru_hit_rate_tokens"])),
+        row("  Belady at capacity", lambda s: pct(s.get("opt_hit_rate_tokens"))),
         row("block hit rate", lambda s: pct(s["hit_rate_blocks"])),
         row(
             "  ideal / LRU",
@@ -365,5 +366,6 @@ def run_line(res: ReplayResult, ssd0: int | None, ssd1: int | None) -> str:
     return (
         f"  {res.label}: token hit rate {pct(s['hit_rate_tokens'])} (ideal "
         f"{pct(s['ideal_hit_rate_tokens'])}, LRU "
-        f"{pct(s['lru_hit_rate_tokens'])}), {res.wall_s:.1f} s{ssd}"
+        f"{pct(s['lru_hit_rate_tokens'])}, Belady {pct(s.get('opt_hit_rate_tokens'))}), "
+        f"{res.wall_s:.1f} s{ssd}"
     )

@@ -30,8 +30,9 @@ class ReplayConfig:
 
     ``sessions``: top-level sessions replayed at once (1 = one after another, with
     sub-agents run inline: fully deterministic). ``time_scale``: a pause of x seconds
-    in the trace lasts ``x * time_scale`` (0 = no pauses). The four switches are the
-    ablations: ``write_only_new`` (off: every block of each prompt is written),
+    in the trace lasts ``x * time_scale`` (0 = no pauses), at most ``max_pause`` seconds
+    when that is above 0 (a session's later requests move up by what was cut). The four
+    switches are the ablations: ``write_only_new`` (off: every block of each prompt is written),
     ``batched_lookup`` (off: one exists call per block), ``parallel_loads`` (off: one
     worker at a time), ``retain`` (off: a request's blocks are removed when it ends,
     as with no shared store). ``verify`` compares every loaded block with the bytes
@@ -44,6 +45,7 @@ class ReplayConfig:
     prefill_tokens_per_s: float = 10_000.0
     sessions: int = 8
     time_scale: float = 0.0
+    max_pause: float = 0.0
     write_only_new: bool = True
     batched_lookup: bool = True
     parallel_loads: bool = True
@@ -89,6 +91,7 @@ class ReplayResult:
     lru: HitStats | None
     capacity_blocks: int | None
     label: str = ""
+    opt: HitStats | None = None  # Belady's offline order at the same capacity
 
     def summary(self) -> dict[str, Any]:
         """The headline figures (see :func:`summarize`)."""
@@ -149,6 +152,8 @@ def summarize(res: ReplayResult) -> Summary:
         "ideal_hit_rate_blocks": res.ideal.block_hit_rate,
         "lru_hit_rate_tokens": res.lru.token_hit_rate if res.lru else None,
         "lru_hit_rate_blocks": res.lru.block_hit_rate if res.lru else None,
+        "opt_hit_rate_tokens": res.opt.token_hit_rate if res.opt else None,
+        "opt_hit_rate_blocks": res.opt.block_hit_rate if res.opt else None,
         "tokens": tok,
         "tokens_hit": tok_hit,
         "blocks": blocks,

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..peers import Backend, leading
 from ..traces import IdSpace, Request, Session, block_hashes, load_agentic, load_mooncake
-from .cachesim import ideal_hit_rate, lru_hit_rate
+from .cachesim import ideal_hit_rate, lru_hit_rate, opt_hit_rate
 from .results import ReplayConfig, ReplayResult, RequestRecord
 
 __all__ = [
@@ -204,13 +204,19 @@ class _Replay:
         begin = time.perf_counter()
         children = deque(s.children)
         buf = self.buffers.acquire()
+        cap = self.cfg.max_pause
+        prev, clock = s.start, s.start  # the trace's time, and the capped session clock
         try:
             for i, req in enumerate(s.requests):
                 while children and children[0].start <= req.t:
                     self._fork(children.popleft())
                 if self.stop.is_set():
                     return
-                self._wait_until(req.t, begin, s.start)
+                gap = req.t - prev
+                if cap > 0 and self.cfg.time_scale > 0:
+                    gap = min(gap, cap / self.cfg.time_scale)  # a scaled pause of at most cap s
+                prev, clock = req.t, clock + gap
+                self._wait_until(clock, begin, s.start)
                 self._request(req, buf, last=i == len(s.requests) - 1)
         finally:
             self.buffers.release(buf)
@@ -353,6 +359,7 @@ def run_replay(
         lru=lru_hit_rate(rp.order, capacity) if capacity is not None else None,
         capacity_blocks=capacity,
         label=label,
+        opt=opt_hit_rate(rp.order, capacity) if capacity is not None else None,
     )
 
 
