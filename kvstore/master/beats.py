@@ -55,6 +55,10 @@ class BeatSession:
         if b is not None and self.datagrams is not None:
             self.datagrams.forget(b)
 
+    def _count(self, result: str) -> None:
+        if self.datagrams is not None:
+            self.datagrams.events[result] += 1
+
     def _gram_news(self, m: Membership, now: float) -> tuple[list[int], list[int], list[int], bool]:
         """(slots confirmed now, slots lost, slots forgotten, a sender asked for an
         answer) of this stream's datagram bindings; confirmed ones are marked told,
@@ -77,8 +81,10 @@ class BeatSession:
             elif b.arrived and not b.confirmed:
                 b.confirmed = True
                 ok.append(slot)
+                self._count("confirmed")
             elif listen - b.heard > (LOST_TTLS if b.confirmed else UNCONFIRMED_TTLS) * ttl:
                 lost.append(slot)
+                self._count("lost" if b.confirmed else "unheard")
                 self._drop_gram(slot)
         return ok, lost, gone, asked
 

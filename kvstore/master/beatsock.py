@@ -127,6 +127,7 @@ class BeatEar:
         self.datagrams = Datagrams()
         self.streams: dict[BeatSession, asyncio.Future[master_pb2.BeatAnswer | None]] = {}
         self._counts = dict(self.datagrams.counts)  # as last exported
+        self._events = dict(self.datagrams.events)
         self._polled = -float("inf")
         self._task: asyncio.Task[None] | None = None
 
@@ -173,11 +174,14 @@ class BeatEar:
         woken = self.datagrams.apply(m, sock.read(), now)
         if m.beats != b0:
             metrics.HEARTBEATS.inc(m.beats - b0)
-        last = self._counts
-        for result, n in self.datagrams.counts.items():
-            if n != last[result]:
-                metrics.BEAT_DATAGRAMS.labels(result).inc(n - last[result])
-                last[result] = n
+        for counts, last, metric in (
+            (self.datagrams.counts, self._counts, metrics.BEAT_DATAGRAMS),
+            (self.datagrams.events, self._events, metrics.BEAT_BINDINGS),
+        ):
+            for result, n in counts.items():
+                if n != last[result]:
+                    metric.labels(result).inc(n - last[result])
+                    last[result] = n
         streams = self.streams
         if not streams:
             return
