@@ -61,6 +61,7 @@ class Datagrams:
     bindings: dict[int, Binding] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESULTS, 0))
     events: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BINDING_RESULTS, 0))
+    storm: bool = False  # many bindings quiet at once (kvstore.master.beats.survey)
     _next: int = field(default_factory=lambda: 1 + secrets.randbelow(1 << 31))
 
     @property

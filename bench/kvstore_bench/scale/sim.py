@@ -211,8 +211,11 @@ class _BeatStream:
 
     async def _ask_again(self, i: int) -> None:
         """As the worker does after datagrams_lost: bind again (asking for datagrams)
-        after a pause (beatgram.RETRY_S; the worker doubles it on each loss)."""
-        await asyncio.sleep(beatgram.RETRY_S)
+        after a pause (beatgram.RETRY_S doubling up to RETRY_CAP_S until a binding
+        is confirmed, x0.5-1 jittered)."""
+        pause = self.retries.get(i, beatgram.RETRY_S)
+        self.retries[i] = min(2 * pause, beatgram.RETRY_CAP_S)
+        await asyncio.sleep(pause * (0.5 + random.random() / 2))
         self.bound.discard(i)
 
     async def _rejoin(self, i: int) -> None:
