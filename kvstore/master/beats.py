@@ -37,7 +37,9 @@ UNCONFIRMED_TTLS = 1.0  # a binding without a datagram this long after its bind:
 # senders' host, the network or the master, not one worker's UDP path: a binding is
 # lost only after this long then, still a TTL and a half before the membership's
 # storm hold ends (1 + HOLD_TTLS TTLs), so that the workers of a real mass UDP outage
-# reach their streams in time.
+# reach their streams in time. A binding silent during a storm keeps that limit until
+# it is heard again (the storm's stragglers are the storm's, not lost at once when
+# the others come back).
 STORM_LOST_TTLS = 1.5
 
 
@@ -48,8 +50,11 @@ def survey(dg: Datagrams, m: Membership, now: float, late: float = 0.0) -> bool:
     ``late`` as there."""
     listen = m.listening(now, late)
     quiet_after = LOST_TTLS * m.ttl_now
-    quiet = sum(listen - b.heard > quiet_after for b in dg.bindings.values())
-    dg.storm = quiet >= m.storm_min and quiet > m.storm_fraction * len(dg.bindings)
+    silent = [b for b in dg.bindings.values() if listen - b.heard > quiet_after]
+    dg.storm = len(silent) >= m.storm_min and len(silent) > m.storm_fraction * len(dg.bindings)
+    if dg.storm:
+        for b in silent:
+            b.held = True
     return dg.storm
 
 
@@ -95,8 +100,7 @@ class BeatSession:
         ttl = m.ttl_now
         listen = m.listening(now, late)  # silence on the listening clock, as the membership's
         storm = self.datagrams is not None and self.datagrams.storm
-        lost_after = (STORM_LOST_TTLS if storm else LOST_TTLS) * ttl
-        unheard_after = max(STORM_LOST_TTLS if storm else 0.0, UNCONFIRMED_TTLS) * ttl
+        held_after = STORM_LOST_TTLS * ttl
         for slot, b in list(self.grams.items()):
             if b.attention:
                 b.attention, asked = False, True
@@ -108,7 +112,11 @@ class BeatSession:
                 b.confirmed = True
                 ok.append(slot)
                 self._count("confirmed")
-            elif listen - b.heard > (lost_after if b.confirmed else unheard_after):
+            elif listen - b.heard > (
+                held_after
+                if storm or b.held
+                else (LOST_TTLS if b.confirmed else UNCONFIRMED_TTLS) * ttl
+            ):
                 lost.append(slot)
                 self._count("lost" if b.confirmed else "unheard")
                 self._drop_gram(slot)

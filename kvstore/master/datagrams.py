@@ -50,6 +50,7 @@ class Binding:
     confirmed: bool = False  # the stream said so (datagrams_ok)
     stale: bool = False  # its registration is gone: the stream says `unknown`
     attention: bool = False  # the sender asked for an answer on the stream
+    held: bool = False  # silent during a storm (beats.survey): kept as long until heard
 
 
 @dataclass(slots=True)
@@ -127,6 +128,7 @@ class Datagrams:
                 wake.append(b)
                 continue
             b.heard = listen
+            b.held = False
             if not b.arrived or b.attention:
                 b.arrived = True
                 wake.append(b)
