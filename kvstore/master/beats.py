@@ -41,6 +41,11 @@ UNCONFIRMED_TTLS = 1.0  # a binding without a datagram this long after its bind:
 # it is heard again (the storm's stragglers are the storm's, not lost at once when
 # the others come back).
 STORM_LOST_TTLS = 1.5
+# Bindings are counted in a storm once silent this long, before any is lost (at
+# LOST_TTLS): the master surveys every TTL/10, and the senders of a stalled host fall
+# silent spread over an interval, so counting only the lost would lose the first
+# tenth of them before the storm is seen.
+STORM_ONSET_TTLS = 0.35
 
 
 def survey(dg: Datagrams, m: Membership, now: float, late: float = 0.0) -> bool:
@@ -49,7 +54,7 @@ def survey(dg: Datagrams, m: Membership, now: float, late: float = 0.0) -> bool:
     master surveys every TTL/10, before it asks its streams (:meth:`BeatSession.poll`);
     ``late`` as there."""
     listen = m.listening(now, late)
-    quiet_after = LOST_TTLS * m.ttl_now
+    quiet_after = STORM_ONSET_TTLS * m.ttl_now
     silent = [b for b in dg.bindings.values() if listen - b.heard > quiet_after]
     dg.storm = len(silent) >= m.storm_min and len(silent) > m.storm_fraction * len(dg.bindings)
     if dg.storm:

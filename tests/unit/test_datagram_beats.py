@@ -245,6 +245,21 @@ def test_the_stragglers_of_a_storm_are_not_lost_when_the_others_come_back() -> N
     assert lost(m, dg, ss, 7.1) == [0]
 
 
+def test_a_storm_is_seen_before_the_first_of_it_are_lost() -> None:
+    # The senders stall at t=1 (kvstore bench scale --background-load 8, single: 34
+    # bindings lost when a stall began): their last beats were spread over the
+    # interval before, so they pass half a TTL one after another. The master surveys
+    # every TTL/10 (0.4 s): it must see the storm before the first pass half a TTL.
+    m, dg, ss, gs = confirmed_streams(100)
+    for i, g in enumerate(gs):  # the last beats, spread over [0.01, 1.0]
+        dg.apply(m, [beatgram.encode(g.key, g.binding, 2)], 0.01 * (i + 1))
+    t = 0.84  # surveys at 1.64 (23 silent for 1.4 s) and 2.04 (3 past half a TTL)
+    while t < 5.0:
+        assert lost(m, dg, ss, t) == [], t
+        t = round(t + 0.4, 2)
+    assert dg.storm
+
+
 def test_one_silent_binding_among_many_is_lost_at_half_a_ttl() -> None:
     m, dg, ss, gs = confirmed_streams(10)
     for k in range(2, 5):
