@@ -79,6 +79,8 @@ WORKER_OPS = (
 MASTER_OPS = ("register", "heartbeat", "leave", "get_shard_map", "cluster_status", "drain")
 # kvstore.master.datagrams.RESULTS
 BEAT_DATAGRAM_RESULTS = ("accepted", "malformed", "unknown", "forged", "replayed", "stale")
+# kvstore.master.datagrams.BINDING_RESULTS
+BEAT_BINDING_RESULTS = ("granted", "confirmed", "lost", "unheard")
 ETCD_OPS = ("range", "txn", "watch", "lease_grant", "lease_revoke", "lease_ttl", "lease_keepalive")
 
 # A worker's own metrics: registered only by workers (enable_worker_metrics).
@@ -160,6 +162,13 @@ BEAT_DATAGRAMS = Counter(
     ["result"],
     registry=None,
 )
+BEAT_BINDINGS = Counter(
+    "kvstore_master_beat_bindings_total",
+    "Datagram beat bindings, by result: granted (on a Beats bind), confirmed (the first "
+    "datagram arrived), lost (a confirmed binding fell silent), unheard (none arrived)",
+    ["result"],
+    registry=None,
+)
 WORKERS_EXPIRED = Counter(
     "kvstore_workers_expired_total",
     "Workers the master removed for missing heartbeats",
@@ -198,6 +207,7 @@ _MASTER_METRICS = (
     ETCD_ERRORS,
     HEARTBEATS,
     BEAT_DATAGRAMS,
+    BEAT_BINDINGS,
     WORKERS_EXPIRED,
     MASTER_LAG,
     MASTER_DEAF,
@@ -227,6 +237,8 @@ def enable_master_metrics(*, etcd: bool = False) -> None:
     _start_requests(MASTER_OPS)
     for result in BEAT_DATAGRAM_RESULTS:
         BEAT_DATAGRAMS.labels(result)
+    for result in BEAT_BINDING_RESULTS:
+        BEAT_BINDINGS.labels(result)
     if etcd:
         for op in ETCD_OPS:
             ETCD_ERRORS.labels(op)

@@ -12,7 +12,8 @@ replaced) the slot is reported ``unknown`` and the worker registers and binds ag
 A bind may ask for datagram beats (:mod:`kvstore.master.datagrams`): the session
 grants a binding in its answer, says ``datagrams_ok`` once the binding's first
 datagram was read, and ``datagrams_lost`` (forgetting the binding) when a confirmed
-binding is silent for half a TTL, or an unconfirmed one for a whole TTL; the worker
+binding is silent for half a TTL, or an unconfirmed one for a whole TTL (a TTL and a
+half for both while many bindings are silent at once: :func:`survey`); the worker
 then beats on the stream again. :meth:`BeatSession.poll` is what the master asks of
 a stream that carries no batches (its workers beat by datagram): the answer to push,
 or None. When the stream ends, :meth:`BeatSession.close` forgets its bindings.
@@ -26,11 +27,40 @@ from kvstore_client.proto import master_pb2
 from .datagrams import Binding, Datagrams
 from .membership import IdConflict, Member, Membership, check_instance
 
-__all__ = ["MAX_SLOTS", "BeatSession"]
+__all__ = ["MAX_SLOTS", "BeatSession", "survey"]
 
 MAX_SLOTS = 1024  # slot numbers of one stream are below this
 LOST_TTLS = 0.5  # a confirmed binding silent this long: datagrams_lost
 UNCONFIRMED_TTLS = 1.0  # a binding without a datagram this long after its bind: lost too
+# While many bindings are quiet at once (more than the membership's storm fraction of
+# them, and at least its storm minimum, silent for LOST_TTLS), the trouble is the
+# senders' host, the network or the master, not one worker's UDP path: a binding is
+# lost only after this long then, still a TTL and a half before the membership's
+# storm hold ends (1 + HOLD_TTLS TTLs), so that the workers of a real mass UDP outage
+# reach their streams in time. A binding silent during a storm keeps that limit until
+# it is heard again (the storm's stragglers are the storm's, not lost at once when
+# the others come back).
+STORM_LOST_TTLS = 1.5
+# Bindings are counted in a storm once silent this long, before any is lost (at
+# LOST_TTLS): the master surveys every TTL/10, and the senders of a stalled host fall
+# silent spread over an interval, so counting only the lost would lose the first
+# tenth of them before the storm is seen.
+STORM_ONSET_TTLS = 0.35
+
+
+def survey(dg: Datagrams, m: Membership, now: float, late: float = 0.0) -> bool:
+    """Whether the bindings of ``dg`` are in a storm at ``now`` (see STORM_LOST_TTLS);
+    sets ``dg.storm``, which :class:`BeatSession` reads until the next survey. The
+    master surveys every TTL/10, before it asks its streams (:meth:`BeatSession.poll`);
+    ``late`` as there."""
+    listen = m.listening(now, late)
+    quiet_after = STORM_ONSET_TTLS * m.ttl_now
+    silent = [b for b in dg.bindings.values() if listen - b.heard > quiet_after]
+    dg.storm = len(silent) >= m.storm_min and len(silent) > m.storm_fraction * len(dg.bindings)
+    if dg.storm:
+        for b in silent:
+            b.held = True
+    return dg.storm
 
 
 class BeatSession:
@@ -55,10 +85,17 @@ class BeatSession:
         if b is not None and self.datagrams is not None:
             self.datagrams.forget(b)
 
-    def _gram_news(self, m: Membership, now: float) -> tuple[list[int], list[int], list[int], bool]:
+    def _count(self, result: str) -> None:
+        if self.datagrams is not None:
+            self.datagrams.events[result] += 1
+
+    def _gram_news(
+        self, m: Membership, now: float, late: float = 0.0
+    ) -> tuple[list[int], list[int], list[int], bool]:
         """(slots confirmed now, slots lost, slots forgotten, a sender asked for an
         answer) of this stream's datagram bindings; confirmed ones are marked told,
-        lost and forgotten ones are dropped."""
+        lost and forgotten ones are dropped. ``late``: how late the master's timer
+        that asks ran (its deaf time not yet counted, :meth:`Membership.listening`)."""
         ok: list[int] = []
         lost: list[int] = []
         gone: list[int] = []
@@ -66,7 +103,9 @@ class BeatSession:
         if not self.grams:
             return ok, lost, gone, asked
         ttl = m.ttl_now
-        listen = m.listening(now)  # silence on the listening clock, as the membership's
+        listen = m.listening(now, late)  # silence on the listening clock, as the membership's
+        storm = self.datagrams is not None and self.datagrams.storm
+        held_after = STORM_LOST_TTLS * ttl
         for slot, b in list(self.grams.items()):
             if b.attention:
                 b.attention, asked = False, True
@@ -77,8 +116,14 @@ class BeatSession:
             elif b.arrived and not b.confirmed:
                 b.confirmed = True
                 ok.append(slot)
-            elif listen - b.heard > (LOST_TTLS if b.confirmed else UNCONFIRMED_TTLS) * ttl:
+                self._count("confirmed")
+            elif listen - b.heard > (
+                held_after
+                if storm or b.held
+                else (LOST_TTLS if b.confirmed else UNCONFIRMED_TTLS) * ttl
+            ):
                 lost.append(slot)
+                self._count("lost" if b.confirmed else "unheard")
                 self._drop_gram(slot)
         return ok, lost, gone, asked
 
@@ -87,11 +132,12 @@ class BeatSession:
         """Whether any slot of this stream holds a datagram binding."""
         return bool(self.grams)
 
-    def poll(self, m: Membership, now: float) -> master_pb2.BeatAnswer | None:
+    def poll(self, m: Membership, now: float, late: float = 0.0) -> master_pb2.BeatAnswer | None:
         """What to push on a stream between its batches: confirmations, lost and
         forgotten bindings, a new interval, or the sign of life once per TTL; None
-        when there is nothing to say."""
-        ok, lost, gone, asked = self._gram_news(m, now)
+        when there is nothing to say. ``late``: how late the drain that asks ran (a
+        master starved for that long heard nobody: nobody's silence)."""
+        ok, lost, gone, asked = self._gram_news(m, now, late)
         interval = m.heartbeat_interval
         if ok or lost or gone or asked or interval != self.told or now - self.answered >= m.ttl_now:
             return self._answer(m, now, unknown=gone, ok=ok, lost=lost)

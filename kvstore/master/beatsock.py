@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from kvstore_client.proto import master_pb2
 
 from .. import beatgram, metrics
-from .beats import BeatSession
+from .beats import BeatSession, survey
 from .datagrams import Datagrams
 from .membership import Membership
 
@@ -127,7 +127,10 @@ class BeatEar:
         self.datagrams = Datagrams()
         self.streams: dict[BeatSession, asyncio.Future[master_pb2.BeatAnswer | None]] = {}
         self._counts = dict(self.datagrams.counts)  # as last exported
+        self._events = dict(self.datagrams.events)
         self._polled = -float("inf")
+        self._storm = False
+        self._storm_said = -float("inf")
         self._task: asyncio.Task[None] | None = None
 
     def open(self, host: str, port: int) -> None:
@@ -151,19 +154,22 @@ class BeatEar:
 
     async def _loop(self) -> None:
         while True:
+            due = time.monotonic() + DRAIN_S
             await asyncio.sleep(DRAIN_S)
             try:
-                self.drain()
+                self.drain(time.monotonic() - due)
             except Exception:  # never let a bad read stop the beats
                 log.exception("reading datagram beats failed")
 
-    def drain(self) -> None:
+    def drain(self, late: float = 0.0) -> None:
         """Read the beat socket dry, count the good datagrams as beats at this moment,
         and wake the streams that have something to say: at once those whose bindings
         changed, and every stream beating by datagram every TTL/10 (lost bindings, a
         new interval, the sign of life). The master's ear for datagrams: the expiry
         tick calls it first, so beats that waited in the socket while the master was
-        behind count before anyone is judged silent."""
+        behind count before anyone is judged silent. ``late``: how late the caller's
+        timer ran; a binding's silence does not count it (a master starved that long
+        heard nobody; :meth:`Membership.listening`)."""
         sock = self.socket
         if sock is None:
             return
@@ -173,11 +179,14 @@ class BeatEar:
         woken = self.datagrams.apply(m, sock.read(), now)
         if m.beats != b0:
             metrics.HEARTBEATS.inc(m.beats - b0)
-        last = self._counts
-        for result, n in self.datagrams.counts.items():
-            if n != last[result]:
-                metrics.BEAT_DATAGRAMS.labels(result).inc(n - last[result])
-                last[result] = n
+        for counts, last, metric in (
+            (self.datagrams.counts, self._counts, metrics.BEAT_DATAGRAMS),
+            (self.datagrams.events, self._events, metrics.BEAT_BINDINGS),
+        ):
+            for result, n in counts.items():
+                if n != last[result]:
+                    metric.labels(result).inc(n - last[result])
+                    last[result] = n
         streams = self.streams
         if not streams:
             return
@@ -189,12 +198,20 @@ class BeatEar:
         sessions: Any
         if now - self._polled >= max(DRAIN_S, m.ttl / 10):
             self._polled = now
+            storm = survey(self.datagrams, m, now, late)
+            if storm and not self._storm and now - self._storm_said >= 30.0:
+                self._storm_said = now
+                log.warning(
+                    "many workers' datagram beats are late at once (their host, the "
+                    "network or this master is behind): their bindings are kept longer"
+                )
+            self._storm = storm
             sessions = list(streams)
         else:
             sessions = {b.owner for b in woken}
         for session in sessions:
             waiting = streams.get(session)
             if waiting is not None and not waiting.done():
-                answer = session.poll(m, now)
+                answer = session.poll(m, now, late)
                 if answer is not None:
                     waiting.set_result(answer)

@@ -23,12 +23,16 @@ from typing import Any
 from .. import beatgram
 from .membership import Member, Membership
 
-__all__ = ["RESULTS", "Binding", "Datagrams"]
+__all__ = ["BINDING_RESULTS", "RESULTS", "Binding", "Datagrams"]
 
 # kvstore_master_beat_datagrams_total{result}: accepted (a beat), malformed (size,
 # magic, version), unknown (no such binding), forged (wrong MAC), replayed (sequence
 # number not above the last accepted), stale (its registration is gone)
 RESULTS = ("accepted", "malformed", "unknown", "forged", "replayed", "stale")
+# kvstore_master_beat_bindings_total{result}: granted (a bind asked for datagrams and
+# got a binding), confirmed (its first datagram arrived), lost (a confirmed binding
+# fell silent), unheard (no datagram arrived after the bind)
+BINDING_RESULTS = ("granted", "confirmed", "lost", "unheard")
 
 
 @dataclass(slots=True, eq=False)
@@ -46,6 +50,7 @@ class Binding:
     confirmed: bool = False  # the stream said so (datagrams_ok)
     stale: bool = False  # its registration is gone: the stream says `unknown`
     attention: bool = False  # the sender asked for an answer on the stream
+    held: bool = False  # silent during a storm (beats.survey): kept as long until heard
 
 
 @dataclass(slots=True)
@@ -56,6 +61,8 @@ class Datagrams:
     port: int = 0
     bindings: dict[int, Binding] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESULTS, 0))
+    events: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BINDING_RESULTS, 0))
+    storm: bool = False  # many bindings quiet at once (kvstore.master.beats.survey)
     _next: int = field(default_factory=lambda: 1 + secrets.randbelow(1 << 31))
 
     @property
@@ -73,6 +80,7 @@ class Datagrams:
         key = secrets.token_bytes(beatgram.KEY_BYTES)
         b = Binding(bid, key, slot, member, owner, listen)
         self.bindings[bid] = b
+        self.events["granted"] += 1
         return b
 
     def forget(self, b: Binding) -> None:
@@ -120,6 +128,7 @@ class Datagrams:
                 wake.append(b)
                 continue
             b.heard = listen
+            b.held = False
             if not b.arrived or b.attention:
                 b.arrived = True
                 wake.append(b)

@@ -238,9 +238,11 @@ class Membership:
         the pace workers may still be beating at."""
         return self.ttl * self._ttl_pace
 
-    def listening(self, now: float) -> float:
-        """``now`` on the listening clock: wall time minus deaf time."""
-        return now - self.deaf
+    def listening(self, now: float, late: float = 0.0) -> float:
+        """``now`` on the listening clock: wall time minus deaf time. ``late``: how
+        late the caller's own timer ran (a datagram drain, the tick before it counts
+        its lateness): beyond the tolerance that is deaf time not yet counted."""
+        return now - self.deaf - max(0.0, late - LAG_TOLERANCE_TTLS * self.ttl)
 
     def grace(self, now: float, seconds: float) -> None:
         """Expire nobody (but past the hard limit) for ``seconds`` from ``now``: a new

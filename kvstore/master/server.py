@@ -622,7 +622,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             now, cpu_now = time.monotonic(), time.process_time()
             busy = (cpu_now - cpu) / max(1e-3, now - last)
             cpu, last = cpu_now, now
-            self.ear.drain()  # beats waiting in the socket count before the judging
+            self.ear.drain(now - due)  # beats waiting in the socket count before the judging
             t = self.m.tick(now, now - due, busy)
             self._report(t, now - due, now)
             if t.expired:

@@ -174,8 +174,8 @@ class DatagramBeats:
         if self.slot in resp.datagrams_lost or self.slot in resp.unknown:
             lost = self.grant is not None and self.slot in resp.datagrams_lost
             self.grant, self.confirmed = None, False
-            if lost:
-                self.retry_at = now + self.retry.next()
+            if lost:  # jittered: workers that lost theirs at once do not all ask at once
+                self.retry_at = now + self.retry.next() * (0.5 + random.random() / 2)
                 what = "lost"
         return what
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import signal
 import socket
 import threading
 import time
@@ -239,3 +240,68 @@ def test_garbage_forged_and_replayed_datagrams_are_dropped(master: tuple[str, in
         assert s.error is None
         s.close()
         udp.close()
+
+
+def bindings(port: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in scrape(port).splitlines():
+        if line.startswith("kvstore_master_beat_bindings_total{"):
+            result = line.split('result="', 1)[1].split('"', 1)[0]
+            out[result] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_a_starved_host_loses_no_binding() -> None:
+    """The master and the worker's sender are starved together (a loaded host): the
+    sender pauses and the master is stopped (SIGSTOP) for more than half a TTL, then
+    both run again. The master's first drain after the stop runs late: that time is
+    its own deafness, not the binding's silence, so the binding is not lost (before,
+    the drain judged the silence before the tick counted the lateness, and every
+    binding on a starved host was lost and beat on its stream again)."""
+    mport = free_port()
+    d = spawn(
+        "master",
+        ["--host", "127.0.0.1", "--port", "0", "--worker-ttl", TTL, "--metrics-port", str(mport)],
+    )
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = master_pb2_grpc.MasterStub(ch)
+            stub.Register(master_pb2.RegisterRequest(worker=_info(0), instance=TOKEN), timeout=10)
+            s = Beats(stub)
+            b = master_pb2.BeatBatch()
+            b.bind.add(slot=0, worker_id="w00", instance=TOKEN, datagrams=True)
+            s.q.put(b)
+            g = s.answers.get(timeout=10).datagrams[0]
+            udp.connect(("127.0.0.1", g.port))
+            seq = 0
+
+            def beat(seconds: float) -> None:
+                nonlocal seq
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    seq += 1
+                    udp.send(beatgram.encode(g.key, g.binding, seq))
+                    time.sleep(0.25)
+
+            beat(1.0)
+            assert wait_for(lambda: bindings(mport)["confirmed"] == 1, 10)
+            beat(1.0)
+            d.signal(signal.SIGSTOP)  # the sender is starved too: nothing is sent
+            try:
+                time.sleep(2.5)  # more than half a TTL (1 s), more than a TTL
+            finally:
+                d.signal(signal.SIGCONT)
+            time.sleep(0.1)
+            beat(3.0)
+            answers = s.drain()
+            assert not any(a.datagrams_lost for a in answers), answers
+            got = bindings(mport)
+            assert got["lost"] == 0 and got["unheard"] == 0, got
+            assert datagrams(mport)["unknown"] == 0  # the binding lives on
+            assert metric(mport, "kvstore_master_deaf_seconds_total") > 1.0
+            assert [w.info.id for w in live(d.address)] == ["w00"]
+            s.close()
+    finally:
+        udp.close()
+        d.stop()

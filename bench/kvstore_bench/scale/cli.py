@@ -30,6 +30,9 @@ def _rows(runs: list[dict[str, Any]], ring: dict[str, Any]) -> list[list[str]]:
         if m == "etcd-leases":
             rows += _lease_rows(r, f)
             continue
+        if "error" in r:
+            rows.append([m, r["error"], ""])
+            continue
         rows += [
             [f"{m}: workers / watchers", f"{r['map_workers']} / {r['watchers']}", ""],
             [f"{m}: registration of all workers", f(r["register_s"], "{:.2f} s"), ""],
@@ -154,7 +157,7 @@ def _lease_rows(r: dict[str, Any], f: Any) -> list[list[str]]:
 
 def _plots(runs: list[dict[str, Any]], ring: dict[str, Any], out: Path, st: str) -> list[Path]:
     plt = report.pyplot()
-    runs = [r for r in runs if r["mode"] != "etcd-leases"]
+    runs = [r for r in runs if r["mode"] != "etcd-leases" and "error" not in r]
     if plt is None or not runs:
         return []
     paths = []

@@ -47,9 +47,10 @@ from kvstore_client.proto import master_pb2, master_pb2_grpc
 
 from .. import report
 from .leases import run_leases
-from .load import BackgroundLoad, heartbeats_served
+from .load import BackgroundLoad, heartbeats_served, scrape
 from .sim import (
     CALL_TIMEOUT,
+    BeatLog,
     Datagrams,
     SimWorker,
     Watcher,
@@ -133,7 +134,9 @@ def masters(
             args += ["--metrics-port", str(mport)]
             if etcd is not None:
                 args += ["--etcd", etcd.url]
-            ds.append(spawn("master", args, log_path=str(workdir / f"master{i}.log")))
+            # a loaded host (--background-load) can take more than the default 30 s
+            log = str(workdir / f"master{i}.log")
+            ds.append(spawn("master", args, log_path=log, timeout=120))
             urls.append(f"http://127.0.0.1:{mport}/metrics")
         yield ds, etcd, urls
     finally:
@@ -213,6 +216,54 @@ async def _served(urls: tuple[str, ...]) -> float:
     return await asyncio.to_thread(heartbeats_served, urls)
 
 
+# The leader's counters recorded over the run (datagram results, binding results, deaf
+# time, expiries, heartbeats), by the prefix of their samples
+MASTER_COUNTERS = (
+    "kvstore_master_beat_datagrams_total",
+    "kvstore_master_beat_bindings_total",
+    "kvstore_master_deaf_seconds_total",
+    "kvstore_workers_expired_total",
+    "kvstore_heartbeats_total",
+)
+
+
+async def _counters(url: str | None) -> dict[str, float]:
+    """The leader's MASTER_COUNTERS now ({} without a metrics URL or an answer)."""
+    if url is None:
+        return {}
+    try:
+        s = await asyncio.to_thread(scrape, url)
+    except OSError:
+        return {}
+    return {k: v for k, v in s.items() if k.startswith(MASTER_COUNTERS)}
+
+
+def _delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: v - a.get(k, 0.0) for k, v in b.items() if v != a.get(k, 0.0)}
+
+
+def udp_kernel(ports: set[int]) -> dict[str, int]:
+    """The host's UDP counters (/proc/net/snmp: InDatagrams, RcvbufErrors, InErrors)
+    and the drops of the sockets bound to ``ports`` (/proc/net/udp and udp6)."""
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        with open("/proc/net/snmp") as fh:
+            rows = [line.split() for line in fh if line.startswith("Udp:")]
+        if len(rows) >= 2:
+            snmp = dict(zip(rows[0][1:], rows[1][1:], strict=False))
+            for k in ("InDatagrams", "RcvbufErrors", "InErrors"):
+                out[k] = int(snmp.get(k, 0))
+    drops = 0
+    for path in ("/proc/net/udp", "/proc/net/udp6"):
+        with contextlib.suppress(OSError), open(path) as fh:
+            for line in list(fh)[1:]:
+                f = line.split()
+                if len(f) > 12 and int(f[1].rsplit(":", 1)[1], 16) in ports:
+                    drops += int(f[-1])
+    out["socket_drops"] = drops
+    return out
+
+
 async def _run_mode(
     cfg: ScaleConfig,
     addrs: list[str],
@@ -239,11 +290,17 @@ async def _run_mode(
     say(f"{mode}: {cfg.workers} workers register")
     sem = asyncio.Semaphore(64)
     served0 = await _served(metric_urls)
+    lead_url = metric_urls[lead] if lead < len(metric_urls) else None
+    k0 = await _counters(lead_url)
+    udp0 = udp_kernel(set())
     udp = Datagrams(addrs[lead].rpartition(":")[0]) if cfg.protocol == "datagrams" else None
     batched = cfg.protocol in ("beats", "datagrams")
+    blog = BeatLog(gap_s=2 * cfg.heartbeat_s)
     if batched:
         conns = [sims[i : i + per] for i in range(0, len(sims), per)]
-        tasks += [asyncio.create_task(connection_loop(c, cfg.heartbeat_s, udp)) for c in conns]
+        tasks += [
+            asyncio.create_task(connection_loop(c, cfg.heartbeat_s, udp, blog)) for c in conns
+        ]
 
     async def reg(w: SimWorker) -> None:
         async with sem:
@@ -282,6 +339,7 @@ async def _run_mode(
         await asyncio.sleep(min(2.0, cfg.steady_s / 4))
         e0 = etcd.metric(ETCD_METRICS) if etcd is not None else {}
         sv0 = await _served(metric_urls)
+        ks0 = await _counters(lead_url)
         hb0 = sum(w.heartbeats for w in sims)
         u0 = udp.sent if udp is not None else 0
         p0 = time.process_time()
@@ -290,6 +348,7 @@ async def _run_mode(
         s1 = sampler.sample()
         hbs = sum(w.heartbeats for w in sims) - hb0
         sv1 = await _served(metric_urls)
+        res["master_counters_steady"] = _delta(ks0, await _counters(lead_url))
         e1 = etcd.metric(ETCD_METRICS) if etcd is not None else {}
         res["heartbeats_served_steady_ratio"] = (sv1 - sv0) / hbs if hbs else float("nan")
         dt = s1[0] - s0[0]
@@ -398,6 +457,36 @@ async def _run_mode(
         res["heartbeats_served_ratio"] = served / sent if sent else float("nan")
         worker_s = cfg.workers * (end_t - t_reg) - n_fail * (tr - tf)
         res["heartbeats_sent_per_due"] = (sent - sent_reg) / (worker_s / cfg.heartbeat_s)
+        # what went on with the beats (docs/SCALE.md, "Datagram beats"): the leader's
+        # counters over the run, the kernel's UDP counters, what the simulated workers
+        # were told and how late they sent, by 5 s from the start of the registrations
+        res["master_counters"] = _delta(k0, await _counters(lead_url))
+        udp1 = udp_kernel(udp.ports if udp is not None else set())
+        res["udp_kernel"] = {
+            k: v - udp0.get(k, 0) if k != "socket_drops" else v for k, v in udp1.items()
+        }
+        res["datagrams_sent"] = udp.sent if udp is not None else 0
+        res["datagrams_send_failed"] = udp.failed if udp is not None else 0
+        res["registered_at_s"] = t_reg - t_start
+
+        def per5(ts: list[float]) -> dict[int, int]:
+            out: dict[int, int] = {}
+            for t in ts:
+                k = int((t - t_start) // 5) * 5
+                out[k] = out.get(k, 0) + 1
+            return out
+
+        res["sim"] = {
+            "lost": len(blog.lost_at),
+            "lost_by_5s": per5(blog.lost_at),
+            "unknown": len(blog.unknown_at),
+            "unknown_by_5s": per5(blog.unknown_at),
+            "gaps_over_2_intervals": len(blog.gaps),
+            "gaps_by_5s": per5([t for t, _ in blog.gaps]),
+            "gap_max_s": max((g for _, g in blog.gaps), default=0.0),
+            "send_late_max_s": blog.late_max,
+            "send_late_over_1s": blog.late_over_1s,
+        }
 
     s_end = sampler.sample()
     res["total_s"] = s_end[0] - t_start
@@ -421,6 +510,15 @@ async def _run_mode(
     return res
 
 
+def _log_tails(workdir: Path, lines: int = 20) -> dict[str, list[str]]:
+    """The last ``lines`` lines of each log under ``workdir`` (a failed start)."""
+    out = {}
+    for p in sorted(workdir.glob("*.log")):
+        with contextlib.suppress(OSError):
+            out[p.name] = p.read_text(errors="replace").splitlines()[-lines:]
+    return out
+
+
 def run_scale(cfg: ScaleConfig, *, modes: tuple[str, ...], say: Any) -> list[dict[str, Any]]:
     """Run the control-plane scenario once per mode ("single", "ha"), then with
     ``cfg.etcd_leases`` the lease design (:mod:`.leases`), with
@@ -428,12 +526,13 @@ def run_scale(cfg: ScaleConfig, *, modes: tuple[str, ...], say: Any) -> list[dic
     out = []
     with BackgroundLoad(cfg.background_load):
         for mode in modes:
-            with (
-                tempfile.TemporaryDirectory(prefix="kvscale-") as tmp,
-                masters(cfg, Path(tmp), mode == "ha") as (ds, etcd, urls),
-            ):
-                addrs, pids = [d.address for d in ds], [d.pid for d in ds]
-                res = asyncio.run(_run_mode(cfg, addrs, pids, etcd, say, tuple(urls)))
+            with tempfile.TemporaryDirectory(prefix="kvscale-") as tmp:
+                try:
+                    with masters(cfg, Path(tmp), mode == "ha") as (ds, etcd, urls):
+                        addrs, pids = [d.address for d in ds], [d.pid for d in ds]
+                        res = asyncio.run(_run_mode(cfg, addrs, pids, etcd, say, tuple(urls)))
+                except StartError as e:  # on a loaded host: say so, go on with the next mode
+                    res = {"mode": mode, "error": str(e), "logs": _log_tails(Path(tmp))}
                 res["load_average"] = os.getloadavg()
                 out.append(res)
         if cfg.etcd_leases:

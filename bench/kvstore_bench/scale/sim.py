@@ -28,6 +28,7 @@ from kvstore import beatgram
 from kvstore_client.proto import master_pb2, master_pb2_grpc
 
 __all__ = [
+    "BeatLog",
     "Datagrams",
     "SimWorker",
     "Watcher",
@@ -130,14 +131,35 @@ async def worker_loop(w: SimWorker, interval: float, unary: bool = False) -> Non
             await worker_rpc(w, register=True)
 
 
+@dataclass(slots=True)
+class BeatLog:
+    """What the simulated workers of all connections saw, for the run's figures: when
+    the master said datagrams_lost or unknown, how late the send loops ran, and the
+    gaps between one worker's consecutive beats (stream or datagram) longer than
+    ``gap_s`` (the simulator itself starved)."""
+
+    gap_s: float = 2.0
+    lost_at: list[float] = field(default_factory=list)
+    unknown_at: list[float] = field(default_factory=list)
+    gaps: list[tuple[float, float]] = field(default_factory=list)  # (when, gap)
+    late_max: float = 0.0
+    late_over_1s: int = 0
+
+
 class _BeatStream:
     """One Beats stream of a connection: which slots it bound, which workers the
     master forgot (they register again, then are bound again on it)."""
 
     def __init__(
-        self, ws: list[SimWorker], pace: list[float], udp: Datagrams | None = None
+        self,
+        ws: list[SimWorker],
+        pace: list[float],
+        udp: Datagrams | None = None,
+        log: BeatLog | None = None,
     ) -> None:
         self.ws = ws
+        self.log = log
+        self.last: dict[int, float] = {}
         self.pace = pace
         self.bound: set[int] = set()
         self.forgotten: set[int] = set()
@@ -146,12 +168,21 @@ class _BeatStream:
         self.grants: dict[int, master_pb2.DatagramGrant] = {}
         self.seq: dict[int, int] = {}
         self.confirmed: set[int] = set()
+        self.retries: dict[int, float] = {}  # slot -> its next retry pause after a loss
 
     def batch(self) -> master_pb2.BeatBatch:
         b = master_pb2.BeatBatch()
+        now = time.monotonic()
+        log = self.log
         for i, w in enumerate(self.ws):
             if w.paused or i in self.forgotten or not w.registers:
+                self.last.pop(i, None)
                 continue  # paused, registering again, or not registered yet
+            if log is not None:
+                t = self.last.get(i)
+                if t is not None and now - t > log.gap_s:
+                    log.gaps.append((now, now - t))
+                self.last[i] = now
             if i in self.bound:
                 g = self.grants.get(i)
                 if g is not None and self.udp is not None:
@@ -180,8 +211,11 @@ class _BeatStream:
 
     async def _ask_again(self, i: int) -> None:
         """As the worker does after datagrams_lost: bind again (asking for datagrams)
-        after a pause (beatgram.RETRY_S; the worker doubles it on each loss)."""
-        await asyncio.sleep(beatgram.RETRY_S)
+        after a pause (beatgram.RETRY_S doubling up to RETRY_CAP_S until a binding
+        is confirmed, x0.5-1 jittered)."""
+        pause = self.retries.get(i, beatgram.RETRY_S)
+        self.retries[i] = min(2 * pause, beatgram.RETRY_CAP_S)
+        await asyncio.sleep(pause * (0.5 + random.random() / 2))
         self.bound.discard(i)
 
     async def _rejoin(self, i: int) -> None:
@@ -201,7 +235,14 @@ class _BeatStream:
                 for g in resp.datagrams:
                     self._drop_grant(g.slot)
                     self.grants[g.slot] = g
-                self.confirmed.update(s for s in resp.datagrams_ok if s in self.grants)
+                for s in resp.datagrams_ok:
+                    if s in self.grants:
+                        self.confirmed.add(s)
+                        self.retries.pop(s, None)
+                if self.log is not None:
+                    now = time.monotonic()
+                    self.log.lost_at += [now] * len(resp.datagrams_lost)
+                    self.log.unknown_at += [now] * len(resp.unknown)
                 for slot in resp.datagrams_lost:  # on the stream, datagrams again later
                     self._drop_grant(slot)
                     self.rejoins.append(asyncio.create_task(self._ask_again(slot)))
@@ -226,8 +267,10 @@ class Datagrams:
         self.sock.setblocking(False)
         self.sent = 0
         self.failed = 0
+        self.ports: set[int] = set()
 
     def send(self, datagram: bytes, port: int) -> None:
+        self.ports.add(port)
         try:
             self.sock.sendto(datagram, (self.host, port))
             self.sent += 1
@@ -239,7 +282,7 @@ class Datagrams:
 
 
 async def connection_loop(
-    ws: list[SimWorker], interval: float, udp: Datagrams | None = None
+    ws: list[SimWorker], interval: float, udp: Datagrams | None = None, log: BeatLog | None = None
 ) -> None:
     """The workers of one connection heartbeating on one Beats stream: every interval
     (the one the master's answers ask for) one batch, in which each live worker is its
@@ -252,11 +295,15 @@ async def connection_loop(
     pace = [interval]
     while True:
         call = ws[0].stub.Beats()  # type: ignore[call-arg]
-        st = _BeatStream(ws, pace, udp)
+        st = _BeatStream(ws, pace, udp, log)
         reader = asyncio.create_task(st.read(call))
         try:
             nxt = time.monotonic()
             while not reader.done():
+                if log is not None:
+                    late = time.monotonic() - nxt
+                    log.late_max = max(log.late_max, late)
+                    log.late_over_1s += late > 1.0
                 batch = st.batch()
                 if batch.alive or batch.bind:
                     await call.write(batch)
