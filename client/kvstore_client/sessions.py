@@ -30,7 +30,8 @@ Whose session: at each worker a session belongs to the client that first hinted 
 it, only its cut notices are applied, and only it gets the session's notices. An
 agent's next turn may run on another engine (another Client): its first hint of the
 session carries the whole chain (``whole``), which shows the chain the worker holds
-(its last hash there), and the session is the new client's from then on. A worker
+(its last hash there, or the last hash there of the previous turn's prompt), and the
+session is the new client's from then on. A worker
 that holds another client's session and got only the newer part of the chain
 answers ``resend``, and this client sends it the whole chain at once. A whole chain
 that shows nothing of the held one (a history that changed) starts the session over

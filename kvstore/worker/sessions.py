@@ -101,6 +101,12 @@ class Session:
     cut_walk: Iterator[bytes] | None = None
     cut_next: bytes | None = None
     client: bytes = b""  # the client whose session it is here (its identity; b"": none sent)
+    # The deepest key here of its latest turn's prompt (the last key of its client's
+    # last ``active`` hint): a next turn's prompt extends that prompt, while the chain's
+    # last keys may be the turn's output, which a next prompt need not contain token for
+    # token (a chat template closes the turn differently, a bench sends the trace's
+    # tokens). Showing it proves the conversation as the last key does (see claim).
+    anchor: bytes | None = None
     account: str = ""  # the tenant its namespace belongs to ("" without tenants)
     # A state change of a long chain moves its keys a slice at a time (advance): the
     # keys of ``moving`` from ``moving_at`` on are still counted under ``moving_from``.
@@ -280,6 +286,8 @@ class SessionTable:
         if s.moving is not None:  # the previous change is still moving: finish it
             self._step(s, None, ch)
         self._add(s, keys, ch, depths)
+        if state == "active" and sent and keys and keys[-1] in s.keys:
+            s.anchor = keys[-1]
         if state != s.state or state == "paused":  # paused: its chain tail first, again
             self._begin(s, state, orphan=True)
             if not (self.move_slice and len(s.keys) > self.move_slice):
@@ -378,8 +386,9 @@ class SessionTable:
         ``whole`` says the hint carries the sender's whole chain (its share here).
 
         OWN: the session is not in the table or is ``client``'s. MOVED: another
-        client's session, and the hint lists its last key here (at the same depth when
-        both know it), or it holds no key here: it is ``client``'s from now on (an
+        client's session, and the hint lists its last key here or its latest turn's
+        prompt's last key here (``Session.anchor``; at the same depth when both know
+        it), or it holds no key here: it is ``client``'s from now on (an
         agent's next turn on another engine). RESTARTED: the hint shows nothing of its
         chain but is ``whole``: the session leaves the table (its blocks become plain
         LRU blocks, as when it expires; the returned changes say so) and the hint
@@ -392,9 +401,15 @@ class SessionTable:
         if s is None or s.client == client:
             return OWN, []
         last = next(reversed(s.keys), None)
-        if last is None or (
-            last in shown and (s.keys[last] < 0 or shown[last] < 0 or shown[last] == s.keys[last])
-        ):
+
+        def proves(k: bytes | None) -> bool:  # listed, at the same depth when both know it
+            return (
+                k is not None
+                and k in shown
+                and (s.keys.get(k, -1) < 0 or shown[k] < 0 or shown[k] == s.keys[k])
+            )
+
+        if last is None or proves(last) or proves(s.anchor):
             self.counters.moved += 1
             s.client = client
             return MOVED, []
