@@ -132,8 +132,8 @@ def opt_hit_rate(requests: Sequence[Request], capacity_blocks: int) -> HitStats:
     one reads again is never kept at another's expense). Among blocks next wanted by the
     same request it evicts the deepest in its chain first: a prefix hit stops at the first
     gap, so a chain's head is worth more than its tail (breaking those ties any other
-    way, e.g. by id, drops heads and scores far below a prefix cache's LRU). The best
-    order for per-block hits, and the reference for the store's retention. Raises
+    way, e.g. by id, drops heads, and the reference reads below what a store can reach).
+    The best order for per-block hits, and the reference for the store's retention. Raises
     ValueError for a negative capacity. O(total ids * log)."""
     if type(capacity_blocks) is not int or capacity_blocks < 0:
         raise ValueError(f"capacity_blocks must be a non-negative int, got {capacity_blocks!r}")
