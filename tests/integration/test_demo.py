@@ -30,7 +30,11 @@ def test_demo_get_does_not_time_page_faults(
     assert r["matched"] == r["hits"] == blocks
     dest_bytes = (blocks + blocks // 4) * MiB
     huge_pages = dest_bytes // (2 * MiB)
-    assert r["get_faults"] < huge_pages // 2, r
+    # The count is the whole process's: gRPC's and the fixture's threads fault too (45
+    # in one clean-clone CI run, against a limit of huge_pages // 2 = 40 then). A
+    # destination that faults inside the clock takes one fault per page it touches: at
+    # least huge_pages with transparent huge pages always on, 40,960 on 4 KiB pages.
+    assert r["get_faults"] < huge_pages, r
 
 
 def test_demo_command_runs(make_cluster: MakeCluster) -> None:
