@@ -35,13 +35,18 @@ from tests.integration.test_beats import TOKEN, Beats, _info, metric, scrape
 TTL = "2s"
 
 
-def datagrams(port: int) -> dict[str, float]:
+def by_result(port: int, name: str) -> dict[str, float]:
+    """The master's counter ``name``, per value of its ``result`` label."""
     out: dict[str, float] = {}
     for line in scrape(port).splitlines():
-        if line.startswith("kvstore_master_beat_datagrams_total{"):
+        if line.startswith(name + "{"):
             result = line.split('result="', 1)[1].split('"', 1)[0]
             out[result] = float(line.rsplit(" ", 1)[1])
     return out
+
+
+def datagrams(port: int) -> dict[str, float]:
+    return by_result(port, "kvstore_master_beat_datagrams_total")
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> bool:
@@ -243,12 +248,7 @@ def test_garbage_forged_and_replayed_datagrams_are_dropped(master: tuple[str, in
 
 
 def bindings(port: int) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in scrape(port).splitlines():
-        if line.startswith("kvstore_master_beat_bindings_total{"):
-            result = line.split('result="', 1)[1].split('"', 1)[0]
-            out[result] = float(line.rsplit(" ", 1)[1])
-    return out
+    return by_result(port, "kvstore_master_beat_bindings_total")
 
 
 def test_a_starved_host_loses_no_binding() -> None:
