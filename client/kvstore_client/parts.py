@@ -80,6 +80,15 @@ def part_views(
     return blocks, sizes
 
 
+OVERLAP = (
+    "destination buffers overlap: every block (and every part of a block) needs bytes of its own"
+)
+# Up to this many views, overlaps are found by sorting (address, size) pairs in Python:
+# 32 views took 33 us against 55 us with numpy on a 2-core VM; 4,096 took 4.1 ms
+# against 3.3 ms.
+SORT_IN_PYTHON = 256
+
+
 def check_disjoint(views: Sequence[memoryview]) -> None:
     """InvalidArgument when any two of the destination ``views`` (writable byte views:
     every part of every block of one read) share a byte. A read verifies each block
@@ -89,12 +98,16 @@ def check_disjoint(views: Sequence[memoryview]) -> None:
         return
     fb, ad = ctypes.c_char.from_buffer, ctypes.addressof
     live = [v for v in views if v.nbytes]
+    if len(live) <= SORT_IN_PYTHON:  # a few array operations cost more than the loop
+        end = 0
+        for start, k in sorted([(ad(fb(v)), v.nbytes) for v in live]):
+            if start < end:
+                raise InvalidArgument(OVERLAP)
+            end = start + k
+        return
     starts = np.array([ad(fb(v)) for v in live], dtype=np.uint64)
     ends = starts + np.array([v.nbytes for v in live], dtype=np.uint64)
     order = np.argsort(starts, kind="stable")
     starts, ends = starts[order], ends[order]
     if np.any(ends[:-1] > starts[1:]):
-        raise InvalidArgument(
-            "destination buffers overlap: every block (and every part of a block) "
-            "needs bytes of its own"
-        )
+        raise InvalidArgument(OVERLAP)

@@ -288,3 +288,58 @@ def test_reads_a_client_logged_count_after_it_closed() -> None:
         index.drop_client(cid)  # its connection closed before the worker drained
         assert store.stats().hits == before + 3
         assert store.stats().hits == before + 3, "counted once"
+
+
+@pytest.mark.parametrize("size", [SIZE, 200 << 10, MiB])  # one pass, chunked, the pool
+def test_reads_through_the_index_land_exact_bytes_and_refuse_what_does_not_verify(
+    size: int,
+) -> None:
+    """shmlocal.read, small batches on the caller's thread and big ones over the copy
+    pool: hits land byte for byte; a block whose arena bytes no longer match the
+    checksum the worker verified, and a buffer of another size, are misses; a key the
+    index lacks is a sure miss (not left for the socket)."""
+    from kvstore_client.transport import shmlocal
+
+    tier = DramTier(16 * MiB, 1 * MiB)
+    index = SharedIndex(tier.capacity, 0x77, ssd=False)
+    tier.shared = index
+    try:
+        view = IndexView(index.ro_fd, index.size, 0x77)
+        _, fd = index.add_client()
+        arena = np.zeros(tier.capacity, dtype=np.uint8)
+        values = [os.urandom(size) for _ in range(5)]
+        for i, v in enumerate(values):
+            b = tier.reserve(NS, key(i), size, xxhash.xxh3_64_intdigest(v))
+            assert b is not None
+            arena[b.offset : b.offset + size] = np.frombuffer(v, np.uint8)
+            tier.commit(b)
+            if i == 2:  # a stray write after the worker verified it
+                arena[b.offset + size // 2] ^= 0xFF
+        loc = shmlocal.Local(arena, memoryview(arena), view, HazardPage(fd))
+        keys = [key(i) for i in range(6)]  # key 5 was never stored
+        bufs = [memoryview(bytearray(size)) for _ in range(6)]
+        bufs[3] = memoryview(bytearray(size - 1))
+        found = [False] * 6
+        got: list[bytearray | None] = [None] * 6
+        sizes = [b.nbytes for b in bufs]
+
+        def bounce(n: int) -> tuple[np.ndarray, memoryview]:
+            a = np.empty(n, np.uint8)
+            return a, memoryview(a)
+
+        left, total = shmlocal.read(
+            loc, NS.encode(), b"".join(keys), bufs, sizes, found, got, bounce
+        )
+        assert found == [True, True, False, False, True, False]
+        assert left == [] and total == 3 * size
+        for i in (0, 1, 4):
+            assert bytes(bufs[i]) == values[i]
+        found = [False] * 6
+        left, _ = shmlocal.read(loc, NS.encode(), b"".join(keys), None, [], found, got, bounce)
+        assert found == [True, True, False, True, True, False] and left == []
+        assert [bytes(v) if v is not None else None for v in got] == [
+            values[0], values[1], None, values[3], values[4], None
+        ]  # fmt: skip
+    finally:
+        tier.shared = None
+        index.close()

@@ -103,3 +103,41 @@ def test_ucx_part_tables_round_trip_and_limits() -> None:
     too_many = wire.PART_COUNT.pack(wire.MAX_PARTS) * (ucx.MAX_PART_ENTRIES // wire.MAX_PARTS + 1)
     with pytest.raises(ProtocolError):
         ucx.read_part_counts(too_many)
+
+
+@pytest.mark.parametrize("count", [2, 40, 300])  # below and above SORT_IN_PYTHON
+def test_destination_overlaps_are_found_exactly(count: int) -> None:
+    """check_disjoint refuses a read's destinations exactly when two share a byte
+    (random layouts over one buffer, against a byte-by-byte oracle): nested, partial,
+    the same view twice; views that only touch, and empty ones, are fine."""
+    from kvstore_client.errors import InvalidArgument
+    from kvstore_client.parts import check_disjoint
+
+    rng = random.Random(count)
+    buf = memoryview(bytearray(64 * count))
+    for trial in range(60):
+        spans = []
+        for _ in range(count):
+            a = rng.randrange(0, len(buf))
+            spans.append((a, min(len(buf), a + rng.choice([0, 1, 7, 64, 200]))))
+        if trial % 3 == 0:  # tiled: touching, never sharing
+            spans = [(64 * i, 64 * i + 64) for i in range(count)]
+            if trial % 2:
+                j = rng.randrange(count)
+                spans[j] = (spans[j][0] + 63, spans[j][1] + 1 if j + 1 < count else spans[j][1])
+        rng.shuffle(spans)
+        used = bytearray(len(buf))
+        shared = False
+        for a, b in spans:
+            for x in range(a, b):
+                shared = shared or used[x] == 1
+                used[x] = 1
+        views = [buf[a:b] for a, b in spans]
+        if shared:
+            with pytest.raises(InvalidArgument, match="overlap"):
+                check_disjoint(views)
+        else:
+            check_disjoint(views)
+    twice = [buf[0:8], buf[8:16]] * (count // 2 + 1)
+    with pytest.raises(InvalidArgument, match="overlap"):
+        check_disjoint(twice)

@@ -579,7 +579,7 @@ class ShmTransfer(TcpTransfer):
             return self._tcp_put(timeout, ns, hashes, values, flags)
         vs = [v if isinstance(v, list | memoryview) else memoryview(v) for v in values]
         skip = [False] * len(vs)
-        loc = self.arena.usable()
+        loc = self.arena.local  # the worker was alive a moment ago (no second syscall)
         if loc is not None:  # blocks the worker holds: no copy at all
             got = shmlocal.exists(loc, ns, b"".join(hashes), anyway=True)
             if got is not None:

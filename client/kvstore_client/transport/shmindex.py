@@ -131,6 +131,7 @@ class Probe:
     unsure: npt.NDArray[np.bool_]
     words: U64
     pos: npt.NDArray[np.int64]
+    whole: bool = False  # every key found
 
     def stable(self, rows: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """The rows whose entry was read whole (an even seqlock: not mid-write)."""
@@ -140,10 +141,14 @@ class Probe:
 
     def slots(self, rows: npt.NDArray[np.int64]) -> U64:
         """Hazard words, ``(slot + 1) << 32 | gen``, of the entries at ``rows``."""
-        w = self.words[rows]
-        slot = (w[:, W_SIZESLOT] >> np.uint64(32)) + np.uint64(1)
-        out: U64 = (slot << np.uint64(32)) | (w[:, W_SEQGEN] >> np.uint64(32))
-        return out
+        return slot_words(self.words[rows])
+
+
+def slot_words(w: U64) -> U64:
+    """Hazard words, ``(slot + 1) << 32 | gen``, of entries given as rows of words."""
+    slot = (w[:, W_SIZESLOT] >> np.uint64(32)) + np.uint64(1)
+    out: U64 = (slot << np.uint64(32)) | (w[:, W_SEQGEN] >> np.uint64(32))
+    return out
 
 
 class IndexView:
@@ -199,19 +204,24 @@ class IndexView:
         found &= w[:, W_HI] == q[:, 1]
         found &= w[:, W_NS] == tag
         found &= w[:, W_LIVE] == 1
-        if found.all():
+        whole = bool(found.all())
+        if whole:
             unsure = np.zeros(len(b), dtype=bool)
         else:
             unsure = ~found
             if not self.ssd:
                 unsure &= self.overflow[b] > 0
-        return Probe(found, unsure, w, pos)
+        return Probe(found, unsure, w, pos, whole)
 
     def still(self, probe: Probe, rows: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
         """Which of the entries at ``rows`` are unchanged since the probe read them
         (same seq and generation, still live: the same block)."""
-        now = self.words[probe.pos[rows]]
-        then = probe.words[rows]
+        return self.unchanged(probe.pos[rows], probe.words[rows])
+
+    def unchanged(self, pos: npt.NDArray[np.int64], then: U64) -> npt.NDArray[np.bool_]:
+        """Which entries at ``pos`` still hold what ``then`` (their words as a probe
+        read them) held: same seq and generation, still live."""
+        now = np.take(self.words, pos, axis=0)
         same: npt.NDArray[np.bool_] = (now[:, W_SEQGEN] == then[:, W_SEQGEN]) & (
             now[:, W_LIVE] == 1
         )

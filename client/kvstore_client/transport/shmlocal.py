@@ -25,12 +25,25 @@ import numpy.typing as npt
 import xxhash
 
 from .. import verified
-from .shmindex import W_OFF, W_SIZESLOT, W_SUM, HazardPage, IndexView, Probe
+from .shmindex import (
+    W_OFF,
+    W_SEQGEN,
+    W_SIZESLOT,
+    W_SUM,
+    HazardPage,
+    IndexView,
+    Probe,
+    slot_words,
+)
 
-# Parts below this size are copied by memoryview slice assignment (less per-call
-# overhead than numpy); larger ones by numpy.copyto, which ran 3-4x faster than
-# memoryview assignment for 128 KiB-1 MiB copies on the development VM.
-SMALL_PART = 64 << 10
+ONE = np.uint64(1)
+LOW32 = np.uint64(0xFFFFFFFF)
+
+# Parts up to this size are copied by memoryview slice assignment (less per-call
+# overhead than numpy: 32 copies of 64 KiB took 106 us against numpy.copyto's 160-196
+# us on a 2-core VM, and the two ran even at 128 KiB); larger ones by numpy.copyto in
+# cache-sized chunks, each hashed after its copy (kvstore_client.verified).
+SMALL_PART = 128 << 10
 
 Bounce = Callable[[int], tuple[np.ndarray, memoryview]]
 
@@ -90,35 +103,51 @@ class _Pinned:
 def _pin(loc: Local, p: Probe) -> _Pinned | None:
     """Pin what the probe found, within this client's budget: the leading rows that fit
     (a chain's head matters most), the others in ``over``; None when no hazard words
-    are free."""
-    rows = p.stable(np.flatnonzero(p.found))  # entries mid-write: the socket path
+    are free. Each step that drops rows (not found, mid-write, over the budget, changed
+    since the probe) selects only when it drops one: a batch that is all hits costs a
+    handful of array operations."""
+    if p.whole:
+        rows: npt.NDArray[np.int64] = np.arange(len(p.found))
+        w = p.words
+    else:
+        rows = np.flatnonzero(p.found)
+        w = p.words[rows]
     if not len(rows):
         return _Pinned(rows, [], 0, 0)
-    sizes = (p.words[rows, W_SIZESLOT] & np.uint64(0xFFFFFFFF)).astype(np.int64)
-    fit = int(np.searchsorted(np.cumsum(sizes), loc.hazards.room(), side="right"))
-    over = rows[fit:]
-    rows = rows[:fit]
-    if not len(rows):
-        return _Pinned(rows, [], 0, 0, 0, over)
-    nbytes = int(sizes[:fit].sum())
+    odd = (w[:, W_SEQGEN] & ONE).astype(bool)  # entries mid-write: the socket path
+    if odd.any():
+        rows, w = rows[~odd], w[~odd]
+        if not len(rows):
+            return _Pinned(rows, [], 0, 0)
+    sizes = w[:, W_SIZESLOT] & LOW32
+    nbytes = int(sizes.sum())
+    room = loc.hazards.room()
+    over = rows[:0]
+    if nbytes > room:
+        fit = int(np.searchsorted(np.cumsum(sizes), room, side="right"))
+        over, rows, w, sizes = rows[fit:], rows[:fit], w[:fit], sizes[:fit]
+        if not len(rows):
+            return _Pinned(rows, [], 0, 0, 0, over)
+        nbytes = int(sizes.sum())
     start = loc.hazards.take(len(rows), nbytes)
     if start < 0:
         return None  # no hazard words free, or over the budget: the socket path
-    words = p.slots(rows)
+    words = slot_words(w)
     loc.hazards.publish(start, words)
-    still = loc.index.still(p, rows)
-    rows, words = rows[still], words[still]
-    w = p.words[rows]
+    taken = len(rows)
+    still = loc.index.unchanged(p.pos if p.whole and taken == len(p.found) else p.pos[rows], w)
+    if not still.all():
+        rows, w, words, sizes = rows[still], w[still], words[still], sizes[still]
     cols = list(
         zip(
             w[:, W_OFF].tolist(),
-            (w[:, W_SIZESLOT] & np.uint64(0xFFFFFFFF)).tolist(),
+            sizes.tolist(),
             w[:, W_SUM].tolist(),
             words.tolist(),
             strict=True,
         )
     )
-    return _Pinned(rows, cols, start, len(still), nbytes, over)
+    return _Pinned(rows, cols, start, taken, nbytes, over)
 
 
 def _log(loc: Local, pinned: _Pinned, got: Sequence[bool], misses: int) -> None:
@@ -151,38 +180,91 @@ def read(
     try:
         done = np.zeros(len(p.found), dtype=bool)
         done[pinned.rows] = True
-        total = 0
         src, mv = loc.src, loc.mv
         rows = pinned.rows.tolist()
-        jobs = [
-            partial(
-                _read_one,
-                src,
-                mv,
-                off,
-                size,
-                checksum,
-                buffers[i] if buffers is not None else None,
-                sizes[i] if sizes else size,
-                bounce,
-            )
-            for i, (off, size, checksum, _) in zip(rows, pinned.cols, strict=True)
-        ]
-        # Copies spread over the copy pool when the batch is big (kvstore_client.verified).
-        results = verified.run(jobs, sum(c[1] for c in pinned.cols))
-        got: list[bool] = []
-        for i, (ok, value), c in zip(rows, results, pinned.cols, strict=True):
-            if buffers is None:
-                values[i] = value
-            found[i] = ok
-            got.append(ok)
-            total += c[1] if ok else 0
+        nbytes = sum(c[1] for c in pinned.cols)
+        if buffers is not None and nbytes < verified.PARALLEL_MIN:
+            got = _read_small(src, mv, rows, pinned.cols, buffers, sizes, found, bounce)
+            total = sum(c[1] for c, ok in zip(pinned.cols, got, strict=True) if ok)
+        else:
+            got, total = _read_jobs(src, mv, rows, pinned.cols, buffers, sizes, found, values,
+                                    bounce, nbytes)  # fmt: skip
     finally:
         pinned.give(loc.hazards)
     sure_miss = ~p.found & ~p.unsure
     _log(loc, pinned, got, int(sure_miss.sum()))
     left = np.flatnonzero(~done & ~sure_miss)
     return left.tolist(), total
+
+
+def _read_jobs(
+    src: np.ndarray,
+    mv: memoryview,
+    rows: list[int],
+    cols: list[tuple[int, int, int, int]],
+    buffers: Sequence[memoryview | list[memoryview]] | None,
+    sizes: Sequence[int],
+    found: list[bool],
+    values: list[bytearray | None],
+    bounce: Bounce,
+    nbytes: int,
+) -> tuple[list[bool], int]:
+    """A batch as one job per block, spread over the copy pool when it is big
+    (kvstore_client.verified); per row a hit, and the payload bytes read."""
+    jobs = [
+        partial(
+            _read_one,
+            src,
+            mv,
+            off,
+            size,
+            checksum,
+            buffers[i] if buffers is not None else None,
+            sizes[i] if sizes else size,
+            bounce,
+        )
+        for i, (off, size, checksum, _) in zip(rows, cols, strict=True)
+    ]
+    got: list[bool] = []
+    total = 0
+    for i, (ok, value), c in zip(rows, verified.run(jobs, nbytes), cols, strict=True):
+        if buffers is None:
+            values[i] = value
+        found[i] = ok
+        got.append(ok)
+        total += c[1] if ok else 0
+    return got, total
+
+
+def _read_small(
+    src: np.ndarray,
+    mv: memoryview,
+    rows: list[int],
+    cols: list[tuple[int, int, int, int]],
+    buffers: Sequence[memoryview | list[memoryview]],
+    sizes: Sequence[int],
+    found: list[bool],
+    bounce: Bounce,
+) -> list[bool]:
+    """A batch too small for the copy pool, into the caller's buffers on this thread:
+    a small block into a flat buffer of its size in one slice assignment, then hashed
+    there (what :func:`copy_block` does, without its calls: at 64 KiB those cost as
+    much as the copy); anything else through :func:`copy_block`. Per row, a hit."""
+    digest = xxhash.xxh3_64_intdigest
+    limit = len(src)
+    got: list[bool] = []
+    for i, (off, size, checksum, _) in zip(rows, cols, strict=True):
+        out = buffers[i]
+        if off + size > limit:
+            ok = False
+        elif type(out) is memoryview and size <= SMALL_PART and out.nbytes == size:
+            out[:] = mv[off : off + size]
+            ok = digest(out) == checksum
+        else:
+            ok = copy_block(src, mv, off, size, checksum, out, sizes[i], bounce)
+        found[i] = ok
+        got.append(ok)
+    return got
 
 
 def _read_one(
@@ -243,7 +325,7 @@ def copy_block(
         return True
     if out.nbytes != size:
         return False
-    if size < SMALL_PART:
+    if size <= SMALL_PART:
         out[:] = mv[off : off + size]
         return digest(out) == checksum
     # Copied and hashed chunk by chunk, the hash over the caller's buffer (what it gets).
