@@ -36,6 +36,12 @@ could have heard, not for beats it did not get to read:
   keeps its lateness from expiring anyone. The pace halves again after a TTL
   without cause, and the longer TTL stays one more TTL, until every worker heard of
   the shorter interval.
+- *A first beat is due later.* A worker beats only once it has read its Register
+  answer, which the master cannot see arrive: on a busy host (`kvstore bench scale
+  --background-load 8`) the answers reached the workers 7-13 s after the master read
+  the Register (the worst of 1,000). Until its first beat after a registration a
+  member has REGISTER_GRACE_TTLS more TTLs of silence, so only the hard limit below
+  (4 TTLs of wall time) drops a registration that never beat.
 - A worker silent for MAX_SILENCE_TTLS TTLs of wall time is expired whatever the
   deaf time, the storm or a new leader's grace, so a master that is behind for ever
   still drops the dead.
@@ -94,6 +100,7 @@ STORM_MIN = 3
 STORM_ONSET_TTLS = 0.5  # quiet this long (beats come every TTL/4): counted in a storm
 HOLD_TTLS = 2.0  # held members expire after this many more TTLs of silence
 MAX_SILENCE_TTLS = 4.0  # ... and anyone after this many TTLs of wall-clock silence
+REGISTER_GRACE_TTLS = 3.0  # more silence allowed a registration until its first beat
 SHED_DEAF_TTLS = 0.25  # deaf for more than this within a TTL ...
 SHED_BUSY = 0.5  # ... while using more than this of a core: ask workers to slow down
 MAX_PACE = 4.0  # the longest interval asked is MAX_PACE x the base interval
@@ -162,6 +169,7 @@ class Member:
     draining: bool = False
     instance: str = ""  # "" only for state persisted by an older master: bound on next contact
     seen: float = float("nan")  # wall time of the last contact (nan: as ``heard``)
+    grace: float = 0.0  # more silence allowed until the first beat after registering
 
     def __post_init__(self) -> None:
         if self.seen != self.seen:
@@ -177,6 +185,8 @@ class Tick:
     deaf: float  # seconds of this tick's lateness counted as deaf time
     pace: float  # the interval multiplier the workers are asked for now
     overloaded: bool  # deaf within the last TTL, holding members, or asking for backoff
+    # per expired member, why: its silence on the listening clock and in wall time
+    why: list[str] = field(default_factory=list)
 
 
 class Membership:
@@ -262,7 +272,7 @@ class Membership:
         if m is None:
             return None
         if m.instance and m.instance != instance:
-            if self.listening(now) - m.heard > self.ttl_now:
+            if self.listening(now) - m.heard > self.ttl_now + m.grace:
                 del self.members[worker_id]
                 self.version += 1
                 return None
@@ -277,6 +287,7 @@ class Membership:
     def _heard(self, m: Member, now: float) -> None:
         m.heard = self.listening(now)
         m.seen = now
+        m.grace = 0.0
         self.beats += 1
 
     def bind(self, worker_id: str, instance: str, now: float) -> Member | None:
@@ -302,10 +313,13 @@ class Membership:
         old = self._find(info.id, instance, now)
         if old is None and len(self.members) >= self.max_workers:
             raise ResourceExhausted(f"the cluster already has {self.max_workers} workers")
+        grace = REGISTER_GRACE_TTLS * self.ttl  # its beats start after it reads the answer
         if old is not None and old.info == info and not old.draining:
-            old.heard, old.seen = self.listening(now), now
+            old.heard, old.seen, old.grace = self.listening(now), now, grace
             return False
-        self.members[info.id] = Member(info, self.listening(now), instance=instance, seen=now)
+        self.members[info.id] = Member(
+            info, self.listening(now), instance=instance, seen=now, grace=grace
+        )
         self.version += 1
         return True
 
@@ -330,6 +344,7 @@ class Membership:
                 continue
             m.heard = listen
             m.seen = now
+            m.grace = 0.0
             n += 1
         self.beats += n
         return stale
@@ -427,28 +442,38 @@ class Membership:
         silent = [
             (wid, m)
             for wid, m in self.members.items()
-            if listen - m.heard > ttl or wall - m.seen > hard
+            if listen - m.heard > ttl + m.grace or wall - m.seen > hard
         ]
         # A storm is counted over the members quiet for half a TTL, not only those past
         # it: members that fall silent a moment apart are one storm from its first.
-        quiet = sum(listen - m.heard > STORM_ONSET_TTLS * ttl for m in self.members.values())
+        quiet = sum(
+            listen - m.heard > STORM_ONSET_TTLS * ttl + m.grace for m in self.members.values()
+        )
         storm = quiet >= self.storm_min and quiet > self.storm_fraction * len(self.members)
         hold = (1 + HOLD_TTLS) * ttl
         expired: list[str] = []
+        why: list[str] = []
         for wid, m in silent:
             if wall - m.seen > hard:
-                expired.append(wid)  # whatever the deaf time, the storm or the grace
-            elif listen < self._grace_until or (storm and listen - m.heard <= hold):
+                rule = f"more than {MAX_SILENCE_TTLS:g} TTLs of wall time"
+            elif listen < self._grace_until or (storm and listen - m.heard <= hold + m.grace):
                 continue
             else:
-                expired.append(wid)
+                rule = "held through a storm" if storm else "past the TTL"
+            if m.grace:
+                rule += ", no beat since it registered"
+            expired.append(wid)  # the hard limit: whatever the deaf time, storm or grace
+            why.append(
+                f"{wid} (silent {listen - m.heard:.1f}s listening, {wall - m.seen:.1f}s wall: "
+                f"{rule})"
+            )
         for wid in expired:
             del self.members[wid]
         if expired:
             self.version += 1
         self.held = len(silent) - len(expired)
         overloaded = bool(self._deaf_log) or self.held > 0 or self.pace > 1
-        return Tick(expired, self.held, excess, self.pace, overloaded)
+        return Tick(expired, self.held, excess, self.pace, overloaded, why)
 
     def _set_pace(self, now: float) -> None:
         """Double the pace while the master is behind because of its own work (see

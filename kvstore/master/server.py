@@ -627,7 +627,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             self._report(t, now - due, now)
             if t.expired:
                 metrics.WORKERS_EXPIRED.inc(len(t.expired))
-                log.warning("workers missed heartbeats, removed: %s", ", ".join(t.expired))
+                why = ", ".join(t.why)  # each: its silence on both clocks, and the rule
+                log.warning("workers missed heartbeats (TTL %gs), removed: %s", self.m.ttl_now, why)
             if self.m.version != self.published.version:
                 try:
                     await self._bump()

@@ -56,19 +56,26 @@ def _check(r: dict[str, Any], workers: int) -> None:
     assert 0 < r["master_cpu_per_s"] < 2
     assert r["heartbeats_per_s"] > workers / 2
     assert r["heartbeats_served_ratio"] > 0.9, "the master counted the beats it applied"
+    # where a registration's time goes: the master's own, and as the workers saw it
+    assert r["master_register_s"]["calls"] >= workers
+    assert 0 < r["master_register_s"]["mean_s"] < 30
+    for k in ("register_answer_s", "register_to_first_beat_s"):
+        assert r["sim"][k]["n"] == workers and 0 < r["sim"][k]["p50"] <= r["sim"][k]["max"]
 
 
 def test_bench_scale_tiny(tmp_path: Path) -> None:
     ha = shutil.which("etcd") is not None
     runs = _scale(
         tmp_path,
-        *("--workers", "50", "--background-load", "1"),
+        *("--workers", "50", "--background-load", "1", "--log-dir", str(tmp_path / "logs")),
         *(("--ha", "--etcd-leases") if ha else ("--no-ha",)),
     )
     assert set(runs) == ({"single", "ha", "etcd-leases"} if ha else {"single"})
     for mode in ("single", "ha") if ha else ("single",):
         _check(runs[mode], 50)
         assert runs[mode]["load_average"][0] > 0
+        kept = Path(runs[mode]["logs_kept"])
+        assert kept == tmp_path / "logs" / mode and (kept / "master0.log").stat().st_size > 0
     if ha:
         assert runs["ha"]["etcd_total"]["etcd_mvcc_txn_total"] > 0
         lease = runs["etcd-leases"]

@@ -79,6 +79,43 @@ def test_a_silent_worker_expires_after_the_ttl_and_the_rest_stay() -> None:
     assert m.beat_all(ws, 5.0) == [0], "its old binding is stale: it must register again"
 
 
+def test_a_registration_is_not_expired_before_its_first_beat_can_arrive() -> None:
+    """Found by the scale bench on a busy host: workers expired during the
+    registrations, deaf time 0. A worker beats only once it has read its Register
+    answer, and those answers reached the simulated workers up to 7-13 s after the
+    master had started their TTL. Now a registration that has not beaten yet is
+    dropped only by the hard limit (4 TTLs); once heard, the plain TTL applies."""
+    m = Membership(TTL)
+    for i in range(40):
+        assert m.register(info(i), TOKEN, 0.0)
+    early = [m.bind(info(i).id, TOKEN, 0.5) for i in range(36)]
+    assert all(early)
+    beating = [b for b in early if b is not None]
+    assert run(m, beating, 0.0, 12.4) == [], "no first beat yet is not past the TTL"
+    late = [m.bind(info(i).id, TOKEN, 12.5) for i in (36, 37)]  # answers that took long
+    assert all(late), "a first beat within 4 TTLs keeps the registration"
+    gone = run(m, beating + [b for b in late if b is not None], 12.4, 16.5)
+    assert gone == ["w038", "w039"], "never beat: gone at the hard limit"
+    assert run(m, beating, 16.5, 20.0) == [], "silent since 16.4"
+    assert run(m, beating, 20.0, 21.0) == ["w036", "w037"], "once heard, the plain TTL"
+
+
+def test_a_tick_says_why_each_member_expired() -> None:
+    """The master logs each removal with its silence on both clocks and the rule
+    that removed it, so an SRE (or a bench) can tell a dead worker from a lagging
+    master."""
+    m, ws = cluster(20)
+    run(m, ws[1:], 0.0, 3.9)
+    t = m.tick(4.3)
+    assert t.expired == ["w000"] and len(t.why) == 1
+    assert t.why[0].startswith("w000 (silent 4.3s listening, 4.3s wall: past the TTL")
+    m, ws = cluster(20)
+    assert m.tick(16.5, late=16.4).expired == []  # deaf all along: not judged on that
+    t = m.tick(16.9)  # heard nothing since: only the wall-clock limit applies
+    assert len(t.expired) == 20
+    assert all("0.6s listening, 16.9s wall: more than 4 TTLs of wall time" in w for w in t.why)
+
+
 def test_time_the_master_was_behind_is_nobodys_silence() -> None:
     """The master's loop stalls for 10 s (a CPU-starved host): every beat sent
     meanwhile is still unread. The tick after the stall is 10 s late; nobody expires,

@@ -26,10 +26,13 @@ def test_join_heartbeat_expire() -> None:
     assert not m.register(info("a"), A, now=1), "re-registering the same info changes nothing"
     assert m.version == v0 + 2
     assert m.heartbeat("a", A, master_pb2.WorkerStats(keys=5), now=9)
-    assert m.expire(now=10.5) == ["b"]
+    assert m.expire(now=10.5) == [], "b has not beaten yet: only the hard limit drops it"
+    for t in (19, 29, 39):
+        assert m.heartbeat("a", A, master_pb2.WorkerStats(keys=5), now=t)
+    assert m.expire(now=40.5) == ["b"]
     assert [w.id for w in m.shard_map().workers] == ["a"]
     assert m.version == v0 + 3
-    assert not m.heartbeat("b", B, master_pb2.WorkerStats(), now=11), "expired: must re-register"
+    assert not m.heartbeat("b", B, master_pb2.WorkerStats(), now=41), "expired: must re-register"
 
 
 def test_draining_worker_leaves_the_map_but_stays_known() -> None:
@@ -82,6 +85,7 @@ def test_wrong_token_heartbeat_and_leave_change_nothing() -> None:
 def test_an_expired_id_may_be_registered_by_a_new_instance() -> None:
     m = Membership(ttl=10)
     m.register(info("a"), A, now=0)
+    assert m.heartbeat("a", A, master_pb2.WorkerStats(), now=0)  # beating: the plain TTL
     with pytest.raises(IdConflict):
         m.register(info("a"), B, now=10)  # exactly at the TTL: still live
     # past the TTL, before the expiry sweep ran: the new instance takes the id

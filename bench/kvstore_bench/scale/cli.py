@@ -283,10 +283,17 @@ def _plots(runs: list[dict[str, Any]], ring: dict[str, Any], out: Path, st: str)
     help="Also write the JSON here.",
 )
 @click.option("--no-plots", is_flag=True)
+@click.option(
+    "--log-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Keep the masters' logs (and etcd's) here, one folder per mode (single, ha).",
+)
 def scale_cmd(
     workers: int, watchers: int, heartbeat_s: float, steady_s: float, changes: int, ha: bool,
     ring_keys: int, protocol: str, per_connection: int, full_maps: bool, background_load: int,
     etcd_leases: bool, quick: bool, out: Path, json_path: Path | None, no_plots: bool,
+    log_dir: Path | None,
 ) -> None:  # fmt: skip
     """The control plane at scale: a real master, simulated workers and watchers."""
     if workers < 2 or watchers < 1 or heartbeat_s <= 0 or steady_s <= 0 or changes < 1:
@@ -301,6 +308,7 @@ def scale_cmd(
         workers, watchers, heartbeat_s, steady_s, changes, ring_keys=ring_keys, ha=ha,
         protocol=protocol, per_connection=per_connection, deltas=not full_maps,
         background_load=background_load, etcd_leases=etcd_leases,
+        log_dir=str(log_dir.resolve()) if log_dir is not None else None,
     )  # fmt: skip
     console = make_console()
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn

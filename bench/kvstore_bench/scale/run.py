@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import os
 import random
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -41,6 +42,7 @@ from typing import Any
 
 import click
 import grpc
+import numpy as np
 
 from kvstore.cluster import Daemon, Etcd, StartError, free_port, spawn, start_etcd
 from kvstore_client.proto import master_pb2, master_pb2_grpc
@@ -86,6 +88,7 @@ class ScaleConfig:
     deltas: bool = True  # watchers ask for map deltas (False: full maps, older clients)
     etcd_leases: bool = False  # also measure worker leases in etcd (see .leases)
     background_load: int = 0  # busy processes beside the run (see .load)
+    log_dir: str | None = None  # keep the masters' (and etcd's) logs here, per mode
 
 
 def cpu_seconds(pid: int) -> float:
@@ -218,7 +221,9 @@ async def _served(urls: tuple[str, ...]) -> float:
 
 # The leader's counters recorded over the run (datagram results, binding results, deaf
 # time, expiries, heartbeats), by the prefix of their samples
+REQUEST_DURATION = "kvstore_request_duration_seconds"
 MASTER_COUNTERS = (
+    REQUEST_DURATION,
     "kvstore_master_beat_datagrams_total",
     "kvstore_master_beat_bindings_total",
     "kvstore_master_deaf_seconds_total",
@@ -236,6 +241,27 @@ async def _counters(url: str | None) -> dict[str, float]:
     except OSError:
         return {}
     return {k: v for k, v in s.items() if k.startswith(MASTER_COUNTERS)}
+
+
+def _register_time(delta: dict[str, float]) -> dict[str, float]:
+    """The master's time serving Register (request in to answer out, the commit
+    included) over a run, from its histogram's delta: calls, mean, and the bucket
+    bounds that hold half and 99% of them."""
+    op = 'op="register"'
+    count = next((v for k, v in delta.items() if k.startswith(f"{REQUEST_DURATION}_count")
+                  and op in k), 0.0)  # fmt: skip
+    total = next((v for k, v in delta.items() if k.startswith(f"{REQUEST_DURATION}_sum")
+                  and op in k), 0.0)  # fmt: skip
+    buckets = []
+    for k, v in delta.items():
+        if k.startswith(f"{REQUEST_DURATION}_bucket") and op in k:
+            le = k.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float(le), v))
+    buckets.sort()
+    out = {"calls": count, "mean_s": total / count if count else 0.0}
+    for name, q in (("p50_le_s", 0.5), ("p99_le_s", 0.99)):
+        out[name] = next((le for le, c in buckets if count and c >= q * count), float("nan"))
+    return out
 
 
 def _delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
@@ -460,7 +486,11 @@ async def _run_mode(
         # what went on with the beats (docs/SCALE.md, "Datagram beats"): the leader's
         # counters over the run, the kernel's UDP counters, what the simulated workers
         # were told and how late they sent, by 5 s from the start of the registrations
-        res["master_counters"] = _delta(k0, await _counters(lead_url))
+        counters = _delta(k0, await _counters(lead_url))
+        res["master_register_s"] = _register_time(counters)  # the leader's own Register time
+        res["master_counters"] = {
+            k: v for k, v in counters.items() if not k.startswith(REQUEST_DURATION)
+        }
         udp1 = udp_kernel(udp.ports if udp is not None else set())
         res["udp_kernel"] = {
             k: v - udp0.get(k, 0) if k != "socket_drops" else v for k, v in udp1.items()
@@ -476,6 +506,7 @@ async def _run_mode(
                 out[k] = out.get(k, 0) + 1
             return out
 
+        ttl_s = 4 * cfg.heartbeat_s
         res["sim"] = {
             "lost": len(blog.lost_at),
             "lost_by_5s": per5(blog.lost_at),
@@ -486,6 +517,15 @@ async def _run_mode(
             "gap_max_s": max((g for _, g in blog.gaps), default=0.0),
             "send_late_max_s": blog.late_max,
             "send_late_over_1s": blog.late_over_1s,
+            # per worker's first registration: Register out -> answer in, answer ->
+            # its first beat out (the master's TTL runs from its reading the Register)
+            "register_answer_s": _spread([w.answered_at - w.asked_at for w in sims], ttl_s),
+            "answer_to_first_beat_s": _spread(
+                [w.first_beat_at - w.answered_at for w in sims], ttl_s
+            ),
+            "register_to_first_beat_s": _spread(
+                [w.first_beat_at - w.asked_at for w in sims], ttl_s
+            ),
         }
 
     s_end = sampler.sample()
@@ -519,6 +559,24 @@ def _log_tails(workdir: Path, lines: int = 20) -> dict[str, list[str]]:
     return out
 
 
+def _spread(xs: list[float], ttl: float) -> dict[str, float]:
+    """p50, p99, max and how many passed ``ttl`` of the finite ``xs``."""
+    v = np.array([x for x in xs if x == x], dtype=float)
+    if not len(v):
+        return {"n": 0}
+    p50, p99 = np.percentile(v, [50, 99])
+    return {"n": len(v), "p50": float(p50), "p99": float(p99), "max": float(v.max()),
+            "over_ttl": int((v > ttl).sum())}  # fmt: skip
+
+
+def _keep_logs(workdir: Path, dest: Path) -> str:
+    """Copy the logs of a mode's run (the masters', etcd's) to ``dest``; its path."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for p in sorted(workdir.glob("*.log")):
+        shutil.copyfile(p, dest / p.name)
+    return str(dest)
+
+
 def run_scale(cfg: ScaleConfig, *, modes: tuple[str, ...], say: Any) -> list[dict[str, Any]]:
     """Run the control-plane scenario once per mode ("single", "ha"), then with
     ``cfg.etcd_leases`` the lease design (:mod:`.leases`), with
@@ -534,6 +592,8 @@ def run_scale(cfg: ScaleConfig, *, modes: tuple[str, ...], say: Any) -> list[dic
                 except StartError as e:  # on a loaded host: say so, go on with the next mode
                     res = {"mode": mode, "error": str(e), "logs": _log_tails(Path(tmp))}
                 res["load_average"] = os.getloadavg()
+                if cfg.log_dir is not None:
+                    res["logs_kept"] = _keep_logs(Path(tmp), Path(cfg.log_dir) / mode)
                 out.append(res)
         if cfg.etcd_leases:
             res = run_leases(

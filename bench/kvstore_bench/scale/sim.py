@@ -53,6 +53,18 @@ class SimWorker:
     paused: bool = False
     heartbeats: int = 0
     registers: int = 0
+    # the first registration: when its Register went out, when the answer came, when
+    # the worker's first beat (or bind) after it was sent (monotonic; nan: not yet)
+    asked_at: float = float("nan")
+    answered_at: float = float("nan")
+    first_beat_at: float = float("nan")
+
+    def beat_sent(self, now: float) -> None:
+        """A beat (or a bind) of this worker went out at ``now``."""
+        self.heartbeats += 1
+        if self.first_beat_at != self.first_beat_at and self.registers:  # nan: the first
+            self.first_beat_at = now
+
     # Each worker process binds its registration to a random instance token.
     instance: str = field(default_factory=lambda: secrets.token_hex(16))
 
@@ -82,12 +94,17 @@ async def worker_rpc(w: SimWorker, *, register: bool) -> int:
             ),
             timeout=CALL_TIMEOUT,
         )
-        w.heartbeats += 1
+        w.beat_sent(time.monotonic())
         if hb.known:
             return int(hb.map_version)
+    first = not w.registers
+    if first:
+        w.asked_at = time.monotonic()
     reg = await w.stub.Register(
         master_pb2.RegisterRequest(worker=w.info, instance=w.instance), timeout=CALL_TIMEOUT
     )
+    if first:
+        w.answered_at = time.monotonic()
     w.registers += 1
     return int(reg.map_version)
 
@@ -118,7 +135,7 @@ async def worker_loop(w: SimWorker, interval: float, unary: bool = False) -> Non
                             worker_id=w.info.id, stats=master_pb2.WorkerStats(), instance=w.instance
                         )
                     )
-                    w.heartbeats += 1
+                    w.beat_sent(time.monotonic())
                 nxt += interval
                 await asyncio.wait([reader], timeout=max(0.0, nxt - time.monotonic()))
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
@@ -195,7 +212,7 @@ class _BeatStream:
                     slot=i, worker_id=w.info.id, instance=w.instance, datagrams=self.udp is not None
                 )
                 self.bound.add(i)
-            w.heartbeats += 1
+            w.beat_sent(now)
         return b
 
     def _drop_grant(self, i: int) -> None:
