@@ -167,6 +167,8 @@ def test_a_forgotten_slot_registers_and_binds_again_on_the_same_stream(master: M
 def test_another_instance_is_refused_for_its_slot_only(master: Master) -> None:
     master.register(0)
     master.register(1)
+    # w00 beats once (a registration that never beat has until the 4-TTL hard limit)
+    master.stub.Heartbeat(master_pb2.HeartbeatRequest(worker_id="w00", instance=TOKEN), timeout=5)
     s = Beats(master.stub)
     b = master_pb2.BeatBatch()
     b.bind.add(slot=0, worker_id="w00", instance=OTHER)
