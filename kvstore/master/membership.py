@@ -38,8 +38,8 @@ could have heard, not for beats it did not get to read:
   the shorter interval.
 - *A first beat is due later.* A worker beats only once it has read its Register
   answer, which the master cannot see arrive: on a busy host (`kvstore bench scale
-  --background-load 8`) the answers reached the workers 7-13 s after the master read
-  the Register (the worst of 1,000). Until its first beat after a registration a
+  --background-load 8`) the answers reached the workers up to 4-13 s after the master
+  read the Register (the worst of 1,000). Until its first beat after a registration a
   member has REGISTER_GRACE_TTLS more TTLs of silence, so only the hard limit below
   (4 TTLs of wall time) drops a registration that never beat.
 - A worker silent for MAX_SILENCE_TTLS TTLs of wall time is expired whatever the

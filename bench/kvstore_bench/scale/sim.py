@@ -58,15 +58,14 @@ class SimWorker:
     asked_at: float = float("nan")
     answered_at: float = float("nan")
     first_beat_at: float = float("nan")
+    # Each worker process binds its registration to a random instance token.
+    instance: str = field(default_factory=lambda: secrets.token_hex(16))
 
     def beat_sent(self, now: float) -> None:
         """A beat (or a bind) of this worker went out at ``now``."""
         self.heartbeats += 1
         if self.first_beat_at != self.first_beat_at and self.registers:  # nan: the first
             self.first_beat_at = now
-
-    # Each worker process binds its registration to a random instance token.
-    instance: str = field(default_factory=lambda: secrets.token_hex(16))
 
 
 def sim_info(i: int, tag: str = "sim") -> master_pb2.WorkerInfo:

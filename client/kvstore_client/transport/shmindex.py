@@ -133,12 +133,6 @@ class Probe:
     pos: npt.NDArray[np.int64]
     whole: bool = False  # every key found
 
-    def stable(self, rows: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        """The rows whose entry was read whole (an even seqlock: not mid-write)."""
-        even = (self.words[rows, W_SEQGEN] & np.uint64(1)) == 0
-        out: npt.NDArray[np.int64] = rows[even]
-        return out
-
     def slots(self, rows: npt.NDArray[np.int64]) -> U64:
         """Hazard words, ``(slot + 1) << 32 | gen``, of the entries at ``rows``."""
         return slot_words(self.words[rows])
@@ -198,7 +192,7 @@ class IndexView:
         pos = b * WAYS + way
         w = np.take(self.words, pos, axis=0)  # and the one entry it points at
         # The entry must be the key's (the rest of the key, the namespace) and live.
-        # Its seqlock is checked where it matters, when a read pins it (Probe.stable):
+        # Its seqlock is checked where it matters, when a read pins it (shmlocal._pin):
         # a lookup racing a change may go either way, as it would over the socket.
         found = w[:, W_LX] == lx  # the matched way (argmax of no match: way 0, checked)
         found &= w[:, W_HI] == q[:, 1]
