@@ -122,6 +122,7 @@ def test_a_master_that_is_behind_expires_nobody() -> None:
     async def main() -> tuple[set[str], set[str]]:
         s = MasterServicer(Membership(0.3))  # a hard limit of 3 TTLs: 0.9 s
         s.m.register(_info(1), "t" * 32, time.monotonic())
+        s.m.bind("w1", "t" * 32, time.monotonic())  # it beats: the plain TTL from here
         s.start_expiry()
         await asyncio.sleep(0.03)
         time.sleep(0.5)  # the loop is stuck: no heartbeat could be read meanwhile
