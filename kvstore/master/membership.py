@@ -454,7 +454,7 @@ class Membership:
         expired: list[str] = []
         why: list[str] = []
         for wid, m in silent:
-            if wall - m.seen > hard:
+            if wall - m.seen > hard:  # whatever the deaf time, the storm or the grace
                 rule = f"more than {MAX_SILENCE_TTLS:g} TTLs of wall time"
             elif listen < self._grace_until or (storm and listen - m.heard <= hold + m.grace):
                 continue
@@ -462,7 +462,7 @@ class Membership:
                 rule = "held through a storm" if storm else "past the TTL"
             if m.grace:
                 rule += ", no beat since it registered"
-            expired.append(wid)  # the hard limit: whatever the deaf time, storm or grace
+            expired.append(wid)
             why.append(
                 f"{wid} (silent {listen - m.heard:.1f}s listening, {wall - m.seen:.1f}s wall: "
                 f"{rule})"
